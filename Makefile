@@ -1,0 +1,48 @@
+# rmq_async developer commands. Every target installs what it needs into .venv by itself.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-unit test-broker lint demo broker-up broker-down broker-status bench bench-quick clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev,spark,bench]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+	$(PY) -m rmq_async.devbroker fetch
+
+test: setup
+	$(PY) -m pytest -ra -p no:cacheprovider $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -ra -p no:cacheprovider -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check rmq_async tests benchmarks examples
+	$(PY) -m mypy
+
+demo: setup
+	$(PY) examples/demo.py
+
+broker-up: setup
+	$(PY) -m rmq_async.devbroker up
+
+broker-down: $(STAMP)
+	$(PY) -m rmq_async.devbroker down
+
+broker-status: $(STAMP)
+	$(PY) -m rmq_async.devbroker status
+
+bench: setup
+	$(PY) benchmarks/run.py
+
+bench-quick: setup
+	$(PY) benchmarks/run.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,22 @@
+"""Remoting layer: asyncio connections that carry RemotingCommand frames."""
+
+from rmq_async.remoting.client import RemotingClient
+from rmq_async.remoting.connection import Connection, RequestHandler, RpcHook, split_addr
+from rmq_async.remoting.errors import (
+    ConnectionClosed,
+    RemotingConnectError,
+    RemotingError,
+    RemotingTimeout,
+)
+
+__all__ = [
+    "Connection",
+    "ConnectionClosed",
+    "RemotingClient",
+    "RemotingConnectError",
+    "RemotingError",
+    "RemotingTimeout",
+    "RequestHandler",
+    "RpcHook",
+    "split_addr",
+]
