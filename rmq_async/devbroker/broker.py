@@ -1,0 +1,512 @@
+"""A real Apache RocketMQ NameServer + Broker on loopback ports, for tests, demos and benchmarks.
+
+``LocalRocketMQ`` runs the two JVMs from the Maven Central jars (see :mod:`.maven`) in a run
+folder of their own: configuration files, logs (``-Duser.home=<run>``), the message store and
+the pid record all live there, and the folder is removed on exit when this object created it.
+
+Nothing in here keeps asyncio objects across calls: the instance can be started in one event
+loop and used from others (pytest-asyncio gives every test a fresh loop).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from . import config as cfg
+from .errors import DevBrokerError
+from .maven import DEFAULT_VERSION, ensure_jars, find_tool
+from .procs import RunRecord, pid_start_ticks, reap_stale_runs, registry_dir, spawn, stop_process
+
+__all__ = ["AclAccount", "LocalRocketMQ"]
+
+log = structlog.get_logger(__name__)
+
+_TOPIC_RE = re.compile(r"^[%|a-zA-Z0-9_-]{1,127}$")
+NAMESRV_READY = "The Name Server boot success"
+BROKER_READY = "boot success"
+BROKER_REGISTERED = "Registering current broker to name server completed"
+
+
+@dataclass(frozen=True)
+class AclAccount:
+    """An account the broker accepts when authentication is enabled."""
+
+    access_key: str
+    secret_key: str
+    admin: bool = True
+
+
+def runs_dir() -> Path:
+    """Parent of the run folders this module creates."""
+    path = registry_dir().parent / "runs"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+_BARE_INT_KEY = re.compile(r"-?\d+\s*:")
+
+
+def parse_lenient_json(text: str) -> Any:
+    """Parse the JSON the RocketMQ tools print (fastjson writes integer map keys unquoted)."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    expect_key = False
+    while i < n:
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i:j + 1])
+            i = j + 1
+            expect_key = False
+            continue
+        if c in "{,":
+            expect_key = True
+            out.append(c)
+        elif expect_key and not c.isspace():
+            m = _BARE_INT_KEY.match(text, i)
+            if m:
+                key = m.group().rstrip(": \t\r\n")
+                out.append(f'"{key}":')
+                i = m.end()
+                expect_key = False
+                continue
+            expect_key = False
+            out.append(c)
+        else:
+            out.append(c)
+        i += 1
+    return json.loads("".join(out))
+
+
+def _tail(path: Path, n: int) -> list[str]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 256 * 1024))
+            data = fh.read()
+    except OSError:
+        return []
+    return data.decode(errors="replace").splitlines()[-n:]
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class LocalRocketMQ:
+    """A NameServer and one master Broker on 127.0.0.1, started from the real Apache jars.
+
+    ``async with LocalRocketMQ() as rmq:`` fetches the jars if needed, picks free ports,
+    starts both JVMs and returns once the broker is registered in the name server.
+    :meth:`stop` / :meth:`start` stop and restart the *broker only*, on the same port and
+    store; :meth:`kill_broker` SIGKILLs it.
+    """
+
+    def __init__(
+        self,
+        version: str = DEFAULT_VERSION,
+        *,
+        broker_config: Mapping[str, str] | None = None,
+        acl: AclAccount | None = None,
+        workdir: Path | str | None = None,
+        heap: str = "512m",
+        namesrv_heap: str = "256m",
+        cache_dir: Path | str | None = None,
+        ready_timeout: float = 90.0,
+        detached: bool = False,
+    ) -> None:
+        overrides = dict(broker_config or {})
+        self.version = version
+        self.acl = acl
+        self.heap = heap
+        self.namesrv_heap = namesrv_heap
+        self.cache_dir = cache_dir
+        self.ready_timeout = ready_timeout
+        self.detached = detached
+        self.cluster = overrides.get("brokerClusterName", cfg.BROKER_DEFAULTS["brokerClusterName"])
+        self.broker_name = overrides.get("brokerName", cfg.BROKER_DEFAULTS["brokerName"])
+        self._overrides = overrides
+        self._given_workdir = Path(workdir).resolve() if workdir is not None else None
+        self._workdir: Path | None = None
+        self._lib_dir: Path | None = None
+        self._java: Path | None = None
+        self._namesrv_port = 0
+        self._broker_port = 0
+        self._namesrv: subprocess.Popen[bytes] | None = None
+        self._broker: subprocess.Popen[bytes] | None = None
+        self._record: RunRecord | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+
+    def _require(self) -> Path:
+        if self._workdir is None:
+            raise DevBrokerError("LocalRocketMQ is not started")
+        return self._workdir
+
+    @property
+    def workdir(self) -> Path:
+        return self._require()
+
+    @property
+    def lib_dir(self) -> Path:
+        self._require()
+        assert self._lib_dir is not None
+        return self._lib_dir
+
+    @property
+    def java(self) -> Path:
+        self._require()
+        assert self._java is not None
+        return self._java
+
+    @property
+    def namesrv_addr(self) -> str:
+        self._require()
+        return f"127.0.0.1:{self._namesrv_port}"
+
+    @property
+    def broker_addr(self) -> str:
+        self._require()
+        return f"127.0.0.1:{self._broker_port}"
+
+    @property
+    def broker_port(self) -> int:
+        self._require()
+        return self._broker_port
+
+    @property
+    def namesrv_port(self) -> int:
+        self._require()
+        return self._namesrv_port
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Pids of the running JVMs (``namesrv``, ``broker``)."""
+        out = {}
+        for name, proc in (("namesrv", self._namesrv), ("broker", self._broker)):
+            if proc is not None and proc.poll() is None:
+                out[name] = proc.pid
+        return out
+
+    @property
+    def broker_running(self) -> bool:
+        return self._broker is not None and self._broker.poll() is None
+
+    def _paths(self) -> dict[str, Path]:
+        run = self._require()
+        logs = run / "logs" / "rocketmqlogs"
+        return {
+            "namesrv_conf": run / "namesrv.conf",
+            "broker_conf": run / "broker.conf",
+            "namesrv_out": run / "namesrv.out",
+            "broker_out": run / "broker.out",
+            "namesrv_log": logs / "namesrv.log",
+            "broker_log": logs / "broker.log",
+        }
+
+    def _env(self) -> dict[str, str]:
+        dropped = ("NAMESRV_ADDR", "JAVA_TOOL_OPTIONS")
+        env = {k: v for k, v in os.environ.items() if k not in dropped}
+        env["ROCKETMQ_HOME"] = str(self._require())
+        return env
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> LocalRocketMQ:
+        await self.start_all()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def start_all(self) -> None:
+        """Fetch the jars, start the name server and the broker, wait until both are ready."""
+        if self._workdir is not None:
+            raise DevBrokerError("LocalRocketMQ already started")
+        await anyio.to_thread.run_sync(reap_stale_runs)
+        self._lib_dir = await ensure_jars(self.version, self.cache_dir)
+        self._java = find_tool("java")
+        if self._given_workdir is not None:
+            self._given_workdir.mkdir(parents=True, exist_ok=True)
+            self._workdir = self._given_workdir
+            remove = False
+        else:
+            self._workdir = Path(tempfile.mkdtemp(prefix="run-", dir=runs_dir()))
+            remove = True
+        run_id = f"{self._workdir.name}-{uuid.uuid4().hex[:8]}"
+        owner = None if self.detached else os.getpid()
+        self._record = RunRecord(
+            run_id=run_id, workdir=self._workdir, owner_pid=owner,
+            owner_start=pid_start_ticks(owner) if owner else None, remove_workdir=remove,
+        )
+        started = time.monotonic()
+        try:
+            self._namesrv_port = cfg.free_port()
+            self._broker_port = cfg.pick_broker_port(exclude=[self._namesrv_port])
+            self._write_configs()
+            self._save_record()
+            await self._start_namesrv()
+            await self._start_broker()
+        except BaseException:
+            await self._teardown()
+            raise
+        log.info("devbroker.ready", namesrv=self.namesrv_addr, broker=self.broker_addr,
+                 workdir=str(self._workdir), seconds=round(time.monotonic() - started, 2))
+
+    def _write_configs(self) -> None:
+        p = self._paths()
+        p["namesrv_conf"].write_text(cfg.render_properties(cfg.namesrv_config(self._namesrv_port)))
+        values = cfg.broker_config(
+            run_dir=self._require(), namesrv_addr=self.namesrv_addr,
+            listen_port=self._broker_port, overrides=self._overrides,
+        )
+        p["broker_conf"].write_text(cfg.render_properties(values))
+
+    def _save_record(self) -> None:
+        assert self._record is not None
+        self._record.pids = self.pids
+        self._record.info = {
+            "version": self.version,
+            "namesrv_addr": self.namesrv_addr,
+            "broker_addr": self.broker_addr,
+            "broker_name": self.broker_name,
+            "cluster": self.cluster,
+            "lib_dir": str(self._lib_dir),
+        }
+        self._record.save()
+
+    def _spawn_jvm(self, main_class: str, conf: Path, out: Path, logback: str, heap: str,
+                   direct: str) -> subprocess.Popen[bytes]:
+        run = self._require()
+        cmd = cfg.jvm_command(
+            self.java, lib_dir=self.lib_dir, main_class=main_class, args=["-c", str(conf)],
+            user_home=run, logback=logback, heap=heap, direct=direct,
+        )
+        return spawn(cmd, cwd=run, env=self._env(), output=out, die_with_parent=not self.detached)
+
+    async def _start_namesrv(self) -> None:
+        p = self._paths()
+        offset = _size(p["namesrv_out"])
+        self._namesrv = self._spawn_jvm(cfg.NAMESRV_CLASS, p["namesrv_conf"], p["namesrv_out"],
+                                        "rmq.namesrv.logback.xml", self.namesrv_heap, "128m")
+        self._save_record()
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            if self._namesrv.poll() is not None:
+                rc = self._namesrv.returncode
+                raise self._failure(f"the name server exited with status {rc}")
+            if NAMESRV_READY in _read_from(p["namesrv_out"], offset) and await self._port_open(
+                self._namesrv_port
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise self._failure(f"the name server was not ready within {self.ready_timeout}s")
+            await anyio.sleep(0.1)
+
+    async def _port_open(self, port: int) -> bool:
+        try:
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+        except OSError:
+            return False
+        await stream.aclose()
+        return True
+
+    async def _start_broker(self) -> None:
+        p = self._paths()
+        out_offset = _size(p["broker_out"])
+        log_offset = _size(p["broker_log"])
+        started = time.monotonic()
+        self._broker = self._spawn_jvm(cfg.BROKER_CLASS, p["broker_conf"], p["broker_out"],
+                                       "rmq.broker.logback.xml", self.heap, "512m")
+        self._save_record()
+        deadline = started + self.ready_timeout
+        booted = False
+        while True:
+            if self._broker.poll() is not None:
+                raise self._failure(f"the broker exited with status {self._broker.returncode}")
+            if not booted and BROKER_READY in _read_from(p["broker_out"], out_offset):
+                booted = True
+                log.info("devbroker.broker.booted", seconds=round(time.monotonic() - started, 2))
+            if booted and BROKER_REGISTERED in _read_from(p["broker_log"], log_offset):
+                log.info("devbroker.broker.registered",
+                         seconds=round(time.monotonic() - started, 2))
+                return
+            if time.monotonic() > deadline:
+                what = "registered in the name server" if booted else "booted"
+                raise self._failure(f"the broker was not {what} within {self.ready_timeout}s")
+            await anyio.sleep(0.1)
+
+    def _failure(self, what: str) -> DevBrokerError:
+        p = self._paths()
+        parts = [f"local RocketMQ failed: {what} (run folder {self._workdir})"]
+        for key in ("namesrv_out", "broker_out", "broker_log"):
+            lines = _tail(p[key], 40)
+            if lines:
+                parts.append(f"--- last lines of {p[key]} ---")
+                parts.extend(lines)
+        return DevBrokerError("\n".join(parts))
+
+    async def stop(self, *, grace: float = 20.0) -> None:
+        """Stop the broker only (SIGTERM, then SIGKILL after ``grace`` seconds)."""
+        if self._broker is not None:
+            rc = await stop_process(self._broker, grace=grace)
+            log.info("devbroker.broker.stopped", status=rc)
+            self._broker = None
+            self._save_record()
+
+    async def start(self) -> None:
+        """(Re)start the broker on the same port and store; returns once it is registered."""
+        self._require()
+        if self.broker_running:
+            return
+        if self._namesrv is None or self._namesrv.poll() is not None:
+            raise DevBrokerError("the name server is not running")
+        try:
+            await self._start_broker()
+        except BaseException:
+            if self._broker is not None:
+                await stop_process(self._broker, grace=5.0)
+                self._broker = None
+            raise
+
+    def kill_broker(self) -> None:
+        """SIGKILL the broker (no shutdown hooks, no unregistration) and reap it."""
+        if self._broker is not None:
+            if self._broker.poll() is None:
+                self._broker.kill()
+            self._broker.wait(timeout=30)
+            log.info("devbroker.broker.killed")
+            self._broker = None
+            self._save_record()
+
+    async def _teardown(self) -> None:
+        # A store about to be deleted needs no orderly shutdown (the broker's takes ~13 s).
+        grace = 20.0 if self._record is None or not self._record.remove_workdir else 0.0
+        for attr in ("_broker", "_namesrv"):
+            proc: subprocess.Popen[bytes] | None = getattr(self, attr)
+            if proc is not None:
+                await stop_process(proc, grace=grace)
+                setattr(self, attr, None)
+        if self._record is not None:
+            self._record.pids = {}
+            self._record.forget()
+
+    async def close(self) -> None:
+        """Stop both JVMs and remove the run folder (if this object created it)."""
+        if self._closed or self._workdir is None:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self._teardown()
+        log.info("devbroker.closed", workdir=str(self._workdir))
+
+    # ------------------------------------------------------------------ admin
+
+    def broker_log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of the broker's stdout and ``broker.log``."""
+        p = self._paths()
+        out = _tail(p["broker_out"], n)
+        blog = _tail(p["broker_log"], n)
+        return "\n".join([*out, *blog])
+
+    def tools_command(self, *args: str) -> list[str]:
+        """The ``java`` command running ``mqadmin`` with ``args`` against this name server."""
+        argv = list(args)
+        if argv and "-n" not in argv[1:]:
+            argv += ["-n", self.namesrv_addr]
+        return cfg.jvm_command(
+            self.java, lib_dir=self.lib_dir, main_class=cfg.ADMIN_CLASS, args=argv,
+            user_home=self._require() / "tools-home", logback="rmq.tools.logback.xml",
+            heap="128m", quick_start=True,
+        )
+
+    async def mqadmin(self, *args: str, timeout: float = 60.0) -> str:  # noqa: ASYNC109
+        """Run ``mqadmin <args> -n <namesrv>`` and return its stdout.
+
+        mqadmin exits 0 even when the command failed: check the text.
+        """
+        cmd = self.tools_command(*args)
+        with anyio.fail_after(timeout):
+            proc = await anyio.run_process(cmd, env=self._env(), check=False,
+                                           cwd=self._require())
+        out = proc.stdout.decode(errors="replace")
+        if proc.returncode != 0:
+            raise DevBrokerError(
+                f"mqadmin {' '.join(args)} exited with {proc.returncode}:\n{out}\n"
+                f"{proc.stderr.decode(errors='replace')}"
+            )
+        return out
+
+    async def topic_route(self, topic: str) -> dict[str, Any] | None:
+        """The name server's route of ``topic`` as JSON, or None when it has none."""
+        out = await self.mqadmin("topicRoute", "-t", topic)
+        start = out.find("{")
+        if start < 0:
+            return None
+        try:
+            data = parse_lenient_json(out[start:])
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    async def create_topic(self, name: str, queues: int = 8, order: bool = False, *,
+                           timeout: float = 60.0) -> None:  # noqa: ASYNC109
+        """Create (or update) ``name`` with ``queues`` read/write queues on the broker and wait
+        until the name server serves its route."""
+        if not _TOPIC_RE.match(name):
+            raise ValueError(f"invalid topic name: {name!r}")
+        if not 1 <= queues <= 1024:
+            raise ValueError(f"queues must be within 1..1024, not {queues}")
+        started = time.monotonic()
+        args = ["updateTopic", "-c", self.cluster, "-t", name, "-r", str(queues), "-w", str(queues)]
+        if order:
+            args += ["-o", "true"]
+        out = await self.mqadmin(*args, timeout=timeout)
+        if "success" not in out:
+            raise DevBrokerError(f"creating topic {name!r} failed:\n{out}")
+        deadline = started + timeout
+        while True:
+            route = await self.topic_route(name)
+            if route is not None and any(
+                q.get("brokerName") == self.broker_name and q.get("readQueueNums") == queues
+                for q in route.get("queueDatas", [])
+            ):
+                break
+            if time.monotonic() > deadline:
+                raise DevBrokerError(f"topic {name!r} has no route with {queues} queues after "
+                                     f"{timeout}s: {route}")
+            await anyio.sleep(0.2)
+        log.info("devbroker.topic.created", topic=name, queues=queues, order=order,
+                 seconds=round(time.monotonic() - started, 2))

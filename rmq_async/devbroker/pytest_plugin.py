@@ -1,0 +1,77 @@
+"""pytest fixtures backed by a real local RocketMQ.
+
+Load with ``pytest_plugins = ["rmq_async.devbroker.pytest_plugin"]``.
+
+- ``rocketmq`` (session): one :class:`LocalRocketMQ` shared by every test that asks for it.
+  It is started and stopped from a plain (synchronous) fixture on private event loops, so it
+  works with pytest-asyncio's per-test loops: the JVMs are separate processes and the object
+  keeps no loop-bound state. If it cannot start, each test using it errors with the
+  :class:`DevBrokerError` text (never a silent skip).
+- ``topic`` (function): a fresh, uniquely named topic with 8 queues on that broker.
+
+The shared broker delays every retry level by one second (``messageDelayLevel``), so a message
+a listener asks to reconsume comes back after 1 s instead of 10 s or more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import pytest_asyncio
+
+from .broker import LocalRocketMQ
+
+__all__ = ["FAST_DELAY_LEVELS", "SESSION_BROKER_CONFIG", "rocketmq", "run_blocking", "topic"]
+
+T = TypeVar("T")
+
+#: Eighteen delay levels of one second each (the broker default spans 1 s … 2 h).
+FAST_DELAY_LEVELS = " ".join(["1s"] * 18)
+#: Broker settings of the shared test broker (on top of LocalRocketMQ's own defaults).
+SESSION_BROKER_CONFIG: dict[str, str] = {"messageDelayLevel": FAST_DELAY_LEVELS}
+
+
+def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion on a private event loop of the calling (main) thread.
+
+    The loop is never installed as the thread's current loop, so pytest-asyncio's loops are
+    left alone. JVMs started here die with this thread (parent-death signal), which for the
+    main thread means: with the test process.
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
+
+
+@pytest.fixture(scope="session")
+def rocketmq() -> Iterator[LocalRocketMQ]:
+    """The shared local RocketMQ (NameServer + Broker) of this test session."""
+    rmq = LocalRocketMQ(broker_config=SESSION_BROKER_CONFIG)
+    run_blocking(rmq.start_all())
+    try:
+        yield rmq
+    finally:
+        run_blocking(rmq.close())
+
+
+_UNSAFE = re.compile(r"[^a-zA-Z0-9_-]+")
+
+
+@pytest_asyncio.fixture
+async def topic(rocketmq: LocalRocketMQ, request: pytest.FixtureRequest) -> str:
+    """A new topic with 8 read/write queues, named after the test plus a random suffix."""
+    base = _UNSAFE.sub("_", request.node.name)[:60].strip("_") or "test"
+    name = f"T_{base}_{uuid.uuid4().hex[:8]}"
+    await rocketmq.create_topic(name, queues=8)
+    return name

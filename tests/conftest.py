@@ -1,0 +1,3 @@
+"""Test-suite wiring: the real local RocketMQ fixtures (``rocketmq``, ``topic``)."""
+
+pytest_plugins = ["rmq_async.devbroker.pytest_plugin"]
