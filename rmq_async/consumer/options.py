@@ -1,0 +1,601 @@
+"""Push consumer options: the Java client's settings, in snake_case, with its defaults.
+
+A Java user finds what they know: ``pull_batch_size`` is ``pullBatchSize``, and so on. Units
+follow one rule: **durations are seconds (float)**, except where the Java name itself carries
+the unit — ``consume_timeout`` is in minutes (Java ``consumeTimeout``) and
+``suspend_current_queue_time_millis`` in milliseconds; sizes ending in ``_size_for_*`` are MiB.
+
+Everything is checked when the options are built (Java ``checkConfig`` ranges), and a bad value
+raises :class:`InvalidOptionError` (a ``ValueError``) naming the option.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import difflib
+import functools
+import hashlib
+import hmac
+import ipaddress
+import os
+import re
+import socket
+import ssl
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rmq_async.consumer.allocate import AllocateAveragely, AllocateStrategy
+
+__all__ = [
+    "DEFAULT_CONSUMER_GROUP",
+    "DEFAULT_INSTANCE_NAME",
+    "ConsumeFromWhere",
+    "ConsumerOptions",
+    "Credentials",
+    "InvalidOptionError",
+    "MessageModel",
+    "build_client_id",
+    "check_group_name",
+    "default_client_ip",
+    "pick_client_ip",
+    "resolve_instance_name",
+]
+
+DEFAULT_CONSUMER_GROUP = "DEFAULT_CONSUMER"
+"""Reserved by the broker; a push consumer may not use it (Java ``MixAll``)."""
+DEFAULT_INSTANCE_NAME = "DEFAULT"
+
+GROUP_MAX_LENGTH = 120
+"""Longest accepted group name. The retry topic ``%RETRY%<group>`` must stay within the
+broker's 127-character topic limit, so longer groups could not retry (the newest Java client
+uses the same 120)."""
+
+_NAME_RE = re.compile(r"^[%|a-zA-Z0-9_-]+$")
+_TIMESTAMP_FORMAT = "%Y%m%d%H%M%S"
+_MAX_INT = 2**31 - 1
+
+
+class InvalidOptionError(ValueError):
+    """An option value (or name) the consumer cannot work with."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option = option
+
+
+class MessageModel(StrEnum):
+    """How a group shares a topic (Java ``MessageModel``; the value is sent in heartbeats)."""
+
+    CLUSTERING = "CLUSTERING"
+    """Each queue is consumed by one member of the group."""
+    BROADCASTING = "BROADCASTING"
+    """Every member consumes every queue; offsets are kept locally."""
+
+
+class ConsumeFromWhere(StrEnum):
+    """Where a group with no committed offset starts (Java ``ConsumeFromWhere``).
+
+    The value is the Java enum name, as sent in heartbeats. The three deprecated members behave
+    like LAST_OFFSET.
+    """
+
+    LAST_OFFSET = "CONSUME_FROM_LAST_OFFSET"
+    FIRST_OFFSET = "CONSUME_FROM_FIRST_OFFSET"
+    TIMESTAMP = "CONSUME_FROM_TIMESTAMP"
+    LAST_OFFSET_AND_FROM_MIN_WHEN_BOOT_FIRST = (
+        "CONSUME_FROM_LAST_OFFSET_AND_FROM_MIN_WHEN_BOOT_FIRST"
+    )
+    MIN_OFFSET = "CONSUME_FROM_MIN_OFFSET"
+    MAX_OFFSET = "CONSUME_FROM_MAX_OFFSET"
+
+    @property
+    def effective(self) -> ConsumeFromWhere:
+        """The member the client actually acts on (deprecated ones map to LAST_OFFSET)."""
+        if self in (ConsumeFromWhere.FIRST_OFFSET, ConsumeFromWhere.TIMESTAMP):
+            return self
+        return ConsumeFromWhere.LAST_OFFSET
+
+
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def _enum_member(enum: type[_E], option: str, value: object) -> _E:
+    if isinstance(value, enum):
+        return value
+    if isinstance(value, str):
+        text = value.strip().upper()
+        for member in enum:
+            if text in (member.value, member.name, f"CONSUME_FROM_{member.name}"):
+                return member
+    choices = ", ".join(m.name for m in enum)
+    raise InvalidOptionError(option, f"{value!r} is not one of {choices}")
+
+
+# ---------------------------------------------------------------------- ACL credentials
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """ACL account for a broker with access control (Java ``SessionCredentials``)."""
+
+    access_key: str
+    secret_key: str = field(repr=False)
+    security_token: str | None = field(default=None, repr=False)
+
+    def signature(self, fields: Mapping[str, str], body: bytes | None) -> str:
+        """The ``Signature`` of a request whose ext fields (signing keys included) are given.
+
+        Field values sorted by key (Java ``String.compareTo``) and concatenated, followed by the
+        body; HMAC-SHA1 with the secret key; standard Base64.
+        """
+        parts = [
+            v for k, v in sorted(fields.items(), key=lambda kv: kv[0].encode("utf-16-be"))
+            if k != "Signature"
+        ]
+        content = "".join(parts).encode("utf-8") + (body or b"")
+        digest = hmac.new(self.secret_key.encode("utf-8"), content, hashlib.sha1).digest()
+        return base64.b64encode(digest).decode("ascii")
+
+    def sign_fields(self, fields: dict[str, str], body: bytes | None) -> None:
+        """Add ``AccessKey`` (and ``SecurityToken``) then ``Signature`` to ``fields`` in place."""
+        fields["AccessKey"] = self.access_key
+        if self.security_token:
+            fields["SecurityToken"] = self.security_token
+        fields.pop("Signature", None)
+        fields["Signature"] = self.signature(fields, body)
+
+    @classmethod
+    def coerce(cls, value: object) -> Credentials | None:
+        if value is None or isinstance(value, Credentials):
+            return value
+        if (
+            isinstance(value, tuple | list)
+            and len(value) in (2, 3)
+            and all(isinstance(v, str) for v in value)
+            and value[0]
+            and value[1]
+        ):
+            token = value[2] if len(value) == 3 else None
+            return cls(value[0], value[1], token or None)
+        raise InvalidOptionError(
+            "credentials",
+            "expected (access_key, secret_key) or (access_key, secret_key, security_token) "
+            "with non-empty strings",
+        )
+
+
+# ---------------------------------------------------------------------- client id
+
+
+def _is_internal_ipv4(addr: ipaddress.IPv4Address) -> bool:
+    # Java UtilAll.isInternalIP: 10/8, 127/8, 172.16/12, 192.168/16.
+    a, b = addr.packed[0], addr.packed[1]
+    return a in (10, 127) or (a == 172 and 16 <= b <= 31) or (a == 192 and b == 168)
+
+
+def pick_client_ip(candidates: Iterable[str]) -> str:
+    """Java ``NetworkUtil.getLocalAddress`` choice among local IPv4 addresses.
+
+    Loopback addresses are skipped; the first public address wins, else the last private one;
+    ``127.0.0.1`` when there is none.
+    """
+    usable: list[ipaddress.IPv4Address] = []
+    for text in candidates:
+        try:
+            addr = ipaddress.IPv4Address(text)
+        except ValueError:
+            continue
+        if addr.is_loopback or addr.is_unspecified:
+            continue
+        usable.append(addr)
+    for addr in usable:
+        if not _is_internal_ipv4(addr):
+            return str(addr)
+    if usable:
+        return str(usable[-1])
+    return "127.0.0.1"
+
+
+def _interface_ipv4_addresses() -> list[str]:
+    """IPv4 addresses of the interfaces that are up (Linux: not loopback, bridge or ppp)."""
+    found: list[str] = []
+    try:
+        import fcntl
+        import struct
+    except ImportError:  # not a POSIX platform
+        return found
+    siocgifflags, siocgifaddr = 0x8913, 0x8915
+    iff_up, iff_loopback, iff_pointopoint = 0x1, 0x8, 0x10
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return found
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            if os.path.exists(f"/sys/class/net/{name}/bridge"):
+                continue
+            req = struct.pack("256s", name.encode()[:15])
+            try:
+                flags = struct.unpack("H", fcntl.ioctl(s.fileno(), siocgifflags, req)[16:18])[0]
+                if not flags & iff_up or flags & (iff_loopback | iff_pointopoint):
+                    continue
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, req)
+            except OSError:
+                continue
+            found.append(socket.inet_ntoa(raw[20:24]))
+    return found
+
+
+def _routed_ipv4_address() -> str | None:
+    # The source address the kernel would use to reach a public address; nothing is sent.
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))
+        return str(s.getsockname()[0])
+    return None
+
+
+@functools.cache
+def default_client_ip() -> str:
+    """This host's address as the Java client picks it (computed once per process)."""
+    candidates = _interface_ipv4_addresses()
+    if not candidates:
+        routed = _routed_ipv4_address()
+        if routed:
+            candidates = [routed]
+    return pick_client_ip(candidates)
+
+
+_last_nano = 0
+
+
+def _unique_nanos() -> int:
+    # Java System.nanoTime(); strictly increasing here so two consumers of one process never
+    # share an instance name.
+    global _last_nano
+    now = time.monotonic_ns()
+    if now <= _last_nano:
+        now = _last_nano + 1
+    _last_nano = now
+    return now
+
+
+def resolve_instance_name(
+    instance_name: str,
+    model: MessageModel,
+    *,
+    pid: int | None = None,
+    nanos: int | None = None,
+) -> str:
+    """Java ``changeInstanceNameToPID``: a clustering consumer named ``DEFAULT`` becomes
+    ``<pid>#<nanoTime>``, so several processes (or consumers) on one host get distinct ids."""
+    if model is MessageModel.CLUSTERING and instance_name == DEFAULT_INSTANCE_NAME:
+        if pid is None:
+            pid = os.getpid()
+        if nanos is None:
+            nanos = _unique_nanos()
+        return f"{pid}#{nanos}"
+    return instance_name
+
+
+def build_client_id(
+    ip: str, instance_name: str, unit_name: str | None, model: MessageModel
+) -> str:
+    """The client id the broker knows this consumer by (Java ``buildMQClientId``):
+    ``ip@instance[@unit]``, after the instance-name rewrite of :func:`resolve_instance_name`."""
+    cid = f"{ip}@{resolve_instance_name(instance_name, model)}"
+    if unit_name and unit_name.strip():
+        cid += f"@{unit_name}"
+    return cid
+
+
+# ---------------------------------------------------------------------- validation helpers
+
+
+def check_group_name(group: object) -> str:
+    """Java ``Validators.checkGroup`` plus the push consumer's reserved-name rule."""
+    if not isinstance(group, str) or not group.strip():
+        raise InvalidOptionError("consumer_group", "the group name is blank")
+    if len(group) > GROUP_MAX_LENGTH:
+        raise InvalidOptionError(
+            "consumer_group",
+            f"{group!r} is longer than {GROUP_MAX_LENGTH} characters ({len(group)})",
+        )
+    if not _NAME_RE.match(group):
+        raise InvalidOptionError(
+            "consumer_group",
+            f"{group!r} contains illegal characters, allowing only ^[%|a-zA-Z0-9_-]+$",
+        )
+    if group == DEFAULT_CONSUMER_GROUP:
+        raise InvalidOptionError(
+            "consumer_group",
+            f"{DEFAULT_CONSUMER_GROUP} is reserved by the broker, please specify another one",
+        )
+    return group
+
+
+def _default_consume_timestamp() -> str:
+    return (datetime.now() - timedelta(minutes=30)).strftime(_TIMESTAMP_FORMAT)
+
+
+def _default_offset_store_dir() -> Path:
+    return Path.home() / ".rocketmq_offsets"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _int_in(name: str, value: object, lo: int, hi: int, *, off: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidOptionError(name, f"expected an int, got {value!r}")
+    if off is not None and value == off:
+        return
+    if not lo <= value <= hi:
+        extra = f" (or {off} to disable)" if off is not None else ""
+        raise InvalidOptionError(name, f"{value} is out of range [{lo}, {hi}]{extra}")
+
+
+def _seconds(
+    name: str, value: object, *, allow_zero: bool = False, hi: float | None = None
+) -> None:
+    if not _is_number(value):
+        raise InvalidOptionError(name, f"expected a number of seconds, got {value!r}")
+    v = float(value)  # type: ignore[arg-type]
+    if v != v or v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise InvalidOptionError(name, f"{value!r} must be {bound} seconds")
+    if hi is not None and v > hi:
+        raise InvalidOptionError(name, f"{value!r} is above the maximum of {hi} seconds")
+
+
+def _camel_to_snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
+
+
+# ---------------------------------------------------------------------- the options
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerOptions:
+    """Every setting of a push consumer. Build it with :meth:`from_kwargs`."""
+
+    consumer_group: str
+
+    # -- model and start position
+    message_model: MessageModel = MessageModel.CLUSTERING
+    consume_from_where: ConsumeFromWhere = ConsumeFromWhere.LAST_OFFSET
+    consume_timestamp: str = field(default_factory=_default_consume_timestamp)
+    """``yyyyMMddHHmmss``, local time; used by CONSUME_FROM_TIMESTAMP. Default: 30 min ago."""
+    allocate_strategy: AllocateStrategy = field(default_factory=AllocateAveragely)
+
+    # -- pulling
+    pull_batch_size: int = 32
+    pull_interval: float = 0.0
+    """Seconds to wait after a pull that found messages before the next one."""
+    pull_threshold_for_queue: int = 1000
+    pull_threshold_size_for_queue: int = 100
+    """MiB of message bodies cached per queue before pulling pauses."""
+    pull_threshold_for_topic: int = -1
+    """Messages cached per topic (split evenly over its queues); -1 = off."""
+    pull_threshold_size_for_topic: int = -1
+    """MiB cached per topic (split evenly over its queues); -1 = off."""
+    post_subscription_when_pull: bool = False
+
+    # -- consuming
+    consume_concurrently_max_span: int = 2000
+    consume_message_batch_max_size: int = 1
+    consume_concurrency: int = 20
+    """Concurrent listener calls (Java consumeThreadMin/Max)."""
+    max_reconsume_times: int = -1
+    """-1: 16 for concurrent listeners, unlimited for orderly ones."""
+    consume_timeout: float = 15.0
+    """**Minutes** (as Java): a cached message whose consumption started longer ago is sent
+    back for retry. See :attr:`consume_timeout_seconds`."""
+    suspend_current_queue_time_millis: int = 1000
+    """Orderly: pause before a failed batch is retried (milliseconds, as Java)."""
+
+    # -- identity
+    instance_name: str = DEFAULT_INSTANCE_NAME
+    unit_name: str | None = None
+    client_ip: str = field(default_factory=default_client_ip)
+    language: str = "PYTHON"
+    """LanguageCode sent on requests."""
+
+    # -- periodic work (seconds)
+    persist_offset_interval: float = 5.0
+    heartbeat_interval: float = 30.0
+    route_refresh_interval: float = 30.0
+    rebalance_interval: float = 20.0
+    api_timeout: float = 3.0
+    """Timeout of route, heartbeat, consumer-list, offset and lock requests."""
+
+    # -- pull delays and long polling (seconds)
+    pull_time_delay_when_exception: float = 1.0
+    pull_time_delay_when_flow_control: float = 0.05
+    pull_time_delay_when_broker_flow_control: float = 0.02
+    pull_time_delay_when_suspend: float = 1.0
+    broker_suspend_max_time: float = 15.0
+    """How long the broker holds a pull open when there is nothing new (long polling)."""
+    consumer_timeout_when_suspend: float = 30.0
+    """Client-side timeout of a long-poll pull."""
+    pull_max_idle_time: float = 120.0
+
+    # -- orderly locking (seconds)
+    rebalance_lock_interval: float = 20.0
+    rebalance_lock_max_live_time: float = 30.0
+    max_time_consume_continuously: float = 60.0
+
+    # -- storage and transport
+    offset_store_dir: Path = field(default_factory=_default_offset_store_dir)
+    """Broadcasting: local offsets live in ``<dir>/<client id>/<group>/offsets.json``."""
+    credentials: Credentials | None = None
+    """ACL account; ``(access_key, secret_key[, security_token])`` is accepted too."""
+    ssl_context: ssl.SSLContext | None = None
+
+    def __post_init__(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)
+        check_group_name(self.consumer_group)
+        set_("message_model", _enum_member(MessageModel, "message_model", self.message_model))
+        set_(
+            "consume_from_where",
+            _enum_member(ConsumeFromWhere, "consume_from_where", self.consume_from_where),
+        )
+        self._check_timestamp()
+        strategy = self.allocate_strategy
+        if not isinstance(getattr(strategy, "name", None), str) or not callable(
+            getattr(strategy, "allocate", None)
+        ):
+            raise InvalidOptionError(
+                "allocate_strategy",
+                f"{strategy!r} has no 'name' string and 'allocate(group, cid, mq_all, cid_all)'",
+            )
+
+        _int_in("pull_batch_size", self.pull_batch_size, 1, 1024)
+        _int_in("pull_threshold_for_queue", self.pull_threshold_for_queue, 1, 65535)
+        _int_in("pull_threshold_size_for_queue", self.pull_threshold_size_for_queue, 1, 1024)
+        _int_in("pull_threshold_for_topic", self.pull_threshold_for_topic, 1, 6553500, off=-1)
+        _int_in(
+            "pull_threshold_size_for_topic", self.pull_threshold_size_for_topic, 1, 102400, off=-1
+        )
+        _seconds("pull_interval", self.pull_interval, allow_zero=True, hi=65.535)
+        _int_in("consume_concurrently_max_span", self.consume_concurrently_max_span, 1, 65535)
+        _int_in("consume_message_batch_max_size", self.consume_message_batch_max_size, 1, 1024)
+        _int_in("consume_concurrency", self.consume_concurrency, 1, 1000)
+        _int_in("max_reconsume_times", self.max_reconsume_times, -1, _MAX_INT)
+        _seconds("consume_timeout", self.consume_timeout)
+        _int_in(
+            "suspend_current_queue_time_millis", self.suspend_current_queue_time_millis, 0, _MAX_INT
+        )
+        for name in (
+            "persist_offset_interval",
+            "heartbeat_interval",
+            "route_refresh_interval",
+            "rebalance_interval",
+            "api_timeout",
+            "broker_suspend_max_time",
+            "consumer_timeout_when_suspend",
+            "pull_max_idle_time",
+            "rebalance_lock_interval",
+            "rebalance_lock_max_live_time",
+            "max_time_consume_continuously",
+        ):
+            _seconds(name, getattr(self, name))
+        for name in (
+            "pull_time_delay_when_exception",
+            "pull_time_delay_when_flow_control",
+            "pull_time_delay_when_broker_flow_control",
+            "pull_time_delay_when_suspend",
+        ):
+            _seconds(name, getattr(self, name), allow_zero=True)
+        if self.consumer_timeout_when_suspend <= self.broker_suspend_max_time:
+            raise InvalidOptionError(
+                "consumer_timeout_when_suspend",
+                f"{self.consumer_timeout_when_suspend} s must be longer than "
+                f"broker_suspend_max_time ({self.broker_suspend_max_time} s), or every idle "
+                "long poll would time out on the client",
+            )
+
+        for name in ("instance_name", "client_ip", "language"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidOptionError(name, f"expected a non-empty string, got {value!r}")
+        if self.unit_name is not None and not isinstance(self.unit_name, str):
+            raise InvalidOptionError("unit_name", f"expected a string, got {self.unit_name!r}")
+        if not isinstance(self.post_subscription_when_pull, bool):
+            raise InvalidOptionError(
+                "post_subscription_when_pull",
+                f"expected a bool, got {self.post_subscription_when_pull!r}",
+            )
+        if not isinstance(self.offset_store_dir, str | os.PathLike):
+            raise InvalidOptionError(
+                "offset_store_dir", f"expected a path, got {self.offset_store_dir!r}"
+            )
+        set_("offset_store_dir", Path(self.offset_store_dir).expanduser())
+        set_("credentials", Credentials.coerce(self.credentials))
+        if self.ssl_context is not None and not isinstance(self.ssl_context, ssl.SSLContext):
+            raise InvalidOptionError(
+                "ssl_context", f"expected an ssl.SSLContext, got {self.ssl_context!r}"
+            )
+
+    def _check_timestamp(self) -> None:
+        ts = self.consume_timestamp
+        ok = isinstance(ts, str) and len(ts) == 14 and ts.isdigit()
+        if ok:
+            try:
+                datetime.strptime(ts, _TIMESTAMP_FORMAT)
+            except ValueError:
+                ok = False
+        if not ok:
+            raise InvalidOptionError(
+                "consume_timestamp", f"{ts!r} is not a valid yyyyMMddHHmmss timestamp"
+            )
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def consume_timeout_seconds(self) -> float:
+        return self.consume_timeout * 60.0
+
+    def consume_timestamp_ms(self) -> int:
+        """``consume_timestamp`` as epoch milliseconds (read as local time, like Java)."""
+        return int(datetime.strptime(self.consume_timestamp, _TIMESTAMP_FORMAT).timestamp() * 1000)
+
+    def effective_max_reconsume_times(self, orderly: bool) -> int:
+        """``max_reconsume_times`` with -1 resolved: 16 (concurrent), 2**31-1 (orderly)."""
+        if self.max_reconsume_times == -1:
+            return _MAX_INT if orderly else 16
+        return self.max_reconsume_times
+
+    def rpc_hook(self) -> Callable[[Any], None] | None:
+        """A hook that ACL-signs each outgoing command, or ``None`` without credentials.
+
+        The hook adds ``AccessKey`` [``SecurityToken``] and ``Signature`` to the command's
+        ``ext_fields`` (creating the dict if it is ``None``), signing over its ``body``.
+        """
+        creds = self.credentials
+        if creds is None:
+            return None
+
+        def sign(cmd: Any) -> None:
+            fields = cmd.ext_fields
+            if fields is None:
+                fields = {}
+                cmd.ext_fields = fields
+            creds.sign_fields(fields, cmd.body)
+
+        return sign
+
+    def replace(self, **changes: Any) -> ConsumerOptions:
+        """A copy with some options changed (validated like the original)."""
+        _reject_unknown(changes)
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_kwargs(cls, group: str, **kwargs: Any) -> ConsumerOptions:
+        """Options for consumer group ``group``; an unknown keyword is an error with a hint."""
+        _reject_unknown(kwargs)
+        return cls(group, **kwargs)
+
+
+def _option_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(ConsumerOptions) if f.name != "consumer_group"]
+
+
+def _reject_unknown(kwargs: Mapping[str, Any]) -> None:
+    names = _option_names()
+    for key in kwargs:
+        if key in names:
+            continue
+        snake = _camel_to_snake(key)
+        guesses = [snake] if snake in names else difflib.get_close_matches(key, names, n=3)
+        hint = f"; did you mean {' or '.join(repr(g) for g in guesses)}?" if guesses else ""
+        raise InvalidOptionError(key, f"unknown consumer option{hint}")
