@@ -10,6 +10,7 @@ loop and used from others (pytest-asyncio gives every test a fresh loop).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,6 +30,7 @@ import structlog
 
 from . import config as cfg
 from .errors import DevBrokerError
+from .java import compile_java
 from .maven import DEFAULT_VERSION, ensure_jars, find_tool
 from .procs import RunRecord, pid_start_ticks, reap_stale_runs, registry_dir, spawn, stop_process
 
@@ -40,6 +42,8 @@ _TOPIC_RE = re.compile(r"^[%|a-zA-Z0-9_-]{1,127}$")
 NAMESRV_READY = "The Name Server boot success"
 BROKER_READY = "boot success"
 BROKER_REGISTERED = "Registering current broker to name server completed"
+ADMIN_SOURCE = Path(__file__).parent / "java" / "DevAdmin.java"
+_ADMIN_PORT_RE = re.compile(r"DEVADMIN PORT (\d+)")
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,9 @@ class LocalRocketMQ:
         self._broker_port = 0
         self._namesrv: subprocess.Popen[bytes] | None = None
         self._broker: subprocess.Popen[bytes] | None = None
+        self._admin: subprocess.Popen[bytes] | None = None
+        self._admin_classes: Path | None = None
+        self._admin_port = 0
         self._record: RunRecord | None = None
         self._closed = False
 
@@ -214,10 +221,18 @@ class LocalRocketMQ:
     def pids(self) -> dict[str, int]:
         """Pids of the running JVMs (``namesrv``, ``broker``)."""
         out = {}
-        for name, proc in (("namesrv", self._namesrv), ("broker", self._broker)):
+        procs = (("namesrv", self._namesrv), ("broker", self._broker), ("admin", self._admin))
+        for name, proc in procs:
             if proc is not None and proc.poll() is None:
                 out[name] = proc.pid
         return out
+
+    @property
+    def record(self) -> RunRecord:
+        """The run's on-disk record (pids, addresses, run folder)."""
+        self._require()
+        assert self._record is not None
+        return self._record
 
     @property
     def broker_running(self) -> bool:
@@ -233,6 +248,7 @@ class LocalRocketMQ:
             "broker_out": run / "broker.out",
             "namesrv_log": logs / "namesrv.log",
             "broker_log": logs / "broker.log",
+            "admin_out": run / "devadmin.out",
         }
 
     def _env(self) -> dict[str, str]:
@@ -258,6 +274,7 @@ class LocalRocketMQ:
         await anyio.to_thread.run_sync(reap_stale_runs)
         self._lib_dir = await ensure_jars(self.version, self.cache_dir)
         self._java = find_tool("java")
+        self._admin_classes = await compile_java([ADMIN_SOURCE], self._lib_dir)
         if self._given_workdir is not None:
             self._given_workdir.mkdir(parents=True, exist_ok=True)
             self._workdir = self._given_workdir
@@ -278,6 +295,7 @@ class LocalRocketMQ:
             self._write_configs()
             self._save_record()
             await self._start_namesrv()
+            self._spawn_admin()
             await self._start_broker()
         except BaseException:
             await self._teardown()
@@ -335,6 +353,69 @@ class LocalRocketMQ:
                 raise self._failure(f"the name server was not ready within {self.ready_timeout}s")
             await anyio.sleep(0.1)
 
+    def _spawn_admin(self) -> None:
+        """Start the resident admin client (it exits when its stdin, our pipe, closes)."""
+        run = self._require()
+        assert self._admin_classes is not None
+        args = [self.namesrv_addr]
+        if self.acl is not None:
+            args += [self.acl.access_key, self.acl.secret_key]
+        cmd = cfg.jvm_command(
+            self.java, lib_dir=self.lib_dir, main_class="DevAdmin", args=args,
+            user_home=run / "admin-home", logback="rmq.client.logback.xml", heap="128m",
+            quick_start=True, class_dirs=[self._admin_classes],
+        )
+        self._admin = spawn(cmd, cwd=run, env=self._env(), output=self._paths()["admin_out"],
+                            die_with_parent=not self.detached, stdin_pipe=True)
+        self._admin_port = 0
+        self._save_record()
+
+    def _admin_alive(self) -> bool:
+        return self._admin is not None and self._admin.poll() is None
+
+    async def _admin_ready(self, timeout: float) -> int:  # noqa: ASYNC109
+        """The helper's port, waiting for it to print it."""
+        if self._admin_port:
+            return self._admin_port
+        deadline = time.monotonic() + timeout
+        out = self._paths()["admin_out"]
+        while True:
+            m = _ADMIN_PORT_RE.search(_read_from(out, 0))
+            if m:
+                self._admin_port = int(m.group(1))
+                return self._admin_port
+            if not self._admin_alive() or time.monotonic() > deadline:
+                tail = "\n".join(_tail(out, 40))
+                raise DevBrokerError(f"the admin helper did not start:\n{tail}")
+            await anyio.sleep(0.05)
+
+    async def admin_request(self, *words: str, timeout: float = 30.0) -> list[str]:  # noqa: ASYNC109
+        """Send one request to the resident admin helper; return its result lines.
+
+        Raises :class:`DevBrokerError` when the helper answers ``ERR``.
+        """
+        port = await self._admin_ready(timeout)
+        with anyio.fail_after(timeout):
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+            async with stream:
+                await stream.send("\t".join(words).encode() + b"\n")
+                chunks = []
+                while True:
+                    try:
+                        chunks.append(await stream.receive())
+                    except anyio.EndOfStream:
+                        break
+        lines = b"".join(chunks).decode(errors="replace").splitlines()
+        if not lines:
+            raise DevBrokerError(f"the admin helper gave no answer to {words[0]!r}")
+        if lines[0].startswith("ERR"):
+            raise DevBrokerError(f"admin {' '.join(words)}: {lines[0][4:]}")
+        return lines
+
+    async def _registered(self) -> bool:
+        rows = await self.admin_request("brokers", self.cluster)
+        return any(r.split("\t")[-1] == self.broker_addr for r in rows[1:])
+
     async def _port_open(self, port: int) -> bool:
         try:
             stream = await anyio.connect_tcp("127.0.0.1", port)
@@ -353,16 +434,28 @@ class LocalRocketMQ:
         self._save_record()
         deadline = started + self.ready_timeout
         booted = False
+        nudged = 0.0
         while True:
             if self._broker.poll() is not None:
                 raise self._failure(f"the broker exited with status {self._broker.returncode}")
             if not booted and BROKER_READY in _read_from(p["broker_out"], out_offset):
                 booted = True
                 log.info("devbroker.broker.booted", seconds=round(time.monotonic() - started, 2))
-            if booted and BROKER_REGISTERED in _read_from(p["broker_log"], log_offset):
-                log.info("devbroker.broker.registered",
-                         seconds=round(time.monotonic() - started, 2))
-                return
+            if booted:
+                registered = BROKER_REGISTERED in _read_from(p["broker_log"], log_offset)
+                if not registered and self._admin_alive():
+                    registered = await self._registered()
+                    # The broker's first registration can miss the name server (its list of
+                    # reachable name servers is filled asynchronously) and the next one is
+                    # 10 s later: ask for one now.
+                    if not registered and time.monotonic() - nudged > 1.0:
+                        nudged = time.monotonic()
+                        with contextlib.suppress(DevBrokerError):
+                            await self.admin_request("register", self.broker_addr)
+                if registered:
+                    log.info("devbroker.broker.registered",
+                             seconds=round(time.monotonic() - started, 2))
+                    return
             if time.monotonic() > deadline:
                 what = "registered in the name server" if booted else "booted"
                 raise self._failure(f"the broker was not {what} within {self.ready_timeout}s")
@@ -371,7 +464,7 @@ class LocalRocketMQ:
     def _failure(self, what: str) -> DevBrokerError:
         p = self._paths()
         parts = [f"local RocketMQ failed: {what} (run folder {self._workdir})"]
-        for key in ("namesrv_out", "broker_out", "broker_log"):
+        for key in ("namesrv_out", "broker_out", "broker_log", "admin_out"):
             lines = _tail(p[key], 40)
             if lines:
                 parts.append(f"--- last lines of {p[key]} ---")
@@ -414,7 +507,10 @@ class LocalRocketMQ:
     async def _teardown(self) -> None:
         # A store about to be deleted needs no orderly shutdown (the broker's takes ~13 s).
         grace = 20.0 if self._record is None or not self._record.remove_workdir else 0.0
-        for attr in ("_broker", "_namesrv"):
+        if self._admin is not None and self._admin.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._admin.stdin.close()
+        for attr in ("_admin", "_broker", "_namesrv"):
             proc: subprocess.Popen[bytes] | None = getattr(self, attr)
             if proc is not None:
                 await stop_process(proc, grace=grace)
@@ -481,6 +577,25 @@ class LocalRocketMQ:
             return None
         return data if isinstance(data, dict) else None
 
+    async def _create_topic_mqadmin(self, name: str, queues: int, order: bool,
+                                    deadline: float) -> None:
+        args = ["updateTopic", "-c", self.cluster, "-t", name, "-r", str(queues), "-w", str(queues)]
+        if order:
+            args += ["-o", "true"]
+        out = await self.mqadmin(*args, timeout=max(1.0, deadline - time.monotonic()))
+        if "success" not in out:
+            raise DevBrokerError(f"creating topic {name!r} failed:\n{out}")
+        while True:
+            route = await self.topic_route(name)
+            if route is not None and any(
+                q.get("brokerName") == self.broker_name and q.get("readQueueNums") == queues
+                for q in route.get("queueDatas", [])
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise DevBrokerError(f"topic {name!r} has no route with {queues} queues: {route}")
+            await anyio.sleep(0.2)
+
     async def create_topic(self, name: str, queues: int = 8, order: bool = False, *,
                            timeout: float = 60.0) -> None:  # noqa: ASYNC109
         """Create (or update) ``name`` with ``queues`` read/write queues on the broker and wait
@@ -490,23 +605,21 @@ class LocalRocketMQ:
         if not 1 <= queues <= 1024:
             raise ValueError(f"queues must be within 1..1024, not {queues}")
         started = time.monotonic()
-        args = ["updateTopic", "-c", self.cluster, "-t", name, "-r", str(queues), "-w", str(queues)]
-        if order:
-            args += ["-o", "true"]
-        out = await self.mqadmin(*args, timeout=timeout)
-        if "success" not in out:
-            raise DevBrokerError(f"creating topic {name!r} failed:\n{out}")
         deadline = started + timeout
-        while True:
-            route = await self.topic_route(name)
-            if route is not None and any(
-                q.get("brokerName") == self.broker_name and q.get("readQueueNums") == queues
-                for q in route.get("queueDatas", [])
-            ):
-                break
-            if time.monotonic() > deadline:
-                raise DevBrokerError(f"topic {name!r} has no route with {queues} queues after "
-                                     f"{timeout}s: {route}")
-            await anyio.sleep(0.2)
+        if self._admin_alive():
+            await self.admin_request("create", self.cluster, name, str(queues),
+                                     "true" if order else "false", timeout=timeout)
+            while True:
+                lines = await self.admin_request("route", name, timeout=timeout)
+                if lines[0] == "OK" and any(
+                    row.split("\t")[:2] == [self.broker_name, str(queues)] for row in lines[1:]
+                ):
+                    break
+                if time.monotonic() > deadline:
+                    raise DevBrokerError(f"topic {name!r} has no route with {queues} queues "
+                                         f"after {timeout}s: {lines}")
+                await anyio.sleep(0.02)
+        else:
+            await self._create_topic_mqadmin(name, queues, order, deadline)
         log.info("devbroker.topic.created", topic=name, queues=queues, order=order,
                  seconds=round(time.monotonic() - started, 2))

@@ -156,7 +156,8 @@ def broker_config(*, run_dir: Path, namesrv_addr: str, listen_port: int,
 
 def jvm_command(java: Path | str, *, lib_dir: Path, main_class: str, args: Sequence[str],
                 user_home: Path, logback: str, heap: str, direct: str | None = None,
-                extra: Sequence[str] = (), quick_start: bool = False) -> list[str]:
+                extra: Sequence[str] = (), quick_start: bool = False,
+                class_dirs: Sequence[Path] = ()) -> list[str]:
     """A ``java`` command line running ``main_class`` from ``lib_dir/*``.
 
     ``quick_start`` trades peak throughput for start-up time (short-lived tools).
@@ -175,7 +176,7 @@ def jvm_command(java: Path | str, *, lib_dir: Path, main_class: str, args: Seque
         f"-Duser.home={user_home}",
         f"-Drmq.logback.configurationFile={logback}",
         *extra,
-        "-cp", f"{lib_dir}/*",
+        "-cp", ":".join([*(str(d) for d in class_dirs), f"{lib_dir}/*"]),
         main_class,
         *args,
     ]

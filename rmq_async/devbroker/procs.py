@@ -32,6 +32,7 @@ import structlog
 
 __all__ = [
     "RunRecord",
+    "pdeathsig_preexec",
     "pid_alive",
     "pid_cmdline",
     "pid_start_ticks",
@@ -55,7 +56,7 @@ def registry_dir() -> Path:
     return path
 
 
-def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None]:
+def pdeathsig_preexec(parent_pid: int) -> Callable[[], None]:
     """A ``preexec_fn`` that asks Linux to SIGKILL the child when its parent thread exits."""
     libc_name = ctypes.util.find_library("c") or "libc.so.6"
     libc = ctypes.CDLL(libc_name, use_errno=True)
@@ -77,7 +78,7 @@ def spawn(cmd: Sequence[str], *, cwd: Path, env: Mapping[str, str], output: Path
     that forked the child ends, so call this from a long-lived thread (the event-loop thread).
     """
     output.parent.mkdir(parents=True, exist_ok=True)
-    preexec = _pdeathsig_preexec(os.getpid()) if die_with_parent else None
+    preexec = pdeathsig_preexec(os.getpid()) if die_with_parent else None
     with open(output, "ab") as out:
         return subprocess.Popen(
             list(cmd),
@@ -277,7 +278,8 @@ class RunRecord:
     def kill_all(self, *, grace: float = 10.0) -> list[int]:
         """Stop every recorded JVM still running for this run folder; return the pids hit."""
         hit = []
-        for pid in self.pids.values():
+        order = sorted(self.pids, key=lambda name: name != "broker")  # broker before namesrv
+        for pid in (self.pids[name] for name in order):
             if stop_pid(pid, grace=grace, must_mention=str(self.workdir)):
                 hit.append(pid)
         return hit

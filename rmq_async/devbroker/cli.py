@@ -1,0 +1,160 @@
+"""Command line: ``python -m rmq_async.devbroker up|down|status|fetch [--version V]``.
+
+- ``fetch``  resolves the jars (Maven) and prints the ``lib`` folder.
+- ``up``     starts a detached NameServer + Broker (they outlive this command) and prints
+             ``NAMESRV_ADDR=…`` and ``BROKER_ADDR=…``; the state file is
+             ``<cache root>/devbroker-state.json``.
+- ``status`` prints the same lines for the running broker, or ``not running`` (exit 1).
+- ``down``   stops it and removes its run folder (store and logs).
+
+Logs go to stderr so that stdout can be used as ``eval "$(python -m rmq_async.devbroker up)"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+from .broker import LocalRocketMQ
+from .errors import DevBrokerError
+from .maven import DEFAULT_VERSION, cache_root, ensure_jars_sync
+from .procs import RunRecord, pid_alive
+
+__all__ = ["main", "state_file"]
+
+
+def state_file() -> Path:
+    """Where ``up`` records the detached run."""
+    return cache_root() / "devbroker-state.json"
+
+
+def _load_state() -> RunRecord | None:
+    path = state_file()
+    try:
+        return RunRecord.from_json(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+
+
+def _running(record: RunRecord) -> bool:
+    return all(
+        pid_alive(record.pids.get(name, -1)) for name in ("namesrv", "broker")
+    )
+
+
+def _print_addrs(record: RunRecord) -> None:
+    info = record.info
+    print(f"NAMESRV_ADDR={info.get('namesrv_addr', '')}")
+    print(f"BROKER_ADDR={info.get('broker_addr', '')}")
+    print(f"ROCKETMQ_WORKDIR={record.workdir}")
+
+
+def _clear(record: RunRecord) -> None:
+    # The store is deleted right after, so an orderly broker shutdown (~13 s) buys nothing.
+    record.kill_all(grace=2.0)
+    record.forget()
+    with contextlib.suppress(FileNotFoundError):
+        state_file().unlink()
+
+
+def _parse_kv(items: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--broker-config expects key=value, got {item!r}")
+        out[key] = value
+    return out
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    print(ensure_jars_sync(args.version))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    existing = _load_state()
+    if existing is not None:
+        if _running(existing):
+            _print_addrs(existing)
+            return 0
+        _clear(existing)
+    rmq = LocalRocketMQ(args.version, detached=True, heap=args.heap,
+                        broker_config=_parse_kv(args.broker_config),
+                        ready_timeout=args.timeout)
+    asyncio.run(rmq.start_all())
+    record = rmq.record
+    # The resident admin helper ends with this command; only the servers stay.
+    record.pids = {k: v for k, v in record.pids.items() if k in ("namesrv", "broker")}
+    record.save()
+    path = state_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(record.to_json())
+    _print_addrs(record)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    record = _load_state()
+    if record is None or not _running(record):
+        if record is not None:
+            _clear(record)
+        print("not running")
+        return 1
+    _print_addrs(record)
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    record = _load_state()
+    if record is None:
+        print("not running")
+        return 0
+    _clear(record)
+    print("stopped")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m rmq_async.devbroker",
+                                     description="A local Apache RocketMQ for development.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, helptext in (
+        ("fetch", "download the RocketMQ jars (Maven) and print their folder"),
+        ("up", "start a detached NameServer + Broker and print NAMESRV_ADDR"),
+        ("status", "print the running broker's addresses, or 'not running'"),
+        ("down", "stop the detached broker and delete its store"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--version", default=DEFAULT_VERSION, help="RocketMQ version")
+        if name == "up":
+            p.add_argument("--heap", default="512m", help="broker heap (-Xmx)")
+            p.add_argument("--timeout", type=float, default=90.0, help="start-up limit, seconds")
+            p.add_argument("--broker-config", action="append", default=[], metavar="KEY=VALUE",
+                           help="extra broker.conf setting (repeatable)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    )
+    args = build_parser().parse_args(argv)
+    handlers = {"fetch": cmd_fetch, "up": cmd_up, "status": cmd_status, "down": cmd_down}
+    try:
+        return handlers[args.command](args)
+    except DevBrokerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,208 @@
+import java.io.BufferedReader;
+import java.io.InputStreamReader;
+import java.io.OutputStreamWriter;
+import java.io.PrintWriter;
+import java.net.InetAddress;
+import java.net.ServerSocket;
+import java.net.Socket;
+import java.nio.charset.StandardCharsets;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.Map;
+import java.util.Properties;
+import java.util.concurrent.ExecutorService;
+import java.util.concurrent.Executors;
+
+import org.apache.rocketmq.acl.common.AclClientRPCHook;
+import org.apache.rocketmq.acl.common.SessionCredentials;
+import org.apache.rocketmq.client.exception.MQClientException;
+import org.apache.rocketmq.common.TopicConfig;
+import org.apache.rocketmq.remoting.RPCHook;
+import org.apache.rocketmq.remoting.protocol.body.ClusterInfo;
+import org.apache.rocketmq.remoting.protocol.route.BrokerData;
+import org.apache.rocketmq.remoting.protocol.route.QueueData;
+import org.apache.rocketmq.remoting.protocol.route.TopicRouteData;
+import org.apache.rocketmq.tools.admin.DefaultMQAdminExt;
+
+/**
+ * A resident admin client for the local development broker, so that creating a topic costs a
+ * round trip instead of a JVM start.
+ *
+ * Usage: DevAdmin namesrvAddr [accessKey secretKey]
+ *
+ * Listens on an ephemeral loopback port and prints "DEVADMIN PORT n" once ready. Each
+ * connection carries one request line of tab-separated words and gets back "OK" or
+ * "ERR message", then result lines, then the connection closes.
+ *
+ *   ping
+ *   brokers CLUSTER              lines: brokerName TAB brokerId TAB address
+ *   register BROKER_ADDR         asks the broker to register in the name server now
+ *   create CLUSTER TOPIC QUEUES ORDER   creates/updates the topic on every master; lines: address
+ *   route TOPIC                  "NOROUTE", or lines: brokerName TAB read TAB write TAB perm
+ *
+ * Exits when its standard input ends.
+ */
+public class DevAdmin {
+    private static DefaultMQAdminExt admin;
+
+    public static void main(String[] args) throws Exception {
+        RPCHook hook = null;
+        if (args.length >= 3) {
+            hook = new AclClientRPCHook(new SessionCredentials(args[1], args[2]));
+        }
+        admin = new DefaultMQAdminExt(hook, 5000);
+        admin.setNamesrvAddr(args[0]);
+        admin.setInstanceName("devadmin-" + ProcessHandle.current().pid());
+        admin.start();
+
+        ServerSocket server = new ServerSocket(0, 50, InetAddress.getByName("127.0.0.1"));
+        ExecutorService pool = Executors.newCachedThreadPool(r -> {
+            Thread t = new Thread(r, "devadmin-conn");
+            t.setDaemon(true);
+            return t;
+        });
+        Thread acceptor = new Thread(() -> {
+            while (true) {
+                try {
+                    Socket s = server.accept();
+                    pool.execute(() -> serve(s));
+                } catch (Exception e) {
+                    return;
+                }
+            }
+        }, "devadmin-accept");
+        acceptor.setDaemon(true);
+        acceptor.start();
+        System.out.println("DEVADMIN PORT " + server.getLocalPort());
+        System.out.flush();
+
+        // Stay up until the parent closes our stdin.
+        while (System.in.read() >= 0) {
+            // discard
+        }
+        server.close();
+        admin.shutdown();
+        System.exit(0);
+    }
+
+    private static void serve(Socket socket) {
+        try (Socket s = socket;
+             BufferedReader in = new BufferedReader(
+                 new InputStreamReader(s.getInputStream(), StandardCharsets.UTF_8));
+             PrintWriter out = new PrintWriter(
+                 new OutputStreamWriter(s.getOutputStream(), StandardCharsets.UTF_8))) {
+            String line = in.readLine();
+            List<String> result = new ArrayList<>();
+            String status;
+            try {
+                status = handle(line == null ? new String[0] : line.split("\t"), result);
+            } catch (Exception e) {
+                status = "ERR " + oneLine(e);
+            }
+            out.print(status + "\n");
+            for (String r : result) {
+                out.print(r + "\n");
+            }
+            out.flush();
+        } catch (Exception e) {
+            // the caller went away; nothing to report to
+        }
+    }
+
+    private static String oneLine(Throwable e) {
+        StringBuilder sb = new StringBuilder(e.getClass().getSimpleName());
+        for (Throwable c = e; c != null; c = c.getCause()) {
+            sb.append(": ").append(String.valueOf(c.getMessage()));
+        }
+        return sb.toString().replace('\n', ' ').replace('\r', ' ');
+    }
+
+    private static List<String[]> brokers(String cluster) throws Exception {
+        ClusterInfo info = admin.examineBrokerClusterInfo();
+        List<String[]> rows = new ArrayList<>();
+        if (info == null || info.getClusterAddrTable() == null) {
+            return rows;
+        }
+        java.util.Set<String> names = info.getClusterAddrTable().get(cluster);
+        if (names == null) {
+            return rows;
+        }
+        for (String name : names) {
+            BrokerData data = info.getBrokerAddrTable().get(name);
+            if (data == null) {
+                continue;
+            }
+            for (Map.Entry<Long, String> e : data.getBrokerAddrs().entrySet()) {
+                rows.add(new String[] {name, String.valueOf(e.getKey()), e.getValue()});
+            }
+        }
+        return rows;
+    }
+
+    private static String handle(String[] w, List<String> result) throws Exception {
+        if (w.length == 0) {
+            return "ERR empty request";
+        }
+        switch (w[0]) {
+            case "ping":
+                return "OK";
+            case "brokers": {
+                for (String[] row : brokers(w[1])) {
+                    result.add(String.join("\t", row));
+                }
+                return "OK";
+            }
+            case "register": {
+                Properties p = new Properties();
+                p.setProperty("brokerPermission", "6");
+                admin.updateBrokerConfig(w[1], p);
+                return "OK";
+            }
+            case "create": {
+                String cluster = w[1];
+                String topic = w[2];
+                int queues = Integer.parseInt(w[3]);
+                boolean order = Boolean.parseBoolean(w[4]);
+                TopicConfig config = new TopicConfig(topic, queues, queues);
+                config.setOrder(order);
+                StringBuilder orderConf = new StringBuilder();
+                for (String[] row : brokers(cluster)) {
+                    if (!"0".equals(row[1])) {
+                        continue;
+                    }
+                    admin.createAndUpdateTopicConfig(row[2], config);
+                    result.add(row[2]);
+                    if (orderConf.length() > 0) {
+                        orderConf.append(';');
+                    }
+                    orderConf.append(row[0]).append(':').append(queues);
+                }
+                if (result.isEmpty()) {
+                    return "ERR no master broker in cluster " + cluster;
+                }
+                if (order) {
+                    admin.createOrUpdateOrderConf(topic, orderConf.toString(), true);
+                }
+                return "OK";
+            }
+            case "route": {
+                TopicRouteData route;
+                try {
+                    route = admin.examineTopicRouteInfo(w[1]);
+                } catch (MQClientException e) {
+                    if (e.getResponseCode() == 17) {
+                        return "NOROUTE";
+                    }
+                    throw e;
+                }
+                for (QueueData q : route.getQueueDatas()) {
+                    result.add(q.getBrokerName() + "\t" + q.getReadQueueNums() + "\t"
+                        + q.getWriteQueueNums() + "\t" + q.getPerm());
+                }
+                return "OK";
+            }
+            default:
+                return "ERR unknown request " + w[0];
+        }
+    }
+}
