@@ -343,16 +343,21 @@ def _int_in(name: str, value: object, lo: int, hi: int, *, off: int | None = Non
 
 
 def _seconds(
-    name: str, value: object, *, allow_zero: bool = False, hi: float | None = None
+    name: str,
+    value: object,
+    *,
+    allow_zero: bool = False,
+    hi: float | None = None,
+    unit: str = "seconds",
 ) -> None:
     if not _is_number(value):
-        raise InvalidOptionError(name, f"expected a number of seconds, got {value!r}")
+        raise InvalidOptionError(name, f"expected a number of {unit}, got {value!r}")
     v = float(value)  # type: ignore[arg-type]
     if v != v or v < 0 or (v == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise InvalidOptionError(name, f"{value!r} must be {bound} seconds")
+        raise InvalidOptionError(name, f"{value!r} must be {bound} {unit}")
     if hi is not None and v > hi:
-        raise InvalidOptionError(name, f"{value!r} is above the maximum of {hi} seconds")
+        raise InvalidOptionError(name, f"{value!r} is above the maximum of {hi} {unit}")
 
 
 def _camel_to_snake(name: str) -> str:
@@ -469,7 +474,7 @@ class ConsumerOptions:
         _int_in("consume_message_batch_max_size", self.consume_message_batch_max_size, 1, 1024)
         _int_in("consume_concurrency", self.consume_concurrency, 1, 1000)
         _int_in("max_reconsume_times", self.max_reconsume_times, -1, _MAX_INT)
-        _seconds("consume_timeout", self.consume_timeout)
+        _seconds("consume_timeout", self.consume_timeout, unit="minutes")
         _int_in(
             "suspend_current_queue_time_millis", self.suspend_current_queue_time_millis, 0, _MAX_INT
         )
@@ -590,12 +595,34 @@ def _option_names() -> list[str]:
     return [f.name for f in dataclasses.fields(ConsumerOptions) if f.name != "consumer_group"]
 
 
+# Java setting names whose snake_case form is not the option's name.
+_JAVA_ALIASES = {
+    "consumeThreadMin": "consume_concurrency",
+    "consumeThreadMax": "consume_concurrency",
+    "allocateMessageQueueStrategy": "allocate_strategy",
+    "pollNameServerInterval": "route_refresh_interval",
+    "heartbeatBrokerInterval": "heartbeat_interval",
+    "persistConsumerOffsetInterval": "persist_offset_interval",
+    "mqClientApiTimeout": "api_timeout",
+    "clientIP": "client_ip",
+    "consumerGroup": "consumer_group (the first argument)",
+    "namesrvAddr": "namesrv (a constructor argument)",
+    "rpcHook": "credentials",
+    "useTLS": "ssl_context",
+}
+
+
 def _reject_unknown(kwargs: Mapping[str, Any]) -> None:
     names = _option_names()
     for key in kwargs:
         if key in names:
             continue
         snake = _camel_to_snake(key)
-        guesses = [snake] if snake in names else difflib.get_close_matches(key, names, n=3)
+        if key in _JAVA_ALIASES:
+            guesses = [_JAVA_ALIASES[key]]
+        elif snake in names:
+            guesses = [snake]
+        else:
+            guesses = difflib.get_close_matches(key, names, n=3)
         hint = f"; did you mean {' or '.join(repr(g) for g in guesses)}?" if guesses else ""
         raise InvalidOptionError(key, f"unknown consumer option{hint}")

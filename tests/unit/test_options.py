@@ -198,6 +198,13 @@ def test_consume_timestamp_ms_reads_local_time() -> None:
     assert o.consume_timestamp_ms() == int(datetime(2024, 1, 2, 3, 4, 5).timestamp() * 1000)
 
 
+def test_consume_timeout_is_in_minutes() -> None:
+    o = ConsumerOptions.from_kwargs("g1", consume_timeout=2)
+    assert o.consume_timeout_seconds == 120.0
+    with pytest.raises(InvalidOptionError, match="minutes"):
+        ConsumerOptions.from_kwargs("g1", consume_timeout=-1)
+
+
 def test_long_poll_timeout_must_exceed_broker_suspend() -> None:
     with pytest.raises(InvalidOptionError, match="consumer_timeout_when_suspend"):
         ConsumerOptions.from_kwargs("g1", broker_suspend_max_time=30.0)
@@ -230,6 +237,8 @@ def test_unknown_option_gets_a_hint() -> None:
         ConsumerOptions.from_kwargs("g1", pull_batchsize=10)
     with pytest.raises(InvalidOptionError, match="did you mean 'consume_message_batch_max_size'"):
         ConsumerOptions.from_kwargs("g1", consumeMessageBatchMaxSize=10)
+    with pytest.raises(InvalidOptionError, match="did you mean 'consume_concurrency'"):
+        ConsumerOptions.from_kwargs("g1", consumeThreadMax=64)
     with pytest.raises(InvalidOptionError, match=r"unknown consumer option$"):
         ConsumerOptions.from_kwargs("g1", zzzzzz=1)
     with pytest.raises(InvalidOptionError, match="unknown"):
