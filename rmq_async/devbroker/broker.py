@@ -32,7 +32,7 @@ from . import config as cfg
 from .errors import DevBrokerError
 from .java import compile_java
 from .maven import DEFAULT_VERSION, ensure_jars, find_tool
-from .procs import RunRecord, pid_start_ticks, reap_stale_runs, registry_dir, spawn, stop_process
+from .procs import RunRecord, pid_start_ticks, reap_stale_runs, runs_root, spawn, stop_process
 
 __all__ = ["AclAccount", "LocalRocketMQ"]
 
@@ -57,7 +57,7 @@ class AclAccount:
 
 def runs_dir() -> Path:
     """Parent of the run folders this module creates."""
-    path = registry_dir().parent / "runs"
+    path = runs_root() / "runs"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

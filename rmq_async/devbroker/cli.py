@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +32,10 @@ __all__ = ["main", "state_file"]
 
 
 def state_file() -> Path:
-    """Where ``up`` records the detached run."""
+    """Where ``up`` records the detached run (``$RMQ_ASYNC_STATE_FILE`` overrides)."""
+    explicit = os.environ.get("RMQ_ASYNC_STATE_FILE")
+    if explicit:
+        return Path(explicit).expanduser().resolve()
     return cache_root() / "devbroker-state.json"
 
 

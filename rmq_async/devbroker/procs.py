@@ -38,6 +38,7 @@ __all__ = [
     "pid_start_ticks",
     "reap_stale_runs",
     "registry_dir",
+    "runs_root",
     "spawn",
     "stop_process",
     "stop_pid",
@@ -49,9 +50,17 @@ log = structlog.get_logger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
+def runs_root() -> Path:
+    """``$RMQ_ASYNC_RUN_DIR``, else ``<tmp>/rmq_async-devbroker-<uid>``: run folders + registry."""
+    explicit = os.environ.get("RMQ_ASYNC_RUN_DIR")
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    return Path(tempfile.gettempdir()) / f"rmq_async-devbroker-{os.getuid()}"
+
+
 def registry_dir() -> Path:
     """Shared folder of run records (one JSON file per live run)."""
-    path = Path(tempfile.gettempdir()) / f"rmq_async-devbroker-{os.getuid()}" / "registry"
+    path = runs_root() / "registry"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -1,0 +1,423 @@
+"""rmq_async.devbroker without a broker: config rendering, ports, POM, tool lookup, processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from rmq_async.devbroker import DevBrokerError, ensure_jars, ensure_jars_sync, maven, procs
+from rmq_async.devbroker import config as cfg
+from rmq_async.devbroker.broker import LocalRocketMQ, parse_lenient_json
+from rmq_async.devbroker.cli import _parse_kv, build_parser
+from rmq_async.devbroker.java import java_command
+
+# ---------------------------------------------------------------- .properties rendering
+
+
+def test_render_properties_keeps_order_and_escapes() -> None:
+    text = cfg.render_properties({"b": "1", "a": "x\\y", "c": " lead", "d": "two\nlines"},
+                                 header="generated")
+    assert text.splitlines() == ["# generated", "b=1", "a=x\\\\y", "c=\\ lead", "d=two\\nlines"]
+
+
+@pytest.mark.parametrize("key", ["", "a b", "a=b", "a:b", "#x"])
+def test_render_properties_rejects_bad_keys(key: str) -> None:
+    with pytest.raises(ValueError):
+        cfg.render_properties({key: "v"})
+
+
+def test_broker_config_defaults_ports_paths(tmp_path: Path) -> None:
+    values = cfg.broker_config(run_dir=tmp_path, namesrv_addr="127.0.0.1:1234", listen_port=30911)
+    assert values["listenPort"] == "30911"
+    assert values["haListenPort"] == "30912"
+    assert values["namesrvAddr"] == "127.0.0.1:1234"
+    assert values["brokerIP1"] == "127.0.0.1"
+    assert values["bindAddress"] == "127.0.0.1"
+    assert values["storePathRootDir"] == str(tmp_path / "store")
+    assert values["storePathCommitLog"] == str(tmp_path / "store" / "commitlog")
+    assert values["waitTimeMillsInSendQueue"] == "1000"
+    assert values["autoCreateTopicEnable"] == "true"
+    assert "messageDelayLevel" not in values  # broker default unless asked
+    assert "useServerSideResetOffset" not in values
+
+
+def test_broker_config_overrides_win(tmp_path: Path) -> None:
+    levels = " ".join(["1s"] * 18)
+    values = cfg.broker_config(
+        run_dir=tmp_path, namesrv_addr="127.0.0.1:1", listen_port=30911,
+        overrides={"messageDelayLevel": levels, "brokerName": "b-x", "timerWheelEnable": "false"},
+    )
+    assert values["messageDelayLevel"] == levels
+    assert values["brokerName"] == "b-x"
+    assert values["timerWheelEnable"] == "false"
+    rendered = cfg.render_properties(values)
+    assert f"messageDelayLevel={levels}\n" in rendered
+
+
+@pytest.mark.parametrize("key", ["listenPort", "namesrvAddr", "storePathRootDir", "brokerIP1"])
+def test_broker_config_refuses_managed_keys(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        cfg.broker_config(run_dir=tmp_path, namesrv_addr="127.0.0.1:1", listen_port=30911,
+                          overrides={key: "1"})
+
+
+def test_local_rocketmq_names_follow_config() -> None:
+    rmq = LocalRocketMQ(broker_config={"brokerName": "bx", "brokerClusterName": "cx"})
+    assert (rmq.broker_name, rmq.cluster) == ("bx", "cx")
+    default = LocalRocketMQ()
+    assert (default.broker_name, default.cluster) == ("broker-a", "DefaultCluster")
+    with pytest.raises(DevBrokerError, match="not started"):
+        _ = default.namesrv_addr
+
+
+def test_namesrv_config() -> None:
+    assert cfg.namesrv_config(4321) == {"listenPort": "4321", "bindAddress": "127.0.0.1"}
+
+
+def test_jvm_command_shape(tmp_path: Path) -> None:
+    cmd = cfg.jvm_command("java", lib_dir=tmp_path / "lib", main_class=cfg.BROKER_CLASS,
+                          args=["-c", "b.conf"], user_home=tmp_path, heap="512m",
+                          logback="rmq.broker.logback.xml", direct="512m")
+    assert cmd[0] == "java"
+    assert "-Xmx512m" in cmd and "-Xms512m" in cmd
+    assert f"-Duser.home={tmp_path}" in cmd
+    assert "-Drmq.logback.configurationFile=rmq.broker.logback.xml" in cmd
+    assert "-XX:MaxDirectMemorySize=512m" in cmd
+    assert cmd[cmd.index("-cp") + 1] == f"{tmp_path / 'lib'}/*"
+    assert cmd[-3:] == [cfg.BROKER_CLASS, "-c", "b.conf"]
+
+
+# ---------------------------------------------------------------- ports
+
+
+def test_port_is_free_sees_a_listener() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert not cfg.port_is_free(port)
+    assert cfg.port_is_free(cfg.free_port())
+
+
+def test_pick_broker_port_triple_is_free() -> None:
+    port = cfg.pick_broker_port()
+    fast, main, ha = cfg.broker_ports(port)
+    assert (fast, main, ha) == (port - 2, port, port + 1)
+    assert cfg.port_is_free(fast) and cfg.port_is_free(main) and cfg.port_is_free(ha, "0.0.0.0")
+
+
+def test_pick_broker_port_skips_a_busy_ha_port() -> None:
+    first = random.Random(99).randrange(20000, 60000)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", first + 1))  # the HA port of the first candidate
+        s.listen()
+        picked = cfg.pick_broker_port(rng=random.Random(99))
+    assert picked != first
+
+
+def test_pick_broker_port_skips_a_busy_fast_port() -> None:
+    first = random.Random(7).randrange(20000, 60000)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", first - 2))
+        s.listen()
+        picked = cfg.pick_broker_port(rng=random.Random(7))
+    assert picked != first
+
+
+def test_pick_broker_port_honours_exclude() -> None:
+    first = random.Random(5).randrange(20000, 60000)
+    assert cfg.pick_broker_port(rng=random.Random(5), exclude=[first + 1]) != first
+
+
+# ---------------------------------------------------------------- POM and jar cache
+
+
+def test_render_pom_lists_the_artifacts() -> None:
+    pom = maven.render_pom("5.3.3")
+    root = ET.fromstring(pom)
+    ns = {"m": "http://maven.apache.org/POM/4.0.0"}
+    assert root.findtext("m:packaging", namespaces=ns) == "pom"
+    deps = [
+        (d.findtext("m:groupId", namespaces=ns), d.findtext("m:artifactId", namespaces=ns),
+         d.findtext("m:version", namespaces=ns))
+        for d in root.iterfind("m:dependencies/m:dependency", ns)
+    ]
+    assert deps == [("org.apache.rocketmq", a, "5.3.3") for a in
+                    ("rocketmq-namesrv", "rocketmq-broker", "rocketmq-tools", "rocketmq-client")]
+
+
+@pytest.mark.parametrize("bad", ["", "5.3.3<", "../x", "5.3 .3"])
+def test_render_pom_rejects_bad_versions(bad: str) -> None:
+    with pytest.raises(ValueError):
+        maven.render_pom(bad)
+
+
+def test_cache_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("RMQ_ASYNC_CACHE", str(tmp_path / "c"))
+    assert maven.version_dir("5.3.3") == tmp_path / "c" / "rocketmq-5.3.3"
+    monkeypatch.delenv("RMQ_ASYNC_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert maven.version_dir("5.3.3") == tmp_path / "xdg" / "rmq_async" / "rocketmq-5.3.3"
+    assert maven.version_dir("5.3.3", tmp_path / "o") == tmp_path / "o" / "rocketmq-5.3.3"
+
+
+def _fake_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tools: dict[str, str]) -> Path:
+    """PATH holding only the given executables (name -> script body)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in tools.items():
+        exe = bin_dir / name
+        exe.write_text("#!/bin/sh\n" + body)
+        exe.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    monkeypatch.delenv("MAVEN_HOME", raising=False)
+    return bin_dir
+
+
+# A stand-in for Maven: logs its arguments, then "downloads" two jars into -DoutputDirectory.
+_FAKE_MVN = textwrap.dedent("""\
+    echo "$@" >> "${0%/*}/mvn.calls"
+    for a in "$@"; do
+      case "$a" in -DoutputDirectory=*) out="${a#-DoutputDirectory=}";; esac
+    done
+    echo jar > "$out/rocketmq-broker-5.3.3.jar"
+    echo jar > "$out/netty-all.jar"
+    """)
+
+
+async def test_ensure_jars_without_mvn_names_maven(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    _fake_path(monkeypatch, tmp_path, {"java": "exit 0"})
+    with pytest.raises(DevBrokerError, match=r"`mvn` not found.*Maven"):
+        await ensure_jars("5.3.3", tmp_path / "cache")
+    with pytest.raises(DevBrokerError, match="`mvn` not found"):
+        ensure_jars_sync("5.3.3", tmp_path / "cache")
+
+
+async def test_ensure_jars_without_java_names_java(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    _fake_path(monkeypatch, tmp_path, {"mvn": _FAKE_MVN})
+    with pytest.raises(DevBrokerError, match=r"`java` not found.*Java"):
+        await ensure_jars("5.3.3", tmp_path / "cache")
+
+
+async def test_ensure_jars_fetches_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    bin_dir = _fake_path(monkeypatch, tmp_path, {"mvn": _FAKE_MVN, "java": "exit 0"})
+    lib = await ensure_jars("5.3.3", tmp_path / "cache")
+    vdir = tmp_path / "cache" / "rocketmq-5.3.3"
+    assert lib == vdir / "lib"
+    assert sorted(p.name for p in lib.glob("*.jar")) == ["netty-all.jar",
+                                                         "rocketmq-broker-5.3.3.jar"]
+    assert (vdir / "pom.xml").read_text() == maven.render_pom("5.3.3")
+    calls = (bin_dir / "mvn.calls").read_text().splitlines()
+    assert len(calls) == 1
+    argv = calls[0].split()
+    assert f"{maven.DEPENDENCY_PLUGIN}:copy-dependencies" in argv
+    assert "-DincludeScope=runtime" in argv
+    assert argv[argv.index("-f") + 1] == str(vdir / "pom.xml")
+    marker = json.loads((lib / maven.MARKER_NAME).read_text())
+    assert marker["version"] == "5.3.3"
+
+    # Warm: neither the async nor the sync form runs Maven again.
+    assert await ensure_jars("5.3.3", tmp_path / "cache") == lib
+    assert ensure_jars_sync("5.3.3", tmp_path / "cache") == lib
+    assert len((bin_dir / "mvn.calls").read_text().splitlines()) == 1
+
+    # A jar gone missing invalidates the marker: fetched again.
+    (lib / "netty-all.jar").unlink()
+    assert ensure_jars_sync("5.3.3", tmp_path / "cache") == lib
+    assert len((bin_dir / "mvn.calls").read_text().splitlines()) == 2
+    assert (lib / "netty-all.jar").is_file()
+
+
+async def test_ensure_jars_reports_maven_failure(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    _fake_path(monkeypatch, tmp_path, {
+        "mvn": "echo 'Could not resolve dependencies for project'; exit 1",
+        "java": "exit 0",
+    })
+    with pytest.raises(DevBrokerError, match=r"(?s)exit 1.*Could not resolve dependencies"):
+        await ensure_jars("5.3.3", tmp_path / "cache")
+    vdir = tmp_path / "cache" / "rocketmq-5.3.3"
+    assert not (vdir / "lib").exists()
+    assert not list(vdir.glob("lib.partial-*"))
+
+
+def test_java_home_is_preferred(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_path(monkeypatch, tmp_path, {"java": "exit 0"})
+    home = tmp_path / "jdk"
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "java").write_text("#!/bin/sh\n")
+    (home / "bin" / "java").chmod(0o755)
+    monkeypatch.setenv("JAVA_HOME", str(home))
+    assert maven.find_tool("java") == home / "bin" / "java"
+
+
+# ---------------------------------------------------------------- tool output parsing
+
+
+def test_parse_lenient_json_quotes_integer_keys() -> None:
+    text = '{"brokerAddrs":{0:"127.0.0.1:1", 12 :"x"},"s":"k,1:\\"","l":[1,2,{3:4}]}'
+    assert parse_lenient_json(text) == {
+        "brokerAddrs": {"0": "127.0.0.1:1", "12": "x"}, "s": 'k,1:"', "l": [1, 2, {"3": 4}],
+    }
+
+
+def test_cli_parsing() -> None:
+    assert _parse_kv(["a=1", "b=x=y"]) == {"a": "1", "b": "x=y"}
+    with pytest.raises(SystemExit):
+        _parse_kv(["novalue"])
+    args = build_parser().parse_args(["up", "--version", "5.3.2", "--broker-config", "k=v"])
+    assert (args.command, args.version, args.broker_config) == ("up", "5.3.2", ["k=v"])
+
+
+def test_java_command_rejects_bad_class(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_path(monkeypatch, tmp_path, {"java": "exit 0"})
+    cmd = java_command("a.b.Main", ["x"], ["/c", "/lib/*"], user_home=tmp_path)
+    assert cmd[-2:] == ["a.b.Main", "x"]
+    assert cmd[cmd.index("-cp") + 1] == "/c:/lib/*"
+    assert "-Drmq.logback.configurationFile=rmq.client.logback.xml" in cmd
+    with pytest.raises(ValueError):
+        java_command("bad name;rm", [], "/x", user_home=tmp_path)
+
+
+# ---------------------------------------------------------------- processes
+
+
+@pytest.fixture
+def run_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    root = tmp_path / "runs"
+    monkeypatch.setenv("RMQ_ASYNC_RUN_DIR", str(root))
+    return root
+
+
+def _sleeper(tag: Path) -> subprocess.Popen[bytes]:
+    """A process whose command line mentions ``tag`` (as a JVM's mentions its run folder)."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", str(tag)])
+
+
+def test_run_record_round_trip(run_root: Path, tmp_path: Path) -> None:
+    rec = procs.RunRecord(run_id="r1", workdir=tmp_path / "w", owner_pid=os.getpid(),
+                          owner_start=procs.pid_start_ticks(os.getpid()), remove_workdir=True,
+                          pids={"broker": 12}, info={"namesrv_addr": "127.0.0.1:1"})
+    rec.save()
+    assert rec.registry_file.parent == run_root / "registry"
+    again = procs.RunRecord.from_json(rec.registry_file.read_text())
+    assert again == rec
+    assert again.owner_alive()
+    rec.forget()
+    assert not rec.registry_file.exists()
+    assert not (tmp_path / "w").exists()
+
+
+def test_reap_stale_runs_kills_orphans_only(run_root: Path, tmp_path: Path) -> None:
+    dead_owner = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_owner.wait()
+    stale_dir = tmp_path / "stale"
+    live_dir = tmp_path / "live"
+    stale_dir.mkdir()
+    live_dir.mkdir()
+    orphan = _sleeper(stale_dir)
+    kept = _sleeper(live_dir)
+    try:
+        procs.RunRecord(run_id="stale", workdir=stale_dir, owner_pid=dead_owner.pid,
+                        remove_workdir=True, pids={"broker": orphan.pid}).save()
+        procs.RunRecord(run_id="live", workdir=live_dir, owner_pid=os.getpid(),
+                        owner_start=procs.pid_start_ticks(os.getpid()), remove_workdir=True,
+                        pids={"broker": kept.pid}).save()
+        reaped = procs.reap_stale_runs()
+        assert [r.run_id for r in reaped] == ["stale"]
+        assert orphan.wait(timeout=10) is not None
+        assert not stale_dir.exists()
+        assert kept.poll() is None
+        assert live_dir.exists()
+    finally:
+        for p in (orphan, kept):
+            p.kill()
+            p.wait()
+
+
+def test_reap_never_signals_a_recycled_pid(run_root: Path, tmp_path: Path) -> None:
+    unrelated = _sleeper(tmp_path / "elsewhere")
+    try:
+        procs.RunRecord(run_id="s", workdir=tmp_path / "gone", owner_pid=None,
+                        remove_workdir=True, pids={"broker": 2**22 + 7}).save()
+        procs.RunRecord(run_id="t", workdir=tmp_path / "gone2", owner_pid=999_999_999,
+                        remove_workdir=True, pids={"broker": unrelated.pid}).save()
+        reaped = procs.reap_stale_runs()
+        assert sorted(r.run_id for r in reaped) == ["s", "t"]
+        assert unrelated.poll() is None  # its command line does not mention the run folder
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+
+
+def _stubborn() -> subprocess.Popen[bytes]:
+    """A child that ignores SIGTERM (prints "up" once the handler is in place)."""
+    return subprocess.Popen(
+        [sys.executable, "-c",
+         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+         "print('up', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE,
+    )
+
+
+async def test_stop_process_escalates_to_sigkill(tmp_path: Path) -> None:
+    stubborn = _stubborn()
+    assert stubborn.stdout is not None
+    assert await anyio.to_thread.run_sync(stubborn.stdout.readline) == b"up\n"
+    started = time.monotonic()
+    rc = await procs.stop_process(stubborn, grace=0.5)
+    assert rc == -signal.SIGKILL
+    assert 0.4 < time.monotonic() - started < 10
+    stubborn.stdout.close()
+
+
+async def test_stop_process_polite_exit(tmp_path: Path) -> None:
+    polite = procs.spawn([sys.executable, "-c", "import time; time.sleep(120)"], cwd=tmp_path,
+                         env=os.environ, output=tmp_path / "out", die_with_parent=True)
+    assert await procs.stop_process(polite, grace=10) == -signal.SIGTERM
+
+
+def test_child_dies_with_its_parent(tmp_path: Path) -> None:
+    """The parent-death signal: a spawned child goes when the spawning process is killed."""
+    script = textwrap.dedent(f"""\
+        import importlib.util, os, pathlib, sys, time
+        spec = importlib.util.spec_from_file_location("devprocs", {procs.__file__!r})
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["devprocs"] = mod
+        spec.loader.exec_module(mod)
+        child = mod.spawn([sys.executable, "-c", "import time; time.sleep(120)"],
+                          cwd={str(tmp_path)!r}, env=os.environ,
+                          output=pathlib.Path({str(tmp_path / "child.out")!r}),
+                          die_with_parent=True)
+        print(child.pid, flush=True)
+        time.sleep(120)
+        """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None
+        child_pid = int(parent.stdout.readline())
+        assert procs.pid_alive(child_pid)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while procs.pid_alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not procs.pid_alive(child_pid)
