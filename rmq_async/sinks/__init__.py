@@ -1,0 +1,56 @@
+"""Sinks: consumers of message batches that acknowledge messages only once they are stored.
+
+The Spark sink lives in :mod:`rmq_async.sinks.spark` and needs the ``spark`` extra
+(``pip install 'rmq_async[spark]'``); this package itself imports neither PySpark nor pyarrow, so
+the consumer can type against :class:`MessageSink` without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from rmq_async.protocol.types import MessageExt
+
+__all__ = ["AckCallback", "MessageSink", "SinkClosedError"]
+
+#: Called exactly once per offered chunk, on the event loop: ``True`` once the chunk is stored,
+#: ``False`` when storing it failed for good (the consumer then runs its failure path).
+AckCallback = Callable[[bool], None]
+
+
+class SinkClosedError(RuntimeError):
+    """A chunk was offered to a sink that is closing or closed."""
+
+
+class MessageSink(Protocol):
+    """What a consumer needs from a sink. Every method is called on the event loop."""
+
+    def offer(self, msgs: list[MessageExt], ack: AckCallback) -> None:
+        """Take a chunk of messages; ``ack`` is called once its fate is known."""
+        ...
+
+    def want_more(self) -> bool:
+        """False while the sink is behind; the consumer should then pause pulling."""
+        ...
+
+    async def wait_for_room(self) -> None:
+        """Return once :meth:`want_more` is True."""
+        ...
+
+    @property
+    def backlog_rows(self) -> int:
+        """Messages offered and not yet acknowledged."""
+        ...
+
+    async def run(self) -> None:
+        """The sink's writer loop; runs in the consumer's task group until :meth:`aclose`."""
+        ...
+
+    async def flush(self) -> None:
+        """Store everything offered so far (or fail it) before returning."""
+        ...
+
+    async def aclose(self) -> None:
+        """Flush, then end :meth:`run`. Idempotent."""
+        ...
