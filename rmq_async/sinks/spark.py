@@ -1,0 +1,697 @@
+"""Spark sink: consumed messages land in DataFrames; offsets move only after the write.
+
+Needs the ``spark`` extra (PySpark 4 and pyarrow). The SparkSession is the caller's: nothing
+here looks at ``spark.master``, so the same code runs in local mode or against a standalone,
+YARN or Kubernetes cluster (only the write's target path must be reachable from the executors,
+e.g. HDFS/S3 instead of a local folder).
+
+How it works
+------------
+The consumer hands chunks of messages to :meth:`SparkSink.offer` together with an ``ack``
+callback. Chunks are gathered into a batch until it holds ``batch_rows`` messages or
+``batch_bytes`` of bodies, or until it is ``max_batch_latency`` seconds old, whichever comes
+first (a chunk is never split, so a batch may overshoot a size limit by one chunk). One writer
+loop (:meth:`SparkSink.run`, owned by the consumer's task group) takes closed batches in order
+and, in a worker thread, converts the batch to a pyarrow Table column by column
+(:func:`messages_to_arrow`), creates the DataFrame with ``spark.createDataFrame(table)`` and
+calls the user's ``write(df, batch_info)``. While one batch is being written the next one fills.
+A failed write is retried ``write_retries`` times with exponential backoff (``retry_backoff``,
+doubled per attempt, slept on the event loop). Then every chunk of the batch is acknowledged:
+``ack(True)`` after the write returned, ``ack(False)`` when all attempts failed (the consumer
+sends those messages back for redelivery); exactly one call per offered chunk.
+
+Rows follow Spark's Kafka source, adapted to RocketMQ (see :data:`SPARK_SCHEMA`). With
+``value_format`` and a ``value_schema`` (a ``StructType``) the body is also decoded into a
+``value`` struct column; a body that does not decode gives a null ``value`` and keeps its
+``body``:
+
+* ``"json"`` is decoded inside Spark with ``from_json`` (PERMISSIVE mode, and a row that Spark
+  marks corrupt becomes null). It is faster than parsing in Python (measured on 50,000 rows of
+  small objects: 1.3 s against 2.0 s end to end to Parquet) and follows Spark's JSON rules,
+  including timestamps, dates and decimals given as strings.
+* ``"msgpack"`` is decoded in Python in the worker thread (:func:`decode_values`) and arrives as
+  an Arrow struct column; msgpack timestamps become Spark timestamps.
+
+Exactly-once into Delta
+-----------------------
+Delivery is at-least-once: a crash between a successful write and the next offset persist
+redelivers the messages of that window. Every row carries the key
+``(topic, broker_name, queue_id, queue_offset)``, so a write can be made idempotent. With Delta
+Lake, MERGE on the key inserts only rows not yet present::
+
+    from delta.tables import DeltaTable
+
+    def write(df, info):
+        target = DeltaTable.forPath(spark, "s3://bucket/rocketmq/orders")
+        (target.alias("t")
+            .merge(df.alias("s"),
+                   "t.topic = s.topic AND t.broker_name = s.broker_name"
+                   " AND t.queue_id = s.queue_id AND t.queue_offset = s.queue_offset")
+            .whenNotMatchedInsertAll()
+            .execute())
+
+A batch covers, per queue, a contiguous offset range (:attr:`BatchInfo.offset_ranges`), so an
+overwrite of exactly that range is idempotent as well and avoids the join of a MERGE::
+
+    def write(df, info):
+        ranges = " OR ".join(
+            f"(topic = '{mq.topic}' AND broker_name = '{mq.broker_name}'"
+            f" AND queue_id = {mq.queue_id} AND queue_offset BETWEEN {lo} AND {hi})"
+            for mq, (lo, hi) in info.offset_ranges.items())
+        (df.write.format("delta").mode("overwrite")
+            .option("replaceWhere", ranges).save("s3://bucket/rocketmq/orders"))
+
+(Ranges are contiguous when the consumer delivers every offset of a queue to the sink; tag
+filtering or messages handed back to the broker leave holes, which only makes the overwrite
+replace rows the same batch writes again.) Plain Parquet appends (:func:`parquet_writer`) are
+at-least-once; deduplicate on the key when reading (``dropDuplicates``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import anyio.to_thread
+import pyarrow as pa
+import structlog
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    IntegerType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.sinks import AckCallback, SinkClosedError
+from rmq_async.sinks._arrow import (
+    ARROW_SCHEMA,
+    ValueFormat,
+    decode_values,
+    messages_to_arrow,
+    offset_ranges,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = [
+    "ARROW_SCHEMA",
+    "SPARK_SCHEMA",
+    "BatchInfo",
+    "SinkStatistics",
+    "SparkSink",
+    "WriteFunction",
+    "decode_values",
+    "messages_to_arrow",
+    "parquet_writer",
+]
+
+log = structlog.get_logger(__name__)
+
+_MiB = 1 << 20
+# An Arrow binary column addresses at most 2 GiB; stay well below with one chunk of overshoot.
+_MAX_BATCH_BYTES = 1024 * _MiB
+_CORRUPT_FIELD = "__rmq_corrupt_record"
+# Largest Arrow slice (rows); also Spark's default Arrow batch size.
+_MAX_CHUNK_ROWS = 10_000
+
+#: The DataFrame schema of every batch (the ``value`` column is appended when decoding bodies).
+SPARK_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("broker_name", StringType(), False),
+        StructField("queue_id", IntegerType(), False),
+        StructField("queue_offset", LongType(), False),
+        StructField("msg_id", StringType(), False),
+        StructField("offset_msg_id", StringType(), False),
+        StructField("tags", StringType(), True),
+        StructField("keys", ArrayType(StringType(), False), False),
+        StructField("body", BinaryType(), False),
+        StructField("properties", MapType(StringType(), StringType(), False), False),
+        StructField("born_timestamp", TimestampType(), False),
+        StructField("store_timestamp", TimestampType(), False),
+        StructField("born_host", StringType(), False),
+        StructField("store_host", StringType(), False),
+        StructField("reconsume_times", IntegerType(), False),
+    ]
+)
+
+
+@dataclass(slots=True)
+class BatchInfo:
+    """What a batch holds; given to ``write`` next to the DataFrame."""
+
+    batch_id: int
+    """Increases by one per batch of this sink, starting at 1."""
+    topics: tuple[str, ...]
+    """Topics present, sorted."""
+    queues: tuple[MessageQueue, ...]
+    """Message queues present, in Java ``MessageQueue`` order."""
+    offset_ranges: dict[MessageQueue, tuple[int, int]]
+    """Lowest and highest queue offset per queue."""
+    row_count: int
+    bytes: int
+    """Sum of the body sizes."""
+    opened_at: float
+    """Wall-clock time (epoch seconds) the first chunk arrived."""
+    closed_at: float
+    """Wall-clock time the batch stopped taking chunks."""
+
+
+WriteFunction = Callable[["DataFrame", BatchInfo], None]
+CreateDataFrame = Callable[[pa.Table], "DataFrame"]
+
+
+class SinkStatistics(NamedTuple):
+    batches_written: int
+    rows_written: int
+    bytes_written: int
+    batches_given_up: int
+    rows_given_up: int
+    write_seconds: float
+    """Time spent in successful attempts (conversion, DataFrame creation, write)."""
+
+
+class TaskSpawner(Protocol):
+    """Anything that owns tasks and starts one from a coroutine (the consumer's task owner)."""
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str) -> Any: ...
+
+
+class _Batch:
+    __slots__ = (
+        "acks",
+        "batch_id",
+        "bytes",
+        "chunks",
+        "closed_at",
+        "done",
+        "opened_at",
+        "opened_mono",
+        "rows",
+    )
+
+    def __init__(self, batch_id: int) -> None:
+        self.batch_id = batch_id
+        self.chunks: list[list[MessageExt]] = []
+        self.acks: list[AckCallback] = []
+        self.rows = 0
+        self.bytes = 0
+        self.opened_at = time.time()
+        self.opened_mono = time.monotonic()
+        self.closed_at = 0.0
+        self.done = asyncio.Event()
+
+
+class _Job:
+    """One batch on its way through the worker thread; survives across retries."""
+
+    __slots__ = ("batch", "info", "table", "written")
+
+    def __init__(self, batch: _Batch) -> None:
+        self.batch = batch
+        self.table: pa.Table | None = None
+        self.info: BatchInfo | None = None
+        self.written = False
+
+
+class SparkSink:
+    """Batches consumed messages into Spark DataFrames and hands them to ``write``.
+
+    ``write(df, batch_info)`` runs in a worker thread and stores the batch (for example
+    :func:`parquet_writer`); returning normally means the batch is stored, raising means it is
+    not. ``spark`` is the caller's SparkSession.
+
+    The consumer drives the sink through :meth:`start` or :meth:`run` (the writer loop),
+    :meth:`offer`, :meth:`want_more` / :attr:`backlog_rows`, :meth:`flush` and :meth:`aclose`,
+    all on the event loop. Everything blocking (Arrow conversion, Spark) runs in a worker thread.
+
+    Backpressure and batch size. The consumer keeps offered messages in its process queues
+    until they are acknowledged, so its flow control bounds what the sink holds: at most about
+    ``pull_threshold_for_queue`` x (assigned queues) messages (and the size and offset-span
+    thresholds likewise). When the writer falls behind (a closed batch waits while another is
+    written) :meth:`want_more` turns False and the consumer pauses pulling. If ``batch_rows``
+    is larger than what the flow control lets in, a batch never fills by count: it is then
+    closed by ``max_batch_latency``, so the sink never waits for messages the consumer will not
+    pull (no deadlock; throughput is bounded by that many messages per latency period). For full
+    batches with one writing while the next fills, keep
+    ``2 * batch_rows <= pull_threshold_for_queue * queues``. The latency limit is applied when
+    the writer is ready for the next batch: while a write is running, the open batch keeps
+    filling up to the size limits instead of being cut into many small batches.
+
+    Args:
+        spark: the SparkSession; may be None only when ``create_dataframe`` is given.
+        write: stores one batch; called in a worker thread, one batch at a time.
+        batch_rows: close a batch at this many messages.
+        batch_bytes: close a batch at this many body bytes (at most 1 GiB).
+        max_batch_latency: close a batch this many seconds after its first chunk arrived.
+        write_retries: attempts after the first failed one before the batch is given up.
+        retry_backoff: seconds before the first retry; doubled for every further retry.
+        value_format: ``"json"`` or ``"msgpack"`` to decode bodies into a ``value`` column.
+        value_schema: the ``StructType`` of ``value``; required with ``value_format``.
+        create_dataframe: replaces ``spark.createDataFrame`` (a hook for tests of the batching).
+    """
+
+    def __init__(
+        self,
+        spark: SparkSession | None,
+        write: WriteFunction,
+        *,
+        batch_rows: int = 50_000,
+        batch_bytes: int = 64 * _MiB,
+        max_batch_latency: float = 5.0,
+        write_retries: int = 3,
+        retry_backoff: float = 1.0,
+        value_format: ValueFormat | None = None,
+        value_schema: StructType | None = None,
+        create_dataframe: CreateDataFrame | None = None,
+    ) -> None:
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
+        if not 1 <= batch_bytes <= _MAX_BATCH_BYTES:
+            raise ValueError(f"batch_bytes must be in 1..{_MAX_BATCH_BYTES}, got {batch_bytes}")
+        if not (max_batch_latency > 0 and math.isfinite(max_batch_latency)):
+            raise ValueError(f"max_batch_latency must be positive, got {max_batch_latency}")
+        if write_retries < 0:
+            raise ValueError(f"write_retries must not be negative, got {write_retries}")
+        if not (retry_backoff >= 0 and math.isfinite(retry_backoff)):
+            raise ValueError(f"retry_backoff must be a non-negative number, got {retry_backoff}")
+        if value_format not in (None, "json", "msgpack"):
+            raise ValueError(f"value_format must be 'json' or 'msgpack', got {value_format!r}")
+        if value_format is not None and not isinstance(value_schema, StructType):
+            raise ValueError("value_format needs value_schema, a pyspark StructType")
+        if value_format is None and value_schema is not None:
+            raise ValueError("value_schema given without value_format")
+        if create_dataframe is None:
+            if spark is None:
+                raise ValueError("spark is required unless create_dataframe is given")
+            create_dataframe = spark.createDataFrame
+        self._create_dataframe: CreateDataFrame = create_dataframe
+        self._spark = spark
+        self._chunk_rows: int | None = None
+        self._write = write
+        self._batch_rows = batch_rows
+        self._batch_bytes = batch_bytes
+        self._max_batch_latency = float(max_batch_latency)
+        self._write_retries = write_retries
+        self._retry_backoff = float(retry_backoff)
+        self._value_format: ValueFormat | None = value_format
+        self._value_schema = value_schema
+        self._value_arrow_type: pa.StructType | None = None
+        if value_format == "msgpack":
+            from pyspark.sql.pandas.types import to_arrow_type
+
+            assert value_schema is not None
+            self._value_arrow_type = to_arrow_type(value_schema, timezone="UTC")
+
+        self._next_id = 1
+        self._open: _Batch | None = None
+        self._pending: deque[_Batch] = deque()
+        self._last_closed: _Batch | None = None
+        self._wakeup = asyncio.Event()
+        self._room = asyncio.Event()  # set while nothing closed waits: want_more()
+        self._room.set()
+        self._writer_lock = asyncio.Lock()
+        self._running = False
+        self._closed = False
+        self._backlog_rows = 0
+        self._backlog_bytes = 0
+        self._batches_written = 0
+        self._rows_written = 0
+        self._bytes_written = 0
+        self._batches_given_up = 0
+        self._rows_given_up = 0
+        self._write_seconds = 0.0
+
+    # ------------------------------------------------------------------ consumer-facing
+
+    def offer(self, msgs: list[MessageExt], ack: AckCallback) -> None:
+        """Add a chunk to the open batch; ``ack`` is called once, after the batch's outcome.
+
+        Never blocks and never refuses for lack of room: the consumer's flow control bounds
+        what it offers (see the class docstring). Raises :class:`SinkClosedError` after
+        :meth:`aclose`.
+        """
+        if self._closed:
+            raise SinkClosedError("the Spark sink is closed")
+        batch = self._open
+        if batch is None:
+            batch = self._open = _Batch(self._next_id)
+            self._next_id += 1
+            self._wakeup.set()  # the writer starts the latency clock of this batch
+        size = sum(len(m.body) for m in msgs)
+        batch.chunks.append(msgs)
+        batch.acks.append(ack)
+        batch.rows += len(msgs)
+        batch.bytes += size
+        self._backlog_rows += len(msgs)
+        self._backlog_bytes += size
+        if batch.rows >= self._batch_rows or batch.bytes >= self._batch_bytes:
+            self._close_open()
+
+    def want_more(self) -> bool:
+        """False while a closed batch waits behind the one being written."""
+        return not self._pending
+
+    async def wait_for_room(self) -> None:
+        """Return once :meth:`want_more` is True."""
+        await self._room.wait()
+
+    @property
+    def backlog_rows(self) -> int:
+        """Messages offered and not yet acknowledged (open, waiting and writing batches)."""
+        return self._backlog_rows
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Body bytes offered and not yet acknowledged."""
+        return self._backlog_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def statistics(self) -> SinkStatistics:
+        return SinkStatistics(
+            self._batches_written,
+            self._rows_written,
+            self._bytes_written,
+            self._batches_given_up,
+            self._rows_given_up,
+            self._write_seconds,
+        )
+
+    async def start(self, owner: TaskSpawner | asyncio.TaskGroup) -> None:
+        """Start :meth:`run` as a task of ``owner`` (a task owner or an asyncio TaskGroup)."""
+        if isinstance(owner, asyncio.TaskGroup):
+            owner.create_task(self.run(), name="spark-sink-writer")
+        else:
+            owner.spawn(self.run(), name="spark-sink-writer")
+
+    async def run(self) -> None:
+        """The writer loop: writes closed batches one at a time until :meth:`aclose`.
+
+        If the loop is cancelled while a write runs, the write finishes in its thread first
+        (Spark calls cannot be interrupted) and its chunks are acknowledged with its outcome;
+        every chunk not yet written is acknowledged with ``False``. The sink stays open, so the
+        loop may be started again.
+        """
+        async with self._writer_lock:
+            self._running = True
+            try:
+                while True:
+                    batch = await self._next_batch()
+                    if batch is None:
+                        return
+                    await self._write_batch(batch)
+            except BaseException:
+                self._fail_outstanding()
+                raise
+            finally:
+                self._running = False
+
+    async def flush(self) -> None:
+        """Close the open batch now and return once everything offered so far is acknowledged.
+
+        If no writer loop is running, the batches are written by this call.
+        """
+        if self._open is not None:
+            self._close_open()
+        target = self._last_closed
+        if target is None:
+            return
+        while not target.done.is_set():
+            if self._running:
+                # run() writes batches in order and acknowledges everything if it ends early.
+                await target.done.wait()
+                return
+            async with self._writer_lock:
+                while self._pending and not target.done.is_set():
+                    await self._write_batch(self._take_pending())
+
+    async def aclose(self) -> None:
+        """Refuse further chunks, write what was offered, then end :meth:`run`. Idempotent."""
+        self._closed = True
+        await self.flush()
+        self._wakeup.set()
+        async with self._writer_lock:  # held by run() until it has returned
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<SparkSink {state} backlog_rows={self._backlog_rows} "
+            f"waiting_batches={len(self._pending)} written={self._batches_written}>"
+        )
+
+    # ------------------------------------------------------------------ batching
+
+    def _close_open(self) -> None:
+        batch = self._open
+        if batch is None:
+            return
+        self._open = None
+        batch.closed_at = time.time()
+        self._pending.append(batch)
+        self._room.clear()
+        self._last_closed = batch
+        self._wakeup.set()
+
+    def _take_pending(self) -> _Batch:
+        batch = self._pending.popleft()
+        if not self._pending:
+            self._room.set()
+        return batch
+
+    async def _next_batch(self) -> _Batch | None:
+        """The next batch to write, waiting for one to close; None once closed and drained."""
+        while True:
+            if self._pending:
+                return self._take_pending()
+            batch = self._open
+            timeout: float | None
+            if batch is not None:
+                timeout = batch.opened_mono + self._max_batch_latency - time.monotonic()
+                if timeout <= 0 or self._closed:
+                    self._close_open()
+                    continue
+            elif self._closed:
+                return None
+            else:
+                timeout = None
+            self._wakeup.clear()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._wakeup.wait()
+            except TimeoutError:
+                pass
+
+    def _fail_outstanding(self) -> None:
+        batches = list(self._pending)
+        self._pending.clear()
+        self._room.set()
+        if self._open is not None:
+            batches.append(self._open)
+            self._open = None
+        for batch in batches:
+            if not batch.done.is_set():
+                self._finish(batch, False)
+
+    # ------------------------------------------------------------------ writing
+
+    async def _write_batch(self, batch: _Batch) -> None:
+        if batch.rows == 0:
+            self._finish(batch, True)
+            return
+        job = _Job(batch)
+        attempt = 0
+        try:
+            while True:
+                attempt += 1
+                started = time.monotonic()
+                try:
+                    await _run_in_thread(self._attempt, job)
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+                    log.warning(
+                        "spark_sink.write_failed",
+                        batch_id=batch.batch_id,
+                        attempt=attempt,
+                        error=error,
+                    )
+                    if attempt > self._write_retries:
+                        log.error(
+                            "spark_sink.batch_given_up",
+                            batch_id=batch.batch_id,
+                            rows=batch.rows,
+                            attempts=attempt,
+                            error=error,
+                        )
+                        self._batches_given_up += 1
+                        self._rows_given_up += batch.rows
+                        self._finish(batch, False)
+                        return
+                    await asyncio.sleep(self._retry_backoff * 2 ** (attempt - 1))
+                    continue
+                seconds = time.monotonic() - started
+                log.info(
+                    "spark_sink.batch_written",
+                    batch_id=batch.batch_id,
+                    rows=batch.rows,
+                    bytes=batch.bytes,
+                    seconds=round(seconds, 3),
+                    attempts=attempt,
+                )
+                self._batches_written += 1
+                self._rows_written += batch.rows
+                self._bytes_written += batch.bytes
+                self._write_seconds += seconds
+                self._finish(batch, True)
+                return
+        except BaseException:
+            # Cancelled while writing or backing off: the thread has finished
+            # (_run_in_thread waits for it), so job.written is final.
+            if not batch.done.is_set():
+                self._finish(batch, job.written)
+            raise
+
+    def _attempt(self, job: _Job) -> None:
+        """One write attempt, in a worker thread."""
+        if job.table is None or job.info is None:
+            msgs = list(itertools.chain.from_iterable(job.batch.chunks))
+            chunk_rows = self._arrow_chunk_rows()
+            table = messages_to_arrow(msgs, chunk_rows=chunk_rows)
+            if self._value_arrow_type is not None:
+                assert self._value_format is not None
+                value_type = self._value_arrow_type
+                values = pa.chunked_array(
+                    [
+                        decode_values(
+                            [m.body for m in msgs[start : start + chunk_rows]],
+                            self._value_format,
+                            value_type,
+                        )
+                        for start in range(0, len(msgs), chunk_rows)
+                    ],
+                    value_type,
+                )
+                table = table.append_column(pa.field("value", value_type, True), values)
+            job.table = table
+            job.info = _batch_info(job.batch, msgs)
+        frame = self._create_dataframe(job.table)
+        if self._value_format == "json":
+            frame = self._with_json_value(frame)
+        self._write(frame, job.info)
+        job.written = True
+
+    def _arrow_chunk_rows(self) -> int:
+        """Rows per Arrow slice: Spark's Arrow batch size (each slice becomes one partition),
+        at most :data:`_MAX_CHUNK_ROWS` so that no single Arrow call holds the GIL for long."""
+        if self._chunk_rows is None:
+            rows = 0
+            if self._spark is not None:
+                try:
+                    conf = self._spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
+                    rows = int(conf) if conf else 0
+                except Exception:  # a session without that setting: keep the default
+                    rows = 0
+            self._chunk_rows = min(rows, _MAX_CHUNK_ROWS) if rows > 0 else _MAX_CHUNK_ROWS
+        return self._chunk_rows
+
+    def _with_json_value(self, frame: DataFrame) -> DataFrame:
+        from pyspark.sql import functions as sf
+
+        assert self._value_schema is not None
+        with_corrupt = StructType(
+            [*self._value_schema.fields, StructField(_CORRUPT_FIELD, StringType(), True)]
+        )
+        parsed = sf.from_json(
+            sf.col("body").cast("string"),
+            with_corrupt,
+            {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT_FIELD},
+        )
+        value = sf.when(parsed[_CORRUPT_FIELD].isNull(), parsed.dropFields(_CORRUPT_FIELD))
+        return frame.withColumn("value", value)
+
+    def _finish(self, batch: _Batch, ok: bool) -> None:
+        self._backlog_rows -= batch.rows
+        self._backlog_bytes -= batch.bytes
+        acks, batch.acks, batch.chunks = batch.acks, [], []
+        batch.done.set()
+        for ack in acks:
+            try:
+                ack(ok)
+            except Exception as exc:
+                log.error(
+                    "spark_sink.ack_failed",
+                    batch_id=batch.batch_id,
+                    error=f"{type(exc).__name__}: {exc}",
+                    exc_info=exc,
+                )
+
+
+async def _run_in_thread(func: Callable[[_Job], None], job: _Job) -> None:
+    """Run ``func(job)`` in a worker thread and wait for it even if cancelled meanwhile.
+
+    A Spark call cannot be interrupted, and native task cancellation is not held back by
+    ``anyio.to_thread``, so the thread call runs in an inner task that is always awaited to
+    its end; a cancellation received meanwhile is raised afterwards.
+    """
+    inner = asyncio.ensure_future(anyio.to_thread.run_sync(func, job))
+    cancelled: asyncio.CancelledError | None = None
+    while not inner.done():
+        try:
+            await asyncio.wait([inner])
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        if not inner.cancelled():
+            inner.exception()  # retrieved: the outcome is recorded in job.written
+        raise cancelled
+    inner.result()
+
+
+def _batch_info(batch: _Batch, msgs: Sequence[MessageExt]) -> BatchInfo:
+    ranges = offset_ranges(msgs)
+    queues = tuple(sorted(ranges))
+    return BatchInfo(
+        batch_id=batch.batch_id,
+        topics=tuple(sorted({mq.topic for mq in queues})),
+        queues=queues,
+        offset_ranges={mq: ranges[mq] for mq in queues},
+        row_count=len(msgs),
+        bytes=batch.bytes,
+        opened_at=batch.opened_at,
+        closed_at=batch.closed_at,
+    )
+
+
+def parquet_writer(
+    path: str, mode: str = "append", *, partition_by: Sequence[str] = ()
+) -> WriteFunction:
+    """A write function that stores each batch as Parquet files under ``path``.
+
+    ``path`` is any URI Spark can write (a local folder in local mode; HDFS, S3 or another
+    shared store on a cluster). Appends are at-least-once: see the module docstring.
+    """
+    columns = list(partition_by)
+
+    def write(df: DataFrame, info: BatchInfo) -> None:
+        writer = df.write.mode(mode)
+        if columns:
+            writer = writer.partitionBy(*columns)
+        writer.parquet(path)
+
+    return write
