@@ -1,0 +1,465 @@
+"""``RemotingCommand`` frames: encoding, decoding and an incremental frame decoder.
+
+Frame layout (big-endian)::
+
+    int32 length          = 4 + H + B (excludes itself)
+    int32 header-info     = serialize type << 24 | H
+    H bytes header        JSON (type 0) or ROCKETMQ binary (type 1)
+    B bytes body
+
+JSON headers are written byte for byte as the Java side writes them with fastjson: bean fields
+in sorted order (``code``, ``extFields``, ``flag``, ``language``, ``opaque``, ``remark``,
+``serializeTypeCurrentRPC``, ``version``), null fields omitted, ``language`` and
+``serializeTypeCurrentRPC`` as enum names. ``extFields`` is a Java ``HashMap`` written without
+``MapSortField``, so its entries appear in HashMap iteration order, which
+:func:`~rmq_async.protocol.jsonutil.java_hashmap_order` reproduces (insertion order of
+``ext_fields`` stands in for Java's order only where two keys share a bucket). The ROCKETMQ
+binary header writes the entries in the same order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .codes import (
+    CURRENT_VERSION,
+    RPC_ONEWAY,
+    RPC_TYPE_RESPONSE,
+    LanguageCode,
+    SerializeType,
+)
+from .errors import ProtocolError
+from .jsonutil import fastjson_string, java_hashmap_order
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_SIZE",
+    "FrameDecoder",
+    "RemotingCommand",
+    "next_opaque",
+]
+
+DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
+"""Largest accepted frame, counting the 4-byte length field (Java's default)."""
+
+_INT32_MIN = -(2**31)
+_INT32_MAX = 2**31 - 1
+
+_U32 = struct.Struct(">I")
+_I32 = struct.Struct(">i")
+_PREFIX = struct.Struct(">iI")  # length, header-info
+_BIN_FIXED = struct.Struct(">hBhiii")  # code, language, version, opaque, flag, remark length
+_I16 = struct.Struct(">h")
+
+_opaque_counter = itertools.count(1)
+
+
+def next_opaque() -> int:
+    """Next request id: a process-wide counter, kept within positive int32."""
+    return next(_opaque_counter) & 0x7FFFFFFF
+
+
+_LANGUAGE_BY_NAME = {member.name: member for member in LanguageCode}
+_SERIALIZE_NAMES = {SerializeType.JSON: "JSON", SerializeType.ROCKETMQ: "ROCKETMQ"}
+
+
+def _language_name(language: int) -> str:
+    try:
+        return LanguageCode(language).name
+    except ValueError:
+        # A language the Java enum does not know has no name to write.
+        return LanguageCode.OTHER.name
+
+
+def _language_value(language: int) -> int:
+    try:
+        return LanguageCode(language)
+    except ValueError:
+        return language
+
+
+@dataclass(slots=True, repr=False)
+class RemotingCommand:
+    """One request or response of the remoting protocol.
+
+    ``language`` is kept as a plain int when the peer sent a code this enum does not know.
+    ``ext_fields`` maps Java header field names to their string values.
+    """
+
+    code: int
+    language: int = LanguageCode.PYTHON
+    version: int = CURRENT_VERSION
+    opaque: int = 0
+    flag: int = 0
+    remark: str | None = None
+    ext_fields: dict[str, str] | None = None
+    body: bytes = b""
+    serialize_type: SerializeType = SerializeType.JSON
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def request(
+        cls,
+        code: int,
+        ext_fields: Mapping[str, str] | None = None,
+        body: bytes = b"",
+        *,
+        oneway: bool = False,
+        serialize_type: SerializeType = SerializeType.JSON,
+    ) -> RemotingCommand:
+        """A new request with the next opaque."""
+        return cls(
+            code=int(code),
+            opaque=next_opaque(),
+            flag=RPC_ONEWAY if oneway else 0,
+            ext_fields=dict(ext_fields) if ext_fields is not None else None,
+            body=body,
+            serialize_type=serialize_type,
+        )
+
+    def response_to(
+        self,
+        code: int,
+        remark: str | None = None,
+        ext_fields: Mapping[str, str] | None = None,
+        body: bytes = b"",
+    ) -> RemotingCommand:
+        """The response to this request: same opaque, response flag, same serialization."""
+        return RemotingCommand(
+            code=int(code),
+            opaque=self.opaque,
+            flag=RPC_TYPE_RESPONSE,
+            remark=remark,
+            ext_fields=dict(ext_fields) if ext_fields is not None else None,
+            body=body,
+            serialize_type=self.serialize_type,
+        )
+
+    # -- flags ----------------------------------------------------------------------------
+
+    @property
+    def is_response(self) -> bool:
+        return (self.flag & RPC_TYPE_RESPONSE) != 0
+
+    @property
+    def is_oneway(self) -> bool:
+        return (self.flag & RPC_ONEWAY) != 0
+
+    def ext(self, name: str) -> str | None:
+        """One extFields value, or ``None``."""
+        fields = self.ext_fields
+        return fields.get(name) if fields is not None else None
+
+    def __repr__(self) -> str:
+        kind = "response" if self.is_response else ("oneway" if self.is_oneway else "request")
+        return (
+            f"RemotingCommand({kind} code={self.code} opaque={self.opaque} flag={self.flag} "
+            f"remark={self.remark!r} ext_fields={self.ext_fields!r} body_len={len(self.body)} "
+            f"serialize_type={self.serialize_type.name})"
+        )
+
+    # -- encoding ---------------------------------------------------------------------------
+
+    def _ordered_ext(self) -> list[tuple[str, str]]:
+        fields = self.ext_fields
+        if not fields:
+            return []
+        present = [k for k, v in fields.items() if v is not None]
+        return [(k, fields[k]) for k in java_hashmap_order(present)]
+
+    def encode_header_json(self) -> bytes:
+        parts = ['{"code":', str(self.code)]
+        if self.ext_fields is not None:
+            parts.append(',"extFields":{')
+            parts.append(
+                ",".join(
+                    f"{fastjson_string(k)}:{fastjson_string(v)}" for k, v in self._ordered_ext()
+                )
+            )
+            parts.append("}")
+        parts.append(f',"flag":{self.flag},"language":"{_language_name(self.language)}"')
+        parts.append(f',"opaque":{self.opaque}')
+        if self.remark is not None:
+            parts.append(',"remark":')
+            parts.append(fastjson_string(self.remark))
+        parts.append(f',"serializeTypeCurrentRPC":"JSON","version":{self.version}}}')
+        return "".join(parts).encode("utf-8", "replace")
+
+    def encode_header_binary(self) -> bytes:
+        if not -32768 <= self.code <= 32767:
+            raise ValueError(f"code {self.code} does not fit the ROCKETMQ header; use JSON")
+        if not -32768 <= self.version <= 32767:
+            raise ValueError(f"version {self.version} does not fit the ROCKETMQ header")
+        if not 0 <= self.language <= 255:
+            raise ValueError(f"language {self.language} does not fit one byte")
+        remark = self.remark.encode("utf-8", "replace") if self.remark else b""
+        out = [
+            _BIN_FIXED.pack(
+                self.code, self.language, self.version, self.opaque, self.flag, len(remark)
+            ),
+            remark,
+        ]
+        ext: list[bytes] = []
+        for key, value in self._ordered_ext():
+            kb = key.encode("utf-8", "replace")
+            vb = value.encode("utf-8", "replace")
+            if len(kb) > 32767:
+                raise ValueError("extFields key longer than 32767 bytes")
+            ext.append(_I16.pack(len(kb)))
+            ext.append(kb)
+            ext.append(_I32.pack(len(vb)))
+            ext.append(vb)
+        ext_bytes = b"".join(ext)
+        out.append(_I32.pack(len(ext_bytes)))
+        out.append(ext_bytes)
+        return b"".join(out)
+
+    def encode_parts(self) -> list[bytes]:
+        """The frame as ``[length + header-info + header, body]`` (body omitted when empty)."""
+        if self.serialize_type == SerializeType.JSON:
+            header = self.encode_header_json()
+        elif self.serialize_type == SerializeType.ROCKETMQ:
+            header = self.encode_header_binary()
+        else:  # pragma: no cover - enum is closed
+            raise ValueError(f"unknown serialize type {self.serialize_type}")
+        hlen = len(header)
+        if hlen > 0xFFFFFF:
+            raise ValueError("header longer than 16 MiB")
+        body = self.body
+        prefix = _PREFIX.pack(4 + hlen + len(body), (int(self.serialize_type) << 24) | hlen)
+        if body:
+            return [prefix + header, body]
+        return [prefix + header]
+
+    def encode(self) -> bytes:
+        """The whole frame, including the 4-byte length."""
+        return b"".join(self.encode_parts())
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    @classmethod
+    def decode(cls, frame: bytes | bytearray | memoryview) -> RemotingCommand:
+        """Decode one frame given **without** its 4-byte length field."""
+        n = len(frame)
+        if n < 4:
+            raise ProtocolError(f"frame too short: {n} bytes")
+        (info,) = _U32.unpack_from(frame, 0)
+        stype = info >> 24
+        hlen = info & 0xFFFFFF
+        if hlen > n - 4:
+            raise ProtocolError(f"header length {hlen} exceeds frame length {n}")
+        header = frame[4 : 4 + hlen]
+        if stype == SerializeType.JSON:
+            cmd = _decode_json_header(header)
+        elif stype == SerializeType.ROCKETMQ:
+            cmd = _decode_binary_header(header)
+        else:
+            raise ProtocolError(f"unknown serialize type {stype}")
+        if 4 + hlen < n:
+            cmd.body = bytes(frame[4 + hlen :])
+        return cmd
+
+
+def _json_int(obj: Mapping[str, Any], key: str, default: int) -> int:
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str):
+            try:
+                value = int(value)
+            except ValueError:
+                raise ProtocolError(f"header field {key!r} is not an integer") from None
+        else:
+            raise ProtocolError(f"header field {key!r} is not an integer")
+    if not _INT32_MIN <= value <= _INT32_MAX:
+        raise ProtocolError(f"header field {key!r} out of int32 range")
+    return value
+
+
+def _ext_value(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, int | float):
+        return str(value)
+    raise ProtocolError("extFields value is not a scalar")
+
+
+def _decode_json_header(header: bytes | bytearray | memoryview) -> RemotingCommand:
+    try:
+        obj = json.loads(bytes(header).decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"bad JSON header: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("JSON header is not an object")
+    language_raw = obj.get("language")
+    language: int
+    if language_raw is None:
+        language = LanguageCode.JAVA
+    elif isinstance(language_raw, str):
+        language = _LANGUAGE_BY_NAME.get(language_raw, LanguageCode.OTHER)
+    elif isinstance(language_raw, int) and not isinstance(language_raw, bool):
+        language = _language_value(language_raw)
+    else:
+        raise ProtocolError("header field 'language' is neither a name nor a number")
+    remark = obj.get("remark")
+    if remark is not None and not isinstance(remark, str):
+        raise ProtocolError("header field 'remark' is not a string")
+    raw_ext = obj.get("extFields")
+    ext_fields: dict[str, str] | None
+    if raw_ext is None:
+        ext_fields = None
+    elif isinstance(raw_ext, dict):
+        ext_fields = {}
+        for key, value in raw_ext.items():
+            text = _ext_value(value)
+            if text is not None:
+                ext_fields[key] = text
+    else:
+        raise ProtocolError("header field 'extFields' is not an object")
+    return RemotingCommand(
+        code=_json_int(obj, "code", 0),
+        language=language,
+        version=_json_int(obj, "version", 0),
+        opaque=_json_int(obj, "opaque", 0),
+        flag=_json_int(obj, "flag", 0),
+        remark=remark,
+        ext_fields=ext_fields,
+        serialize_type=SerializeType.JSON,
+    )
+
+
+def _utf8(raw: bytes | bytearray | memoryview, what: str) -> str:
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError(f"{what} is not valid UTF-8") from None
+
+
+def _decode_binary_header(header: bytes | bytearray | memoryview) -> RemotingCommand:
+    hlen = len(header)
+    if hlen < 21:
+        raise ProtocolError(f"ROCKETMQ header too short: {hlen} bytes")
+    code, language, version, opaque, flag, remark_len = _BIN_FIXED.unpack_from(header, 0)
+    pos = 17
+    if remark_len < 0 or remark_len > hlen - pos - 4:
+        raise ProtocolError(f"bad remark length {remark_len}")
+    remark = _utf8(header[pos : pos + remark_len], "remark") if remark_len else None
+    pos += remark_len
+    (ext_len,) = _I32.unpack_from(header, pos)
+    pos += 4
+    if ext_len < 0 or ext_len != hlen - pos:
+        raise ProtocolError(f"bad extFields length {ext_len} (header has {hlen - pos} left)")
+    ext_fields: dict[str, str] | None = None
+    if ext_len > 0:
+        ext_fields = {}
+        while pos < hlen:
+            if pos + 2 > hlen:
+                raise ProtocolError("truncated extFields key length")
+            (klen,) = _I16.unpack_from(header, pos)
+            pos += 2
+            if klen < 0 or pos + klen + 4 > hlen:
+                raise ProtocolError(f"bad extFields key length {klen}")
+            key = _utf8(header[pos : pos + klen], "extFields key") if klen else None
+            pos += klen
+            (vlen,) = _I32.unpack_from(header, pos)
+            pos += 4
+            if vlen < 0 or pos + vlen > hlen:
+                raise ProtocolError(f"bad extFields value length {vlen}")
+            value = _utf8(header[pos : pos + vlen], "extFields value") if vlen else None
+            pos += vlen
+            # Java reads a zero-length string as null; null keys and values carry nothing.
+            if key is not None and value is not None:
+                ext_fields[key] = value
+    return RemotingCommand(
+        code=code,
+        language=_language_value(language),
+        version=version,
+        opaque=opaque,
+        flag=flag,
+        remark=remark,
+        ext_fields=ext_fields,
+        serialize_type=SerializeType.ROCKETMQ,
+    )
+
+
+class FrameDecoder:
+    """Incremental decoder: feed received bytes, get complete commands.
+
+    Partial frames are kept in one ``bytearray`` (amortised appends, consumed prefix dropped
+    once per :meth:`feed`), so a multi-megabyte body arriving in small chunks is copied a
+    constant number of times. A declared length above ``max_frame_size`` (which counts the
+    4-byte length field, as Java does) is refused as soon as the length is read, before the
+    frame is buffered. After a :class:`ProtocolError` the decoder stays failed.
+    """
+
+    __slots__ = ("_buf", "_error", "max_frame_size")
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        if max_frame_size < 8:
+            raise ValueError("max_frame_size must be at least 8")
+        self.max_frame_size = max_frame_size
+        self._buf = bytearray()
+        self._error: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for an incomplete frame."""
+        return len(self._buf)
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def _fail(self, message: str) -> ProtocolError:
+        self._error = ProtocolError(message)
+        self._buf = bytearray()
+        return self._error
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[RemotingCommand]:
+        """Add received bytes; return every command completed by them (possibly none)."""
+        if self._error is not None:
+            raise ProtocolError(f"decoder failed earlier: {self._error}")
+        buf = self._buf
+        if buf:
+            buf += data
+            view_src: bytes | bytearray = buf
+        else:
+            # Fast path: nothing pending, parse straight from the caller's bytes.
+            view_src = data if isinstance(data, bytes) else bytes(data)
+        out: list[RemotingCommand] = []
+        total = len(view_src)
+        pos = 0
+        max_size = self.max_frame_size
+        with memoryview(view_src) as view:
+            while total - pos >= 4:
+                (length,) = _I32.unpack_from(view, pos)
+                if length < 4:
+                    raise self._fail(f"bad frame length {length}")
+                if length + 4 > max_size:
+                    raise self._fail(
+                        f"frame length {length + 4} exceeds maximum {max_size}"
+                    )
+                end = pos + 4 + length
+                if end > total:
+                    break
+                try:
+                    out.append(RemotingCommand.decode(view[pos + 4 : end]))
+                except ProtocolError as exc:
+                    raise self._fail(str(exc)) from None
+                pos = end
+        if view_src is buf:
+            if pos:
+                del buf[:pos]
+        elif pos < total:
+            self._buf = bytearray(view_src[pos:]) if pos else bytearray(view_src)
+        return out

@@ -1,0 +1,12 @@
+"""Errors raised by the sans-IO protocol layer."""
+
+from __future__ import annotations
+
+__all__ = ["ProtocolError"]
+
+
+class ProtocolError(Exception):
+    """Something received from the peer is malformed: a frame, a header, a body, a message.
+
+    The remoting layer treats it as fatal for the connection it came from.
+    """

@@ -1,0 +1,602 @@
+"""Stored messages: the record layout of a PULL_MESSAGE body, properties, message ids.
+
+A pull body is a plain concatenation of records written by the broker's commit log::
+
+    int32 totalSize | int32 magic | int32 bodyCRC | int32 queueId | int32 flag
+    int64 queueOffset | int64 commitLogOffset | int32 sysFlag | int64 bornTimestamp
+    bornHost (4+4 or 16+4) | int64 storeTimestamp | storeHost (4+4 or 16+4)
+    int32 reconsumeTimes | int64 preparedTransactionOffset
+    int32 bodyLength, body | int8 (v1) or int16 (v2) topicLength, topic | int16 propsLength, props
+
+The decoder reads with precompiled ``struct`` formats straight from the buffer (one ``unpack``
+for the fixed part of the common IPv4 record), checks every length against the record and the
+buffer before slicing, and raises :class:`ProtocolError` for anything malformed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import itertools
+import os
+import secrets
+import struct
+import time
+import zlib
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+from .codes import (
+    COMPRESSION_LZ4,
+    COMPRESSION_TYPE_MASK,
+    COMPRESSION_ZLIB,
+    COMPRESSION_ZSTD,
+    MSG_BORNHOST_V6_FLAG,
+    MSG_COMPRESSED_FLAG,
+    MSG_INNER_BATCH_FLAG,
+    MSG_NEED_UNWRAP_FLAG,
+    MSG_STOREHOST_V6_FLAG,
+)
+from .errors import ProtocolError
+from .types import Message, MessageExt
+
+__all__ = [
+    "DEFAULT_MAX_BODY_SIZE",
+    "MAGIC_V1",
+    "MAGIC_V2",
+    "NAME_VALUE_SEPARATOR",
+    "PROPERTY_SEPARATOR",
+    "ProtocolError",
+    "UniqKeyGenerator",
+    "body_crc",
+    "decode_message",
+    "decode_messages",
+    "decode_properties",
+    "encode_batch",
+    "encode_properties",
+    "encode_stored_message",
+    "offset_msg_id",
+    "parse_host",
+]
+
+MAGIC_V1 = -626843481  # 0xDAA320A7
+MAGIC_V2 = -626843477  # 0xDAA320AB
+NAME_VALUE_SEPARATOR = "\x01"
+PROPERTY_SEPARATOR = "\x02"
+
+DEFAULT_MAX_BODY_SIZE = 128 * 1024 * 1024
+"""Largest body a compressed message may inflate to before it is refused."""
+
+# Fixed part of a record whose born and store hosts are both IPv4 (the common case).
+_FIXED_V4 = struct.Struct(">iiiiiqqiqIiqIiiqi")
+# Pieces for the general case.
+_HEAD = struct.Struct(">iiiiiqqiq")  # up to and including bornTimestamp
+_HOST4 = struct.Struct(">Ii")
+_HOST6 = struct.Struct(">16si")
+_I64 = struct.Struct(">q")
+_TAIL = struct.Struct(">iqi")  # reconsumeTimes, preparedTransactionOffset, bodyLength
+_I16 = struct.Struct(">h")
+_I32 = struct.Struct(">i")
+_BATCH_HEAD = struct.Struct(">iiiii")  # totalSize, magic, bodyCRC, flag, bodyLength
+_MSGID_TAIL = struct.Struct(">iq")
+
+_HEAD_SIZE = _HEAD.size  # 48
+_MIN_RECORD = _HEAD_SIZE + 8 + 8 + 8 + _TAIL.size + 1 + 2  # IPv4 hosts, v1, empty body
+_MIN_BATCH_RECORD = _BATCH_HEAD.size + 2
+
+# host key -> ("ip:port", upper-case hex of address + port for offsetMsgId)
+_HostInfo = tuple[str, str]
+_HOST_CACHE: dict[Any, _HostInfo] = {}
+_HOST_CACHE_MAX = 4096
+
+
+def _host4(ip: int, port: int) -> _HostInfo:
+    key = (ip << 32) | (port & 0xFFFFFFFF)
+    info = _HOST_CACHE.get(key)
+    if info is None:
+        text = f"{ip >> 24}.{(ip >> 16) & 0xFF}.{(ip >> 8) & 0xFF}.{ip & 0xFF}:{port}"
+        info = (text, f"{ip:08X}{port & 0xFFFFFFFF:08X}")
+        if len(_HOST_CACHE) >= _HOST_CACHE_MAX:
+            _HOST_CACHE.clear()
+        _HOST_CACHE[key] = info
+    return info
+
+
+def _host6(addr: bytes, port: int) -> _HostInfo:
+    key = (addr, port)
+    info = _HOST_CACHE.get(key)
+    if info is None:
+        text = f"[{ipaddress.IPv6Address(addr).compressed}]:{port}"
+        info = (text, f"{addr.hex().upper()}{port & 0xFFFFFFFF:08X}")
+        if len(_HOST_CACHE) >= _HOST_CACHE_MAX:
+            _HOST_CACHE.clear()
+        _HOST_CACHE[key] = info
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties
+
+
+def decode_properties(text: str) -> dict[str, str]:
+    """Parse a properties string (``name \\x01 value \\x02`` ...) with Java's rules.
+
+    A pair survives only with a non-empty name and a non-empty value; the value may contain
+    ``\\x01``; later duplicates win.
+    """
+    out: dict[str, str] = {}
+    for segment in text.split(PROPERTY_SEPARATOR):
+        name, _, value = segment.partition(NAME_VALUE_SEPARATOR)
+        if name and value:
+            out[name] = value
+    return out
+
+
+def encode_properties(properties: Mapping[str, str | None]) -> str:
+    """Build a properties string as Java does: ``name\\x01value\\x02`` per pair, ``None`` skipped.
+
+    Names containing a separator and values containing ``\\x02`` cannot be read back, so they
+    raise :class:`ValueError` (Java would silently corrupt the message).
+    """
+    parts: list[str] = []
+    for name, value in properties.items():
+        if value is None:
+            continue
+        if not name or NAME_VALUE_SEPARATOR in name or PROPERTY_SEPARATOR in name:
+            raise ValueError(f"invalid property name {name!r}")
+        if PROPERTY_SEPARATOR in value:
+            raise ValueError(f"property {name!r} has a value containing \\x02")
+        parts.append(f"{name}{NAME_VALUE_SEPARATOR}{value}{PROPERTY_SEPARATOR}")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ids and checksums
+
+
+def offset_msg_id(host_bytes: bytes, port: int, commit_log_offset: int) -> str:
+    """The broker-side message id: store address + port + commit-log offset, upper-case hex."""
+    if len(host_bytes) not in (4, 16):
+        raise ValueError("host address must be 4 or 16 bytes")
+    return (host_bytes + _MSGID_TAIL.pack(port, commit_log_offset)).hex().upper()
+
+
+def body_crc(body: bytes) -> int:
+    """BODYCRC as the broker stores it: CRC-32 of the stored body, masked to 31 bits."""
+    return zlib.crc32(body) & 0x7FFFFFFF
+
+
+class UniqKeyGenerator:
+    """Client message ids (``UNIQ_KEY``) laid out as Java's ``MessageClientIDSetter`` does.
+
+    ``address (4 or 16 bytes) | pid (int16) | instance hash (int32) | ms since the start of the
+    current local month (int32) | counter (int16)`` in upper-case hex: 32 characters for an
+    IPv4 address. Pass the client's own ``ip``; without it a stand-in address derived from the
+    clock is used, as Java does when it cannot find one. ``seed`` replaces Java's class-loader
+    hash (random by default).
+    """
+
+    __slots__ = ("_counter", "_next_start_ms", "_prefix", "_start_ms")
+
+    def __init__(
+        self, ip: bytes | str | None = None, *, pid: int | None = None, seed: int | None = None
+    ) -> None:
+        if ip is None:
+            address = struct.pack(">q", time.time_ns() // 1_000_000)[4:]
+        elif isinstance(ip, str):
+            address = ipaddress.ip_address(ip).packed
+        else:
+            address = bytes(ip)
+        if len(address) not in (4, 16):
+            raise ValueError("ip must be an IPv4 or IPv6 address")
+        pid_value = (os.getpid() if pid is None else pid) & 0xFFFF
+        seed_value = (secrets.randbits(32) if seed is None else seed) & 0xFFFFFFFF
+        self._prefix = (address + struct.pack(">HI", pid_value, seed_value)).hex().upper()
+        self._counter = itertools.count()
+        self._start_ms = 0
+        self._next_start_ms = 0
+
+    def _roll_month(self, now_ms: int) -> None:
+        local = datetime.fromtimestamp(now_ms / 1000).astimezone()
+        start = local.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        if start.month == 12:
+            nxt = start.replace(year=start.year + 1, month=1)
+        else:
+            nxt = start.replace(month=start.month + 1)
+        self._start_ms = int(start.timestamp() * 1000)
+        self._next_start_ms = int(nxt.timestamp() * 1000)
+
+    def next_id(self, now_ms: int | None = None) -> str:
+        """A new id (``now_ms`` overrides the clock, for tests)."""
+        now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+        if now >= self._next_start_ms or now < self._start_ms - 86_400_000:
+            self._roll_month(now)
+        diff = (now - self._start_ms) & 0xFFFFFFFF
+        if diff >= 0x80000000 and diff - 0x100000000 > -1_000_000:
+            diff = 0  # slightly negative: clock stepped back
+        count = next(self._counter) & 0xFFFF
+        return f"{self._prefix}{diff:08X}{count:04X}"
+
+    __call__ = next_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+def _decompress(body: bytes, sys_flag: int, limit: int) -> bytes:
+    ctype = (sys_flag & COMPRESSION_TYPE_MASK) >> 8
+    if ctype in (0, COMPRESSION_ZLIB):
+        inflater = zlib.decompressobj()
+        try:
+            out = inflater.decompress(body, limit + 1)
+        except zlib.error as exc:
+            raise ProtocolError(f"bad zlib body: {exc}") from None
+        if len(out) > limit:
+            raise ProtocolError(f"decompressed body exceeds {limit} bytes")
+        if not inflater.eof:
+            raise ProtocolError("truncated zlib body")
+        return out
+    if ctype == COMPRESSION_LZ4:
+        try:
+            lz4_frame: Any = importlib.import_module("lz4.frame")
+        except ImportError:
+            raise ProtocolError("LZ4-compressed body, but lz4 is not installed") from None
+        try:
+            decompressor = lz4_frame.LZ4FrameDecompressor()
+            data: bytes = decompressor.decompress(body, max_length=limit + 1)
+        except Exception as exc:
+            raise ProtocolError(f"bad LZ4 body: {exc}") from None
+        if len(data) > limit:
+            raise ProtocolError(f"decompressed body exceeds {limit} bytes")
+        return data
+    if ctype == COMPRESSION_ZSTD:
+        try:
+            zstandard: Any = importlib.import_module("zstandard")
+        except ImportError:
+            raise ProtocolError("ZSTD-compressed body, but zstandard is not installed") from None
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(body)
+            data = reader.read(limit + 1)
+        except Exception as exc:
+            raise ProtocolError(f"bad ZSTD body: {exc}") from None
+        if len(data) > limit:
+            raise ProtocolError(f"decompressed body exceeds {limit} bytes")
+        return bytes(data)
+    raise ProtocolError(f"unknown compression type {ctype}")
+
+
+def _unwrap_batch(outer: MessageExt, out: list[MessageExt]) -> None:
+    """Split an inner-batch record into its messages (as Java's ``decodeMessage`` does)."""
+    data = outer.body
+    n = len(data)
+    pos = 0
+    index = 0
+    while pos < n:
+        if n - pos < _MIN_BATCH_RECORD:
+            raise ProtocolError("truncated inner batch record")
+        total, _magic, _crc, flag, body_len = _BATCH_HEAD.unpack_from(data, pos)
+        end = pos + total
+        if total < _MIN_BATCH_RECORD or end > n:
+            raise ProtocolError(f"bad inner batch record size {total}")
+        p = pos + _BATCH_HEAD.size
+        if body_len < 0 or body_len > end - p - 2:
+            raise ProtocolError(f"bad inner batch body length {body_len}")
+        body = data[p : p + body_len]
+        p += body_len
+        (props_len,) = _I16.unpack_from(data, p)
+        p += 2
+        if props_len < 0 or p + props_len != end:
+            raise ProtocolError(f"bad inner batch properties length {props_len}")
+        properties = (
+            decode_properties(data[p:end].decode("utf-8", "replace")) if props_len else {}
+        )
+        out.append(
+            MessageExt(
+                outer.topic,
+                body,
+                outer.queue_id,
+                outer.queue_offset + index,
+                flag,
+                outer.sys_flag,
+                properties,
+                0,
+                0,
+                outer.commit_log_offset,
+                outer.born_timestamp,
+                outer.born_host,
+                outer.store_timestamp,
+                outer.store_host,
+                0,
+                0,
+                outer.offset_msg_id,
+                outer.broker_name,
+            )
+        )
+        pos = end
+        index += 1
+
+
+def _decode_records(
+    data: bytes,
+    out: list[MessageExt],
+    decompress: bool,
+    unwrap_batch: bool,
+    max_body_size: int,
+    limit: int,
+) -> None:
+    n = len(data)
+    pos = 0
+    fixed_v4 = _FIXED_V4.unpack_from
+    fixed_v4_size = _FIXED_V4.size
+    while pos < n and len(out) < limit:
+        remaining = n - pos
+        if remaining < _MIN_RECORD:
+            raise ProtocolError(f"truncated message record: {remaining} bytes left")
+        (
+            total,
+            magic,
+            crc,
+            queue_id,
+            flag,
+            queue_offset,
+            commit_offset,
+            sys_flag,
+            born_ts,
+            born_ip,
+            born_port,
+            store_ts,
+            store_ip,
+            store_port,
+            reconsume,
+            prepared,
+            body_len,
+        ) = fixed_v4(data, pos)
+        end = pos + total
+        if total < _MIN_RECORD or total > remaining:
+            raise ProtocolError(f"bad message record size {total} ({remaining} bytes left)")
+        if magic != MAGIC_V1 and magic != MAGIC_V2:
+            raise ProtocolError(f"bad message magic code {magic & 0xFFFFFFFF:#010x}")
+        if sys_flag & (MSG_BORNHOST_V6_FLAG | MSG_STOREHOST_V6_FLAG):
+            # At least one IPv6 host: the fixed part has a different layout.
+            p = pos + _HEAD_SIZE
+            if sys_flag & MSG_BORNHOST_V6_FLAG:
+                if end - p < 20:
+                    raise ProtocolError("truncated born host")
+                addr, port = _HOST6.unpack_from(data, p)
+                born = _host6(addr, port)
+                p += 20
+            else:
+                born = _host4(*_HOST4.unpack_from(data, p))
+                p += 8
+            if end - p < 8:
+                raise ProtocolError("truncated store timestamp")
+            (store_ts,) = _I64.unpack_from(data, p)
+            p += 8
+            if sys_flag & MSG_STOREHOST_V6_FLAG:
+                if end - p < 20:
+                    raise ProtocolError("truncated store host")
+                addr, port = _HOST6.unpack_from(data, p)
+                store = _host6(addr, port)
+                p += 20
+            else:
+                if end - p < 8:
+                    raise ProtocolError("truncated store host")
+                store = _host4(*_HOST4.unpack_from(data, p))
+                p += 8
+            if end - p < _TAIL.size:
+                raise ProtocolError("truncated message record")
+            reconsume, prepared, body_len = _TAIL.unpack_from(data, p)
+            p += _TAIL.size
+        else:
+            born = _host4(born_ip, born_port)
+            store = _host4(store_ip, store_port)
+            p = pos + fixed_v4_size
+        topic_len_size = 1 if magic == MAGIC_V1 else 2
+        if body_len < 0 or body_len > end - p - topic_len_size - 2:
+            raise ProtocolError(f"bad message body length {body_len}")
+        body = data[p : p + body_len]
+        p += body_len
+        if topic_len_size == 1:
+            topic_len = data[p]
+            if topic_len > 127:
+                raise ProtocolError("negative topic length")
+            p += 1
+        else:
+            (topic_len,) = _I16.unpack_from(data, p)
+            if topic_len < 0:
+                raise ProtocolError("negative topic length")
+            p += 2
+        if topic_len > end - p - 2:
+            raise ProtocolError(f"bad topic length {topic_len}")
+        try:
+            topic = data[p : p + topic_len].decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("topic is not valid UTF-8") from None
+        p += topic_len
+        (props_len,) = _I16.unpack_from(data, p)
+        p += 2
+        if props_len < 0 or p + props_len != end:
+            raise ProtocolError(
+                f"bad properties length {props_len} (record has {end - p} bytes left)"
+            )
+        properties = (
+            decode_properties(data[p:end].decode("utf-8", "replace")) if props_len else {}
+        )
+        if decompress and sys_flag & MSG_COMPRESSED_FLAG:
+            body = _decompress(body, sys_flag, max_body_size)
+            sys_flag &= ~MSG_COMPRESSED_FLAG
+        msg = MessageExt(
+            topic,
+            body,
+            queue_id,
+            queue_offset,
+            flag,
+            sys_flag,
+            properties,
+            total,
+            crc,
+            commit_offset,
+            born_ts,
+            born[0],
+            store_ts,
+            store[0],
+            reconsume,
+            prepared,
+            f"{store[1]}{commit_offset & 0xFFFFFFFFFFFFFFFF:016X}",
+        )
+        if (
+            unwrap_batch
+            and (sys_flag & (MSG_INNER_BATCH_FLAG | MSG_NEED_UNWRAP_FLAG))
+            == (MSG_INNER_BATCH_FLAG | MSG_NEED_UNWRAP_FLAG)
+        ):
+            _unwrap_batch(msg, out)
+        else:
+            out.append(msg)
+        pos = end
+
+
+def _as_bytes(data: bytes | bytearray | memoryview) -> bytes:
+    return data if isinstance(data, bytes) else bytes(data)
+
+
+def decode_messages(
+    data: bytes | bytearray | memoryview,
+    *,
+    decompress: bool = True,
+    unwrap_batch: bool = True,
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+) -> list[MessageExt]:
+    """Decode every record of a pull body (or any concatenation of stored records).
+
+    Compressed bodies are inflated (ZLIB always; LZ4 / ZSTD when ``lz4`` / ``zstandard`` are
+    importable) and their COMPRESSED flag cleared; inner batches are split into their messages.
+    ``broker_name`` is left empty: the caller knows which queue it pulled.
+    """
+    out: list[MessageExt] = []
+    try:
+        _decode_records(_as_bytes(data), out, decompress, unwrap_batch, max_body_size, 1 << 62)
+    except (struct.error, IndexError) as exc:  # defensive: every length is checked first
+        raise ProtocolError(f"malformed message record: {exc}") from None
+    return out
+
+
+def decode_message(
+    data: bytes | bytearray | memoryview,
+    *,
+    decompress: bool = True,
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+) -> MessageExt:
+    """Decode exactly one stored record (e.g. the body of CONSUME_MESSAGE_DIRECTLY).
+
+    An inner batch is returned as its outer record, not split.
+    """
+    raw = _as_bytes(data)
+    out: list[MessageExt] = []
+    if len(raw) >= 4:
+        (total,) = _I32.unpack_from(raw, 0)
+        if total != len(raw):
+            raise ProtocolError(f"record size {total} does not match {len(raw)} bytes given")
+    try:
+        _decode_records(raw, out, decompress, False, max_body_size, 1)
+    except (struct.error, IndexError) as exc:
+        raise ProtocolError(f"malformed message record: {exc}") from None
+    if not out:
+        raise ProtocolError("no message record")
+    return out[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding (the broker's layout; used by tests and fake brokers) and batches
+
+
+def parse_host(host: str) -> tuple[bytes, int]:
+    """``"ip:port"`` or ``"[ipv6]:port"`` to (address bytes, port); ``""`` is 0.0.0.0:0."""
+    if not host:
+        return b"\x00\x00\x00\x00", 0
+    addr_text, sep, port_text = host.rpartition(":")
+    if not sep:
+        raise ValueError(f"host {host!r} has no port")
+    if addr_text.startswith("[") and addr_text.endswith("]"):
+        addr_text = addr_text[1:-1]
+    return ipaddress.ip_address(addr_text).packed, int(port_text)
+
+
+def encode_stored_message(
+    msg: MessageExt,
+    *,
+    magic: int | None = None,
+    compress: bool = False,
+    compress_level: int = 5,
+) -> bytes:
+    """Write ``msg`` as the broker stores it (one record of a pull body).
+
+    Host strings decide the IPv4/IPv6 flags; ``magic`` defaults to v1, or v2 when the topic is
+    longer than 127 bytes; ``compress`` deflates the body (zlib) and sets the COMPRESSED flag
+    with the ZLIB type. BODYCRC and TOTALSIZE are computed.
+    """
+    body = msg.body
+    sys_flag = msg.sys_flag & ~(MSG_BORNHOST_V6_FLAG | MSG_STOREHOST_V6_FLAG)
+    if compress:
+        body = zlib.compress(body, compress_level)
+        sys_flag = (sys_flag & ~COMPRESSION_TYPE_MASK) | MSG_COMPRESSED_FLAG | (
+            COMPRESSION_ZLIB << 8
+        )
+    born_addr, born_port = parse_host(msg.born_host)
+    store_addr, store_port = parse_host(msg.store_host)
+    if len(born_addr) == 16:
+        sys_flag |= MSG_BORNHOST_V6_FLAG
+    if len(store_addr) == 16:
+        sys_flag |= MSG_STOREHOST_V6_FLAG
+    topic = msg.topic.encode("utf-8")
+    if magic is None:
+        magic = MAGIC_V2 if len(topic) > 127 else MAGIC_V1
+    if magic == MAGIC_V2:
+        if len(topic) > 32767:
+            raise ValueError("topic too long")
+        topic_part = _I16.pack(len(topic)) + topic
+    else:
+        if len(topic) > 127:
+            raise ValueError("topic longer than 127 bytes needs magic v2")
+        topic_part = bytes((len(topic),)) + topic
+    props = encode_properties(msg.properties).encode("utf-8")
+    if len(props) > 32767:
+        raise ValueError("properties longer than 32767 bytes")
+    middle = b"".join(
+        (
+            struct.pack(">iqqiq", msg.flag, msg.queue_offset, msg.commit_log_offset, sys_flag,
+                        msg.born_timestamp),
+            born_addr,
+            _I32.pack(born_port),
+            _I64.pack(msg.store_timestamp),
+            store_addr,
+            _I32.pack(store_port),
+            _TAIL.pack(msg.reconsume_times, msg.prepared_transaction_offset, len(body)),
+            body,
+            topic_part,
+            _I16.pack(len(props)),
+            props,
+        )
+    )
+    total = 16 + len(middle)
+    return struct.pack(">iiii", total, magic, body_crc(body), msg.queue_id) + middle
+
+
+def _encode_batch_item(body: bytes, flag: int, properties: Mapping[str, str | None]) -> bytes:
+    props = encode_properties(properties).encode("utf-8")
+    if len(props) > 32767:
+        raise ValueError("properties longer than 32767 bytes")
+    total = _BATCH_HEAD.size + len(body) + 2 + len(props)
+    return b"".join(
+        (_BATCH_HEAD.pack(total, 0, 0, flag, len(body)), body, _I16.pack(len(props)), props)
+    )
+
+
+def encode_batch(messages: Iterable[Message]) -> bytes:
+    """The SEND_BATCH_MESSAGE body: per message size, magic 0, CRC 0, flag, body, properties.
+
+    Properties are each message's :meth:`~Message.all_properties` (user properties plus TAGS and
+    KEYS).
+    """
+    return b"".join(_encode_batch_item(m.body, m.flag, m.all_properties()) for m in messages)
