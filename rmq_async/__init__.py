@@ -1,0 +1,39 @@
+"""rmq_async: an asyncio-native push consumer for Apache RocketMQ, in pure Python."""
+
+from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError, NoRouteError
+from rmq_async.consumer.options import ConsumeFromWhere, MessageModel
+from rmq_async.consumer.push import PushConsumer
+from rmq_async.consumer.results import ConsumeContext, ConsumeResult
+from rmq_async.producer import Producer
+from rmq_async.protocol.errors import ProtocolError
+from rmq_async.protocol.types import Message, MessageExt, MessageQueue
+from rmq_async.remoting.errors import (
+    ConnectionClosed,
+    RemotingConnectError,
+    RemotingError,
+    RemotingTimeout,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConnectionClosed",
+    "ConsumeContext",
+    "ConsumeFromWhere",
+    "ConsumeResult",
+    "MQBrokerError",
+    "MQClientError",
+    "Message",
+    "MessageExt",
+    "MessageModel",
+    "MessageQueue",
+    "NoPermissionError",
+    "NoRouteError",
+    "Producer",
+    "ProtocolError",
+    "PushConsumer",
+    "RemotingConnectError",
+    "RemotingError",
+    "RemotingTimeout",
+    "__version__",
+]

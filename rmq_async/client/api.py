@@ -1,0 +1,331 @@
+"""The broker and name-server API as typed async calls (Java ``MQClientAPIImpl``)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from rmq_async.client.errors import NoRouteError, broker_error
+from rmq_async.protocol import headers as h
+from rmq_async.protocol.bodies import (
+    ClusterInfo,
+    HeartbeatData,
+    TopicRouteData,
+    decode_consumer_list,
+    decode_lock_batch_response,
+    encode_lock_batch_request,
+)
+from rmq_async.protocol.codes import (
+    PullSysFlag,
+    RequestCode,
+    ResponseCode,
+)
+from rmq_async.protocol.command import RemotingCommand
+from rmq_async.protocol.filter import SubscriptionData
+from rmq_async.protocol.message import decode_messages
+from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.remoting.client import RemotingClient
+
+
+class PullStatus(enum.Enum):
+    FOUND = "FOUND"
+    NO_NEW_MSG = "NO_NEW_MSG"
+    NO_MATCHED_MSG = "NO_MATCHED_MSG"
+    OFFSET_ILLEGAL = "OFFSET_ILLEGAL"
+
+
+_PULL_STATUS = {
+    ResponseCode.SUCCESS: PullStatus.FOUND,
+    ResponseCode.PULL_NOT_FOUND: PullStatus.NO_NEW_MSG,
+    ResponseCode.PULL_RETRY_IMMEDIATELY: PullStatus.NO_MATCHED_MSG,
+    ResponseCode.PULL_OFFSET_MOVED: PullStatus.OFFSET_ILLEGAL,
+}
+
+
+@dataclass(slots=True)
+class PullResult:
+    status: PullStatus
+    next_begin_offset: int
+    min_offset: int
+    max_offset: int
+    suggest_which_broker_id: int
+    body: bytes
+    offset_delta: int | None = None
+
+    def decode(self) -> list[MessageExt]:
+        """The stored messages of a FOUND result (empty otherwise)."""
+        if not self.body:
+            return []
+        msgs = decode_messages(self.body)
+        if self.offset_delta:
+            for m in msgs:
+                m.queue_offset += self.offset_delta
+        return msgs
+
+
+@dataclass(slots=True)
+class SendResult:
+    msg_id: str  # offset message id of the stored message (batch: of the first one)
+    queue_id: int
+    queue_offset: int
+    broker_name: str
+    status_code: int
+    transaction_id: str | None = None
+
+
+class MQClientAPI:
+    """One method per broker / name-server request. Errors become :class:`MQBrokerError`."""
+
+    def __init__(self, remoting: RemotingClient, *, timeout: float = 3.0) -> None:
+        self.remoting = remoting
+        self.timeout = timeout
+
+    async def _call(self, addr: str, code: int, ext: dict[str, str] | None, body: bytes = b"",
+                    *, timeout: float | None = None, ok: tuple[int, ...] = (ResponseCode.SUCCESS,),
+                    name: str = "") -> RemotingCommand:
+        req = RemotingCommand.request(code, ext_fields=ext, body=body)
+        resp = await self.remoting.invoke(addr, req, self.timeout if timeout is None else timeout)
+        if resp.code not in ok:
+            raise broker_error(resp.code, resp.remark, addr=addr, request=name or str(code))
+        return resp
+
+    async def _oneway(self, addr: str, code: int, ext: dict[str, str] | None,
+                      body: bytes = b"") -> None:
+        req = RemotingCommand.request(code, ext_fields=ext, body=body, oneway=True)
+        await self.remoting.invoke_oneway(addr, req)
+
+    # ------------------------------------------------------------------ name server
+
+    async def get_route(self, namesrv: str, topic: str) -> TopicRouteData:
+        ext = h.GetRouteInfoRequestHeader(topic=topic).to_ext_fields()
+        req = RemotingCommand.request(RequestCode.GET_ROUTEINFO_BY_TOPIC, ext_fields=ext)
+        resp = await self.remoting.invoke(namesrv, req, self.timeout)
+        if resp.code == ResponseCode.TOPIC_NOT_EXIST:
+            raise NoRouteError(topic, resp.remark or "")
+        if resp.code != ResponseCode.SUCCESS:
+            raise broker_error(resp.code, resp.remark, addr=namesrv, request="GET_ROUTEINFO_BY_TOPIC")
+        return TopicRouteData.from_json_bytes(resp.body)
+
+    async def get_cluster_info(self, namesrv: str) -> ClusterInfo:
+        resp = await self._call(namesrv, RequestCode.GET_BROKER_CLUSTER_INFO, None,
+                                name="GET_BROKER_CLUSTER_INFO")
+        return ClusterInfo.from_json_bytes(resp.body)
+
+    # ------------------------------------------------------------------ membership
+
+    async def heartbeat(self, addr: str, data: HeartbeatData) -> int:
+        """Send a heartbeat; returns the broker's version ordinal."""
+        resp = await self._call(addr, RequestCode.HEART_BEAT, {}, data.to_json_bytes(),
+                                name="HEART_BEAT")
+        return resp.version
+
+    async def unregister_client(self, addr: str, client_id: str, producer_group: str | None,
+                                consumer_group: str | None) -> None:
+        ext = h.UnregisterClientRequestHeader(
+            client_id=client_id, producer_group=producer_group, consumer_group=consumer_group
+        ).to_ext_fields()
+        await self._call(addr, RequestCode.UNREGISTER_CLIENT, ext, name="UNREGISTER_CLIENT")
+
+    async def get_consumer_ids(self, addr: str, group: str) -> list[str]:
+        ext = h.GetConsumerListByGroupRequestHeader(consumer_group=group).to_ext_fields()
+        resp = await self._call(addr, RequestCode.GET_CONSUMER_LIST_BY_GROUP, ext,
+                                name="GET_CONSUMER_LIST_BY_GROUP")
+        return decode_consumer_list(resp.body)
+
+    # ------------------------------------------------------------------ offsets
+
+    async def query_consumer_offset(self, addr: str, group: str, mq: MessageQueue) -> int:
+        ext = h.QueryConsumerOffsetRequestHeader(
+            consumer_group=group, topic=mq.topic, queue_id=mq.queue_id, bname=mq.broker_name
+        ).to_ext_fields()
+        resp = await self._call(addr, RequestCode.QUERY_CONSUMER_OFFSET, ext,
+                                name="QUERY_CONSUMER_OFFSET")
+        return h.QueryConsumerOffsetResponseHeader.from_ext_fields(resp.ext_fields or {}).offset
+
+    async def update_consumer_offset(self, addr: str, group: str, mq: MessageQueue, offset: int,
+                                     *, oneway: bool = True) -> None:
+        ext = h.UpdateConsumerOffsetRequestHeader(
+            consumer_group=group, topic=mq.topic, queue_id=mq.queue_id, commit_offset=offset,
+            bname=mq.broker_name,
+        ).to_ext_fields()
+        if oneway:
+            await self._oneway(addr, RequestCode.UPDATE_CONSUMER_OFFSET, ext)
+        else:
+            await self._call(addr, RequestCode.UPDATE_CONSUMER_OFFSET, ext,
+                             name="UPDATE_CONSUMER_OFFSET")
+
+    async def get_max_offset(self, addr: str, mq: MessageQueue) -> int:
+        ext = h.GetMaxOffsetRequestHeader(
+            topic=mq.topic, queue_id=mq.queue_id, bname=mq.broker_name
+        ).to_ext_fields()
+        resp = await self._call(addr, RequestCode.GET_MAX_OFFSET, ext, name="GET_MAX_OFFSET")
+        return h.GetMaxOffsetResponseHeader.from_ext_fields(resp.ext_fields or {}).offset
+
+    async def get_min_offset(self, addr: str, mq: MessageQueue) -> int:
+        ext = h.GetMinOffsetRequestHeader(
+            topic=mq.topic, queue_id=mq.queue_id, bname=mq.broker_name
+        ).to_ext_fields()
+        resp = await self._call(addr, RequestCode.GET_MIN_OFFSET, ext, name="GET_MIN_OFFSET")
+        return h.GetMinOffsetResponseHeader.from_ext_fields(resp.ext_fields or {}).offset
+
+    async def search_offset(self, addr: str, mq: MessageQueue, timestamp_ms: int) -> int:
+        ext = h.SearchOffsetRequestHeader(
+            topic=mq.topic, queue_id=mq.queue_id, timestamp=timestamp_ms, bname=mq.broker_name
+        ).to_ext_fields()
+        resp = await self._call(addr, RequestCode.SEARCH_OFFSET_BY_TIMESTAMP, ext,
+                                name="SEARCH_OFFSET_BY_TIMESTAMP")
+        return h.SearchOffsetResponseHeader.from_ext_fields(resp.ext_fields or {}).offset
+
+    # ------------------------------------------------------------------ pull
+
+    async def pull_message(
+        self,
+        addr: str,
+        *,
+        group: str,
+        mq: MessageQueue,
+        queue_offset: int,
+        max_msg_nums: int = 32,
+        commit_offset: int = -1,
+        suspend_timeout: float = 15.0,
+        timeout: float = 30.0,
+        subscription: SubscriptionData | str | None = None,
+        sub_version: int = 0,
+        expression_type: str = "TAG",
+    ) -> PullResult:
+        """PULL_MESSAGE with long polling (``suspend_timeout`` > 0) and offset piggy-back.
+
+        ``subscription`` (an expression or SubscriptionData) is sent with the SUBSCRIPTION flag,
+        so the broker does not need a heartbeat-registered subscription.
+        """
+        sys_flag = 0
+        if commit_offset > 0:
+            sys_flag |= PullSysFlag.FLAG_COMMIT_OFFSET
+        if suspend_timeout > 0:
+            sys_flag |= PullSysFlag.FLAG_SUSPEND
+        expression: str | None = None
+        if subscription is not None:
+            sys_flag |= PullSysFlag.FLAG_SUBSCRIPTION
+            if isinstance(subscription, SubscriptionData):
+                expression = subscription.sub_string
+                expression_type = subscription.expression_type
+                sub_version = subscription.sub_version
+            else:
+                expression = subscription
+        ext = h.PullMessageRequestHeader(
+            consumer_group=group,
+            topic=mq.topic,
+            queue_id=mq.queue_id,
+            queue_offset=queue_offset,
+            max_msg_nums=max_msg_nums,
+            sys_flag=sys_flag,
+            commit_offset=max(commit_offset, 0),
+            suspend_timeout_millis=int(suspend_timeout * 1000),
+            subscription=expression,
+            sub_version=sub_version,
+            expression_type=expression_type,
+            bname=mq.broker_name,
+        ).to_ext_fields()
+        resp = await self._call(
+            addr, RequestCode.PULL_MESSAGE, ext, timeout=timeout,
+            ok=tuple(_PULL_STATUS), name="PULL_MESSAGE",
+        )
+        rh = h.PullMessageResponseHeader.from_ext_fields(resp.ext_fields or {})
+        return PullResult(
+            status=_PULL_STATUS[ResponseCode(resp.code)],
+            next_begin_offset=rh.next_begin_offset,
+            min_offset=rh.min_offset,
+            max_offset=rh.max_offset,
+            suggest_which_broker_id=rh.suggest_which_broker_id,
+            body=resp.body if resp.code == ResponseCode.SUCCESS else b"",
+            offset_delta=rh.offset_delta,
+        )
+
+    # ------------------------------------------------------------------ failures, locks
+
+    async def consumer_send_msg_back(self, addr: str, msg: MessageExt, group: str,
+                                     delay_level: int, max_reconsume_times: int) -> None:
+        ext = h.ConsumerSendMsgBackRequestHeader(
+            offset=msg.commit_log_offset,
+            group=group,
+            delay_level=delay_level,
+            origin_msg_id=msg.msg_id,
+            origin_topic=msg.topic,
+            unit_mode=False,
+            max_reconsume_times=max_reconsume_times,
+            bname=msg.broker_name or None,
+        ).to_ext_fields()
+        await self._call(addr, RequestCode.CONSUMER_SEND_MSG_BACK, ext, timeout=5.0,
+                         name="CONSUMER_SEND_MSG_BACK")
+
+    async def lock_batch_mq(self, addr: str, group: str, client_id: str,
+                            mqs: list[MessageQueue], *, timeout: float = 1.0) -> set[MessageQueue]:
+        body = encode_lock_batch_request(group, client_id, mqs)
+        resp = await self._call(addr, RequestCode.LOCK_BATCH_MQ, {}, body, timeout=timeout,
+                                name="LOCK_BATCH_MQ")
+        return set(decode_lock_batch_response(resp.body))
+
+    async def unlock_batch_mq(self, addr: str, group: str, client_id: str,
+                              mqs: list[MessageQueue], *, oneway: bool = False) -> None:
+        body = encode_lock_batch_request(group, client_id, mqs)
+        if oneway:
+            await self._oneway(addr, RequestCode.UNLOCK_BATCH_MQ, {}, body)
+        else:
+            await self._call(addr, RequestCode.UNLOCK_BATCH_MQ, {}, body, timeout=1.0,
+                             name="UNLOCK_BATCH_MQ")
+
+    # ------------------------------------------------------------------ send
+
+    async def send_message(self, addr: str, mq: MessageQueue, *, producer_group: str, body: bytes,
+                           properties: str, sys_flag: int = 0, flag: int = 0, batch: bool = False,
+                           born_timestamp: int | None = None, reconsume_times: int | None = None,
+                           max_reconsume_times: int | None = None,
+                           default_topic: str = "TBW102", default_topic_queue_nums: int = 4,
+                           timeout: float = 3.0) -> SendResult:
+        import time as _time
+
+        header = h.SendMessageRequestHeaderV2(
+            producer_group=producer_group,
+            topic=mq.topic,
+            default_topic=default_topic,
+            default_topic_queue_nums=default_topic_queue_nums,
+            queue_id=mq.queue_id,
+            sys_flag=sys_flag,
+            born_timestamp=born_timestamp if born_timestamp is not None else int(_time.time() * 1000),
+            flag=flag,
+            properties=properties or None,
+            reconsume_times=reconsume_times if reconsume_times is not None else 0,
+            unit_mode=False,
+            max_reconsume_times=max_reconsume_times,
+            batch=batch,
+            bname=mq.broker_name,
+        )
+        code = RequestCode.SEND_BATCH_MESSAGE if batch else RequestCode.SEND_MESSAGE_V2
+        resp = await self._call(
+            addr, code, header.to_ext_fields(), body, timeout=timeout,
+            ok=(ResponseCode.SUCCESS, ResponseCode.FLUSH_DISK_TIMEOUT,
+                ResponseCode.FLUSH_SLAVE_TIMEOUT, ResponseCode.SLAVE_NOT_AVAILABLE),
+            name="SEND_BATCH_MESSAGE" if batch else "SEND_MESSAGE_V2",
+        )
+        rh = h.SendMessageResponseHeader.from_ext_fields(resp.ext_fields or {})
+        return SendResult(
+            msg_id=rh.msg_id,
+            queue_id=rh.queue_id,
+            queue_offset=rh.queue_offset,
+            broker_name=mq.broker_name,
+            status_code=resp.code,
+            transaction_id=rh.transaction_id,
+        )
+
+    # ------------------------------------------------------------------ admin
+
+    async def create_topic(self, addr: str, topic: str, *, read_queues: int = 8,
+                           write_queues: int = 8, perm: int = 6, order: bool = False,
+                           timeout: float = 10.0) -> None:
+        ext = h.CreateTopicRequestHeader(
+            topic=topic, default_topic="TBW102", read_queue_nums=read_queues,
+            write_queue_nums=write_queues, perm=perm, topic_filter_type="SINGLE_TAG",
+            topic_sys_flag=0, order=order,
+        ).to_ext_fields()
+        await self._call(addr, RequestCode.UPDATE_AND_CREATE_TOPIC, ext, timeout=timeout,
+                         name="UPDATE_AND_CREATE_TOPIC")

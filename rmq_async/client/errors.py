@@ -1,0 +1,51 @@
+"""Errors raised by the client layer (typed broker and name-server answers)."""
+
+from __future__ import annotations
+
+from rmq_async.protocol.codes import ResponseCode
+
+
+class MQClientError(Exception):
+    """Base class of the client layer's errors."""
+
+
+class MQBrokerError(MQClientError):
+    """A broker or name server answered with an error code."""
+
+    def __init__(self, code: int, remark: str | None, *, addr: str | None = None,
+                 request: str | None = None) -> None:
+        self.code = code
+        self.remark = remark or ""
+        self.addr = addr
+        self.request = request
+        try:
+            name = ResponseCode(code).name
+        except ValueError:
+            name = str(code)
+        where = f" from {addr}" if addr else ""
+        what = f"{request} " if request else ""
+        super().__init__(f"{what}failed{where}: {name} ({code}) {self.remark}".rstrip())
+
+
+class NoPermissionError(MQBrokerError):
+    """The broker refused the request for lack of permission (ACL): check the credentials."""
+
+
+class NoRouteError(MQClientError):
+    """No name server knows a route for the topic."""
+
+    def __init__(self, topic: str, detail: str = "") -> None:
+        self.topic = topic
+        super().__init__(f"no route for topic {topic!r}" + (f": {detail}" if detail else ""))
+
+
+class NameServerUnavailable(MQClientError):
+    """None of the configured name servers answered."""
+
+
+def broker_error(code: int, remark: str | None, *, addr: str | None = None,
+                 request: str | None = None) -> MQBrokerError:
+    """Build the most specific error type for a response code."""
+    if code == ResponseCode.NO_PERMISSION:
+        return NoPermissionError(code, remark, addr=addr, request=request)
+    return MQBrokerError(code, remark, addr=addr, request=request)

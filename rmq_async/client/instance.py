@@ -1,0 +1,218 @@
+"""The client instance: routes, broker addresses, heartbeats and route refresh for one client id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import ssl as _ssl
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from rmq_async.client.api import MQClientAPI
+from rmq_async.client.errors import MQClientError, NoRouteError
+from rmq_async.protocol.bodies import (
+    HeartbeatData,
+    TopicRouteData,
+    consumer_queues,
+    producer_queues,
+)
+from rmq_async.protocol.types import MessageQueue
+from rmq_async.remoting.client import RemotingClient
+from rmq_async.remoting.connection import RequestHandler, RpcHook
+from rmq_async.remoting.errors import RemotingError
+
+log = structlog.get_logger(__name__)
+
+MASTER_ID = 0
+
+
+@dataclass(slots=True)
+class _BrokerAddrs:
+    cluster: str
+    addrs: dict[int, str] = field(default_factory=dict)
+
+    def master(self) -> str | None:
+        return self.addrs.get(MASTER_ID)
+
+    def any(self) -> str | None:
+        master = self.master()
+        if master is not None:
+            return master
+        return next(iter(self.addrs.values()), None)
+
+
+class ClientInstance:
+    """Shared client state of one client id (Java ``MQClientInstance``, minus consumer logic).
+
+    It owns the :class:`RemotingClient`, knows every topic route it was asked about and every
+    broker address found in them, and runs two periodic tasks when started: route refresh and
+    heartbeat. What a heartbeat carries comes from ``heartbeat_source``, a callable the owner
+    (a consumer or producer) provides; the instance itself knows nothing about consumers.
+    """
+
+    def __init__(
+        self,
+        namesrv: str | list[str],
+        client_id: str,
+        *,
+        heartbeat_source: Callable[[], HeartbeatData] | None = None,
+        request_handler: RequestHandler | None = None,
+        rpc_hook: RpcHook | None = None,
+        ssl: _ssl.SSLContext | None = None,
+        api_timeout: float = 3.0,
+        connect_timeout: float = 3.0,
+    ) -> None:
+        self.namesrv_addrs = parse_namesrv(namesrv)
+        self.client_id = client_id
+        self.heartbeat_source = heartbeat_source
+        self.remoting = RemotingClient(
+            connect_timeout=connect_timeout, ssl=ssl, rpc_hook=rpc_hook,
+            request_handler=request_handler,
+        )
+        self.api = MQClientAPI(self.remoting, timeout=api_timeout)
+        self.routes: dict[str, TopicRouteData] = {}
+        self.brokers: dict[str, _BrokerAddrs] = {}
+        self.broker_versions: dict[str, int] = {}
+        self._namesrv_index = random.randrange(len(self.namesrv_addrs))
+        self._route_locks: dict[str, asyncio.Lock] = {}
+        self._heartbeat_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ name server
+
+    async def fetch_route(self, topic: str) -> TopicRouteData:
+        """Ask the name servers for ``topic``'s route, failing over from one to the next."""
+        errors: list[str] = []
+        n = len(self.namesrv_addrs)
+        for attempt in range(n):
+            addr = self.namesrv_addrs[(self._namesrv_index + attempt) % n]
+            try:
+                route = await self.api.get_route(addr, topic)
+            except NoRouteError:
+                raise
+            except (RemotingError, MQClientError) as exc:
+                errors.append(f"{addr}: {exc}")
+                log.warning("namesrv.request_failed", namesrv=addr, topic=topic, error=str(exc))
+                continue
+            self._namesrv_index = (self._namesrv_index + attempt) % n
+            return route
+        # Move on so the next call starts with another name server.
+        self._namesrv_index = (self._namesrv_index + 1) % n
+        raise MQClientError(f"no name server answered for topic {topic!r}: " + "; ".join(errors))
+
+    async def update_route(self, topic: str) -> TopicRouteData:
+        lock = self._route_locks.setdefault(topic, asyncio.Lock())
+        async with lock:
+            route = await self.fetch_route(topic)
+            old = self.routes.get(topic)
+            self.routes[topic] = route
+            for bd in route.broker_datas:
+                entry = self.brokers.setdefault(bd.broker_name, _BrokerAddrs(bd.cluster))
+                entry.addrs = dict(bd.broker_addrs)
+            if old is None or old != route:
+                log.info("route.updated", topic=topic,
+                         queues=len(consumer_queues(route, topic)),
+                         brokers=[bd.broker_name for bd in route.broker_datas])
+            return route
+
+    async def route(self, topic: str) -> TopicRouteData:
+        route = self.routes.get(topic)
+        if route is None:
+            route = await self.update_route(topic)
+        return route
+
+    async def subscribe_queues(self, topic: str) -> list[MessageQueue]:
+        return consumer_queues(await self.route(topic), topic)
+
+    async def publish_queues(self, topic: str) -> list[MessageQueue]:
+        return producer_queues(await self.route(topic), topic)
+
+    async def find_broker_master(self, broker_name: str, topic: str | None = None) -> str:
+        entry = self.brokers.get(broker_name)
+        addr = entry.master() if entry else None
+        if addr is None and topic is not None:
+            await self.update_route(topic)
+            entry = self.brokers.get(broker_name)
+            addr = entry.master() if entry else None
+        if addr is None:
+            raise MQClientError(f"no master address known for broker {broker_name!r}")
+        return addr
+
+    async def find_any_broker(self, topic: str) -> str:
+        route = await self.route(topic)
+        candidates = [bd for bd in route.broker_datas if bd.broker_addrs]
+        if not candidates:
+            raise NoRouteError(topic, "route has no broker address")
+        bd = random.choice(candidates)
+        return bd.broker_addrs.get(MASTER_ID) or next(iter(bd.broker_addrs.values()))
+
+    def all_broker_addrs(self) -> list[str]:
+        out: list[str] = []
+        for entry in self.brokers.values():
+            out.extend(entry.addrs.values())
+        return sorted(set(out))
+
+    # ------------------------------------------------------------------ periodic work
+
+    async def refresh_routes(self) -> None:
+        for topic in list(self.routes):
+            try:
+                await self.update_route(topic)
+            except (MQClientError, RemotingError) as exc:
+                log.warning("route.refresh_failed", topic=topic, error=str(exc))
+
+    async def send_heartbeats(self) -> dict[str, bool]:
+        """Send a heartbeat to every known broker address; return which ones succeeded."""
+        if self.heartbeat_source is None:
+            return {}
+        async with self._heartbeat_lock:
+            data = self.heartbeat_source()
+            addrs = self.all_broker_addrs()
+            results = await asyncio.gather(
+                *(self.api.heartbeat(addr, data) for addr in addrs), return_exceptions=True
+            )
+        status: dict[str, bool] = {}
+        for addr, res in zip(addrs, results, strict=True):
+            if isinstance(res, BaseException):
+                status[addr] = False
+                log.warning("heartbeat.failed", broker=addr, error=str(res))
+            else:
+                status[addr] = True
+                self.broker_versions[addr] = res
+        return status
+
+    async def route_refresh_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.refresh_routes()
+
+    async def heartbeat_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.send_heartbeats()
+
+    async def unregister(self, producer_group: str | None, consumer_group: str | None) -> None:
+        for addr in self.all_broker_addrs():
+            with contextlib.suppress(MQClientError, RemotingError):
+                await self.api.unregister_client(addr, self.client_id, producer_group, consumer_group)
+
+    async def close(self) -> None:
+        await self.remoting.close()
+
+
+def parse_namesrv(namesrv: str | list[str]) -> list[str]:
+    """Accept ``"a:9876;b:9876"`` (Java's separator) or a list of addresses."""
+    if isinstance(namesrv, str):
+        parts = [p.strip() for p in namesrv.replace(",", ";").split(";")]
+    else:
+        parts = [p.strip() for p in namesrv]
+    addrs = [p for p in parts if p]
+    if not addrs:
+        raise ValueError("at least one name server address (host:port) is required")
+    for a in addrs:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"name server address must be host:port, got {a!r}")
+    return addrs

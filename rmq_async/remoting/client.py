@@ -1,0 +1,117 @@
+"""A pool with one connection per address, reconnecting on next use after a drop."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl as _ssl
+
+import structlog
+
+from rmq_async.protocol.codes import ResponseCode
+from rmq_async.protocol.command import RemotingCommand
+from rmq_async.remoting.connection import (
+    DEFAULT_MAX_FRAME_SIZE,
+    Connection,
+    RequestHandler,
+    RpcHook,
+)
+from rmq_async.remoting.errors import ConnectionClosed
+
+log = structlog.get_logger(__name__)
+
+
+class RemotingClient:
+    """Sends commands to name servers and brokers by address.
+
+    There is at most one open connection per address. A connection that was closed (by the
+    peer, a protocol error or a timeout storm) is replaced transparently by the next call.
+    ``close()`` closes every connection, failing all requests in flight with
+    :class:`ConnectionClosed`.
+    """
+
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 3.0,
+        ssl: _ssl.SSLContext | None = None,
+        rpc_hook: RpcHook | None = None,
+        request_handler: RequestHandler | None = None,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    ) -> None:
+        self.connect_timeout = connect_timeout
+        self.ssl = ssl
+        self.rpc_hook = rpc_hook
+        self.request_handler = request_handler
+        self.max_frame_size = max_frame_size
+        self._connections: dict[str, Connection] = {}
+        self._connect_locks: dict[str, asyncio.Lock] = {}
+        self._closed = False
+
+    async def connection(self, addr: str) -> Connection:
+        """The open connection to ``addr``, connecting (again) when there is none."""
+        if self._closed:
+            raise ConnectionClosed("remoting client is closed", addr=addr)
+        conn = self._connections.get(addr)
+        if conn is not None and not conn.closed:
+            return conn
+        lock = self._connect_locks.setdefault(addr, asyncio.Lock())
+        async with lock:
+            conn = self._connections.get(addr)
+            if conn is not None and not conn.closed:
+                return conn
+            if self._closed:
+                raise ConnectionClosed("remoting client is closed", addr=addr)
+            conn = await Connection.open(
+                addr,
+                connect_timeout=self.connect_timeout,
+                ssl=self.ssl,
+                handler=self.request_handler,
+                rpc_hook=self.rpc_hook,
+                max_frame_size=self.max_frame_size,
+            )
+            if self.closed:  # close() ran while we were connecting
+                await conn.close()
+                raise ConnectionClosed("remoting client is closed", addr=addr)
+            self._connections[addr] = conn
+            return conn
+
+    async def invoke(self, addr: str, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
+        """Send a request and return the peer's response (any response code)."""
+        conn = await self.connection(addr)
+        response = await conn.request(cmd, timeout)
+        if response.code == ResponseCode.GO_AWAY:
+            # A 5.x server that is shutting down: reconnect and send once more.
+            log.info("remoting.go_away", addr=addr)
+            await conn.close()
+            conn = await self.connection(addr)
+            response = await conn.request(cmd, timeout)
+        return response
+
+    async def invoke_oneway(self, addr: str, cmd: RemotingCommand) -> None:
+        conn = await self.connection(addr)
+        await conn.send_oneway(cmd)
+
+    async def close_connection(self, addr: str) -> None:
+        conn = self._connections.pop(addr, None)
+        if conn is not None:
+            await conn.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def addresses(self) -> list[str]:
+        return [a for a, c in self._connections.items() if not c.closed]
+
+    async def close(self) -> None:
+        self._closed = True
+        conns = list(self._connections.values())
+        self._connections.clear()
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+
+    async def __aenter__(self) -> RemotingClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

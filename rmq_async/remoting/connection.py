@@ -1,0 +1,291 @@
+"""One asyncio connection to a name server or broker.
+
+The connection is an :class:`asyncio.Protocol`: bytes arriving from the transport are fed to the
+sans-IO :class:`~rmq_async.protocol.command.FrameDecoder` right in ``data_received``, and each
+decoded command is routed without an extra hop:
+
+* a response completes the future stored under its ``opaque`` in the pending table;
+* a request from the peer (the broker asking the consumer something) is handed to the
+  registered handler in a task owned by this connection, and its answer is written back.
+
+Requests carry a per-request timeout that removes their table entry when it fires. ``close()``
+(or a peer that hangs up, or a peer that sends bytes the decoder rejects) fails every pending
+request with :class:`ConnectionClosed` and cancels the connection's handler tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl as _ssl
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import structlog
+
+from rmq_async.protocol.codes import ResponseCode
+from rmq_async.protocol.command import FrameDecoder, RemotingCommand, next_opaque
+from rmq_async.protocol.errors import ProtocolError
+from rmq_async.remoting.errors import (
+    ConnectionClosed,
+    RemotingConnectError,
+    RemotingTimeout,
+)
+
+if TYPE_CHECKING:
+    pass
+
+log = structlog.get_logger(__name__)
+
+#: Answers a request the peer sent us. Returning ``None`` sends nothing back.
+RequestHandler = Callable[[RemotingCommand, "Connection"], Awaitable[RemotingCommand | None]]
+
+#: Called with every outgoing request just before it is encoded (ACL signing uses this).
+RpcHook = Callable[[RemotingCommand], None]
+
+DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
+
+
+class Connection(asyncio.Protocol):
+    """A multiplexed request/response channel to one address."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        handler: RequestHandler | None = None,
+        rpc_hook: RpcHook | None = None,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    ) -> None:
+        self.addr = addr
+        self._handler = handler
+        self._rpc_hook = rpc_hook
+        self._decoder = FrameDecoder(max_frame_size)
+        self._pending: dict[int, asyncio.Future[RemotingCommand]] = {}
+        self._handler_tasks: set[asyncio.Task[None]] = set()
+        self._transport: asyncio.Transport | None = None
+        self._closed = False
+        self._close_exc: BaseException | None = None
+        self._closed_event = asyncio.Event()
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self.last_activity = asyncio.get_running_loop().time()
+
+    # ------------------------------------------------------------------ opening / closing
+
+    @classmethod
+    async def open(
+        cls,
+        addr: str,
+        *,
+        connect_timeout: float = 3.0,
+        ssl: _ssl.SSLContext | None = None,
+        handler: RequestHandler | None = None,
+        rpc_hook: RpcHook | None = None,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    ) -> Connection:
+        host, port = split_addr(addr)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, proto = await loop.create_connection(
+                    lambda: cls(
+                        addr, handler=handler, rpc_hook=rpc_hook, max_frame_size=max_frame_size
+                    ),
+                    host,
+                    port,
+                    ssl=ssl,
+                    server_hostname=host if ssl is not None else None,
+                )
+        except TimeoutError as exc:
+            raise RemotingConnectError(f"connect to {addr} timed out", addr=addr) from exc
+        except OSError as exc:
+            raise RemotingConnectError(f"connect to {addr} failed: {exc}", addr=addr) from exc
+        log.debug("remoting.connected", addr=addr)
+        return proto
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    async def close(self) -> None:
+        """Close the connection, fail pending requests and end the handler tasks."""
+        self._shutdown(None)
+        tasks = list(self._handler_tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def wait_closed(self) -> None:
+        await self._closed_event.wait()
+
+    def _shutdown(self, exc: BaseException | None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close_exc = exc
+        self._can_write.set()
+        if self._transport is not None:
+            if exc is not None:
+                self._transport.abort()
+            else:
+                self._transport.close()
+        reason = "connection closed" if exc is None else f"connection closed: {exc}"
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                err = ConnectionClosed(f"{reason} ({self.addr})", addr=self.addr)
+                err.__cause__ = exc
+                fut.set_exception(err)
+        for task in self._handler_tasks:
+            task.cancel()
+        self._closed_event.set()
+        if exc is not None:
+            log.warning("remoting.connection_lost", addr=self.addr, error=str(exc),
+                        failed_requests=len(pending))
+        else:
+            log.debug("remoting.connection_closed", addr=self.addr, failed_requests=len(pending))
+
+    # ------------------------------------------------------------------ asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._shutdown(exc if exc is not None else ConnectionResetError("peer closed"))
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
+        self.last_activity = asyncio.get_running_loop().time()
+        try:
+            commands = self._decoder.feed(data)
+        except ProtocolError as exc:
+            log.error("remoting.protocol_error", addr=self.addr, error=str(exc))
+            self._shutdown(exc)
+            return
+        for cmd in commands:
+            if cmd.is_response:
+                fut = self._pending.pop(cmd.opaque, None)
+                if fut is None:
+                    log.debug("remoting.unmatched_response", addr=self.addr, opaque=cmd.opaque,
+                              code=cmd.code)
+                elif not fut.done():
+                    fut.set_result(cmd)
+            else:
+                self._dispatch_request(cmd)
+
+    # ------------------------------------------------------------------ requests from the peer
+
+    def _dispatch_request(self, cmd: RemotingCommand) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._serve(cmd), name=f"remoting-serve-{cmd.code}"
+        )
+        self._handler_tasks.add(task)
+        task.add_done_callback(self._handler_tasks.discard)
+
+    async def _serve(self, cmd: RemotingCommand) -> None:
+        response: RemotingCommand | None
+        if self._handler is None:
+            response = unsupported_response(cmd)
+        else:
+            try:
+                response = await self._handler(cmd, self)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("remoting.handler_failed", addr=self.addr, code=cmd.code)
+                response = cmd.response_to(ResponseCode.SYSTEM_ERROR, remark=f"{type(exc).__name__}: {exc}")
+        if response is None or cmd.is_oneway or self._closed:
+            return
+        try:
+            await self._write(response.encode_parts())
+        except ConnectionClosed:
+            pass
+
+    # ------------------------------------------------------------------ sending
+
+    async def _write(self, parts: list[bytes]) -> None:
+        if self._closed or self._transport is None:
+            raise self._closed_error()
+        if not self._can_write.is_set():
+            await self._can_write.wait()
+            if self._closed:
+                raise self._closed_error()
+        self._transport.writelines(parts)
+
+    def _closed_error(self) -> ConnectionClosed:
+        err = ConnectionClosed(f"connection to {self.addr} is closed", addr=self.addr)
+        err.__cause__ = self._close_exc
+        return err
+
+    async def request(self, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
+        """Send ``cmd`` and wait for its response, at most ``timeout`` seconds."""
+        if self._closed:
+            raise self._closed_error()
+        if self._rpc_hook is not None:
+            self._rpc_hook(cmd)
+        loop = asyncio.get_running_loop()
+        cmd.opaque = next_opaque()
+        fut: asyncio.Future[RemotingCommand] = loop.create_future()
+        self._pending[cmd.opaque] = fut
+        timer = loop.call_later(timeout, self._expire, cmd.opaque, timeout)
+        try:
+            await self._write(cmd.encode_parts())
+            return await fut
+        finally:
+            timer.cancel()
+            self._pending.pop(cmd.opaque, None)
+
+    def _expire(self, opaque: int, timeout: float) -> None:
+        fut = self._pending.pop(opaque, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(
+                RemotingTimeout(f"no response from {self.addr} within {timeout:.3f}s", addr=self.addr)
+            )
+
+    async def send_oneway(self, cmd: RemotingCommand) -> None:
+        """Send a request that gets no response."""
+        if self._rpc_hook is not None:
+            self._rpc_hook(cmd)
+        cmd.opaque = next_opaque()
+        cmd.flag |= 0x2
+        await self._write(cmd.encode_parts())
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<Connection {self.addr} {state} pending={len(self._pending)}>"
+
+
+def unsupported_response(cmd: RemotingCommand) -> RemotingCommand:
+    """The answer Java gives to a request code nobody handles."""
+    return cmd.response_to(
+        ResponseCode.REQUEST_CODE_NOT_SUPPORTED, remark=f" request type {cmd.code} not supported"
+    )
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 as ``[::1]:port``) into host and port."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must be host:port, got {addr!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+async def close_quietly(conn: Connection) -> None:
+    with contextlib.suppress(Exception):
+        await conn.close()

@@ -1,0 +1,28 @@
+"""Errors raised by the remoting layer."""
+
+from __future__ import annotations
+
+
+class RemotingError(Exception):
+    """Base class of every failure to exchange a command with a peer."""
+
+    def __init__(self, message: str, *, addr: str | None = None) -> None:
+        super().__init__(message)
+        self.addr = addr
+
+
+class RemotingConnectError(RemotingError):
+    """The TCP (or TLS) connection to the peer could not be established."""
+
+
+class ConnectionClosed(RemotingError):
+    """The connection was closed (by us, by the peer, or after a protocol error).
+
+    Every request still waiting for its response when a connection closes fails with this
+    error; ``__cause__`` carries the underlying reason when there is one (for example a
+    :class:`~rmq_async.protocol.errors.ProtocolError` for a peer that sent garbage).
+    """
+
+
+class RemotingTimeout(RemotingError, TimeoutError):
+    """No response arrived within the request's timeout."""

@@ -1,0 +1,255 @@
+"""Remoting layer against a scripted in-process peer (faults the real broker cannot produce)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from rmq_async.protocol.codes import RequestCode, ResponseCode
+from rmq_async.protocol.command import FrameDecoder, RemotingCommand
+from rmq_async.protocol.errors import ProtocolError
+from rmq_async.remoting import (
+    Connection,
+    ConnectionClosed,
+    RemotingClient,
+    RemotingConnectError,
+    RemotingTimeout,
+)
+
+Script = Callable[[RemotingCommand, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Peer:
+    """A tiny server that decodes frames and lets each test script its answers."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.received: list[RemotingCommand] = []
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.base_events.Server | None = None
+        self.connections = 0
+
+    async def __aenter__(self) -> Peer:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for w in self.writers:
+            w.close()
+        await self.server.wait_closed()
+
+    @property
+    def addr(self) -> str:
+        assert self.server is not None
+        host, port = self.server.sockets[0].getsockname()[:2]
+        return f"{host}:{port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        decoder = FrameDecoder()
+        try:
+            while data := await reader.read(65536):
+                for cmd in decoder.feed(data):
+                    self.received.append(cmd)
+                    await self.script(cmd, writer)
+        except (ConnectionError, ProtocolError):
+            pass
+
+
+async def echo(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
+    if not cmd.is_oneway:
+        writer.write(cmd.response_to(ResponseCode.SUCCESS, remark="ok", body=cmd.body).encode())
+        await writer.drain()
+
+
+async def silent(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
+    return None
+
+
+async def test_request_response_and_oneway() -> None:
+    async with Peer(echo) as peer:
+        conn = await Connection.open(peer.addr)
+        try:
+            resp = await conn.request(
+                RemotingCommand.request(RequestCode.HEART_BEAT, ext_fields={"a": "b"}, body=b"x" * 70000),
+                timeout=5,
+            )
+            assert resp.code == ResponseCode.SUCCESS
+            assert resp.body == b"x" * 70000
+            await conn.send_oneway(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET))
+            for _ in range(100):
+                if len(peer.received) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert peer.received[1].is_oneway
+            assert conn.pending_count == 0
+        finally:
+            await conn.close()
+
+
+async def test_many_concurrent_requests_are_matched_by_opaque() -> None:
+    async def reverse_order(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.001 * (int(cmd.ext_fields["i"]) % 7))  # type: ignore[index]
+        writer.write(cmd.response_to(ResponseCode.SUCCESS, ext_fields=cmd.ext_fields).encode())
+
+    async with Peer(reverse_order) as peer:
+        conn = await Connection.open(peer.addr)
+        try:
+            resps = await asyncio.gather(*(
+                conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, ext_fields={"i": str(i)}),
+                             timeout=5) for i in range(200)
+            ))
+            assert [r.ext_fields["i"] for r in resps] == [str(i) for i in range(200)]  # type: ignore[index]
+        finally:
+            await conn.close()
+
+
+async def test_timeout_removes_pending_entry() -> None:
+    async with Peer(silent) as peer:
+        conn = await Connection.open(peer.addr)
+        try:
+            started = time.monotonic()
+            with pytest.raises(RemotingTimeout):
+                await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=0.2)
+            assert time.monotonic() - started < 1.0
+            assert conn.pending_count == 0
+            assert not conn.closed
+        finally:
+            await conn.close()
+
+
+async def test_close_fails_pending_requests() -> None:
+    async with Peer(silent) as peer:
+        conn = await Connection.open(peer.addr)
+        task = asyncio.create_task(
+            conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=30)
+        )
+        await asyncio.sleep(0.05)
+        await conn.close()
+        with pytest.raises(ConnectionClosed):
+            await task
+        with pytest.raises(ConnectionClosed):
+            await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=1)
+
+
+async def test_garbage_from_peer_closes_with_typed_error_promptly() -> None:
+    async def garbage(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
+        # A frame length smaller than the mandatory header-info word.
+        writer.write(b"\x00\x00\x00\x02\xff\xff")
+        await writer.drain()
+
+    async with Peer(garbage) as peer:
+        conn = await Connection.open(peer.addr)
+        started = time.monotonic()
+        with pytest.raises(ConnectionClosed) as info:
+            await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=30)
+        assert time.monotonic() - started < 2.0
+        assert isinstance(info.value.__cause__, ProtocolError)
+        assert conn.closed
+
+
+async def test_oversized_frame_is_rejected_without_buffering() -> None:
+    async def huge(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
+        writer.write((1 << 30).to_bytes(4, "big") + b"\x00" * 1024)
+        await writer.drain()
+
+    async with Peer(huge) as peer:
+        conn = await Connection.open(peer.addr, max_frame_size=1 << 20)
+        with pytest.raises(ConnectionClosed) as info:
+            await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=30)
+        assert isinstance(info.value.__cause__, ProtocolError)
+
+
+async def test_peer_request_dispatch_and_unsupported_codes() -> None:
+    handled: list[int] = []
+    answers: list[RemotingCommand] = []
+    got_answer = asyncio.Event()
+
+    async def handler(cmd: RemotingCommand, conn: Connection) -> RemotingCommand | None:
+        handled.append(cmd.code)
+        if cmd.code == RequestCode.GET_CONSUMER_RUNNING_INFO:
+            return cmd.response_to(ResponseCode.SUCCESS, body=b"{}")
+        return None
+
+    async def script(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
+        if cmd.is_response:
+            answers.append(cmd)
+            if len(answers) == 2:
+                got_answer.set()
+            return
+        notify = RemotingCommand.request(RequestCode.NOTIFY_CONSUMER_IDS_CHANGED,
+                                         ext_fields={"consumerGroup": "g"}, oneway=True)
+        running = RemotingCommand.request(RequestCode.GET_CONSUMER_RUNNING_INFO,
+                                          ext_fields={"consumerGroup": "g"})
+        writer.write(notify.encode() + running.encode())
+        writer.write(cmd.response_to(ResponseCode.SUCCESS).encode())
+        await writer.drain()
+
+    async with Peer(script) as peer:
+        conn = await Connection.open(peer.addr, handler=handler)
+        try:
+            await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=5)
+            await asyncio.wait_for(asyncio.shield(_wait_len(handled, 2)), 5)
+        finally:
+            await conn.close()
+
+    # Without a handler, a request from the peer gets REQUEST_CODE_NOT_SUPPORTED.
+    unsupported: list[RemotingCommand] = []
+    done = asyncio.Event()
+
+    async def script2(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
+        if cmd.is_response:
+            unsupported.append(cmd)
+            done.set()
+            return
+        writer.write(RemotingCommand.request(12345).encode())
+        writer.write(cmd.response_to(ResponseCode.SUCCESS).encode())
+        await writer.drain()
+
+    async with Peer(script2) as peer:
+        conn = await Connection.open(peer.addr)
+        try:
+            await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=5)
+            await asyncio.wait_for(done.wait(), 5)
+        finally:
+            await conn.close()
+    assert unsupported[0].code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED
+    assert unsupported[0].remark == " request type 12345 not supported"
+    assert RequestCode.NOTIFY_CONSUMER_IDS_CHANGED in handled
+
+
+async def _wait_len(items: list[int], n: int) -> None:
+    while len(items) < n:
+        await asyncio.sleep(0.01)
+
+
+async def test_client_reconnects_on_next_use_after_drop() -> None:
+    async with Peer(echo) as peer:
+        client = RemotingClient()
+        try:
+            r1 = await client.invoke(peer.addr, RemotingCommand.request(RequestCode.HEART_BEAT), 5)
+            assert r1.code == ResponseCode.SUCCESS
+            for w in peer.writers:
+                w.close()
+            conn = await client.connection(peer.addr)
+            await asyncio.wait_for(conn.wait_closed(), 5)
+            r2 = await client.invoke(peer.addr, RemotingCommand.request(RequestCode.HEART_BEAT), 5)
+            assert r2.code == ResponseCode.SUCCESS
+            assert peer.connections == 2
+        finally:
+            await client.close()
+
+
+async def test_connect_error_is_typed() -> None:
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(RemotingConnectError):
+        await Connection.open(f"127.0.0.1:{port}", connect_timeout=1)
