@@ -1,0 +1,261 @@
+"""Concurrent consumption: worker tasks run the listener on batches taken from an asyncio.Queue.
+
+Pulled messages are split into requests of ``consume_message_batch_max_size`` and queued; each
+of the ``consume_concurrency`` workers takes one request at a time and calls the listener. The
+result decides what happens to every message of the batch:
+
+* acknowledged (SUCCESS up to ``ack_index``): removed from the ProcessQueue;
+* failed, clustering: sent back to the broker (CONSUMER_SEND_MSG_BACK), which redelivers it
+  through ``%RETRY%<group>`` with a growing delay, or moves it to ``%DLQ%<group>`` after
+  ``max_reconsume_times``; a message whose send-back fails stays cached and is consumed again
+  locally after 5 s;
+* failed, broadcasting: logged with its id and dropped (as the Java client does).
+
+Removing messages from the ProcessQueue yields the lowest offset still cached; that becomes the
+queue's in-memory consume offset, unless the queue was dropped by a rebalance meanwhile, in
+which case the result commits nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+
+from rmq_async.consumer.options import MessageModel
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.results import ConsumeContext, ConsumeResult
+from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.protocol.types import (
+    PROPERTY_CONSUME_START_TIME,
+    PROPERTY_RETRY_TOPIC,
+    MessageExt,
+    MessageQueue,
+)
+
+if TYPE_CHECKING:
+    from rmq_async.consumer.push import PushConsumer
+
+log = structlog.get_logger(__name__)
+
+Listener = Callable[..., Any]
+
+SEND_BACK_FAILED_RETRY_DELAY = 5.0
+
+
+@dataclass(slots=True)
+class ConsumeRequest:
+    msgs: list[MessageExt]
+    pq: ProcessQueue
+    mq: MessageQueue
+
+
+class ListenerAdapter:
+    """Calls a user listener the same way whatever its shape.
+
+    A listener is ``async def f(msgs)`` / ``async def f(msgs, context)`` or the same as a plain
+    ``def``; plain functions run in a worker thread so they never block the event loop. A return
+    value of ``None`` or a raised exception means RECONSUME_LATER.
+    """
+
+    def __init__(self, fn: Listener) -> None:
+        self.fn = fn
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004
+        )
+        try:
+            params = [
+                p for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+            self.wants_context = len(params) >= 2
+        except (TypeError, ValueError):
+            self.wants_context = False
+        self.name = getattr(fn, "__qualname__", repr(fn))
+
+    async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
+        args: tuple[Any, ...] = (msgs, ctx) if self.wants_context else (msgs,)
+        if self.is_async:
+            result: Awaitable[Any] = self.fn(*args)
+            return await result
+        return await anyio.to_thread.run_sync(lambda: self.fn(*args))
+
+
+def reset_retry_topic(msgs: list[MessageExt], retry_topic: str) -> None:
+    """Give retried messages their original topic back (Java ``resetRetryAndNamespace``)."""
+    for m in msgs:
+        if m.topic == retry_topic:
+            original = m.properties.get(PROPERTY_RETRY_TOPIC)
+            if original:
+                m.topic = original
+
+
+class ConcurrentConsumeService:
+    def __init__(self, consumer: PushConsumer) -> None:
+        self._consumer = consumer
+        self._opts = consumer.options
+        self._queue: asyncio.Queue[ConsumeRequest] = asyncio.Queue()
+        self._owner = TaskOwner(f"consume[{consumer.group}]")
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def start(self) -> None:
+        for i in range(self._opts.consume_concurrency):
+            self._owner.spawn(self._worker(), name=f"worker-{i}")
+        self._owner.spawn(self._expired_cleaner(), name="expired-cleaner")
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue) -> None:
+        size = self._opts.consume_message_batch_max_size
+        if len(msgs) <= size:
+            self._queue.put_nowait(ConsumeRequest(msgs, pq, mq))
+            return
+        for i in range(0, len(msgs), size):
+            self._queue.put_nowait(ConsumeRequest(msgs[i:i + size], pq, mq))
+
+    def submit_later(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
+                     delay: float) -> None:
+        self._owner.spawn(self._submit_after(msgs, pq, mq, delay), name=f"resubmit:{mq}")
+
+    async def _submit_after(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
+                            delay: float) -> None:
+        await asyncio.sleep(delay)
+        if not pq.dropped:
+            self.submit(msgs, pq, mq)
+
+    async def wait_idle(self) -> None:
+        """Wait until no listener call is running."""
+        await self._idle.wait()
+
+    async def aclose(self) -> None:
+        await self._owner.aclose()
+
+    # ------------------------------------------------------------------ workers
+
+    async def _worker(self) -> None:
+        while True:
+            req = await self._queue.get()
+            if req.pq.dropped:
+                continue
+            self._in_flight += 1
+            self._idle.clear()
+            try:
+                await self._consume(req)
+            finally:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._idle.set()
+
+    async def _consume(self, req: ConsumeRequest) -> None:
+        c = self._consumer
+        msgs = req.msgs
+        reset_retry_topic(msgs, c.retry_topic)
+        listener = c.listener_for(msgs[0].topic)
+        ctx = ConsumeContext(message_queue=req.mq)
+        now_ms = str(int(time.time() * 1000))
+        for m in msgs:
+            m.properties[PROPERTY_CONSUME_START_TIME] = now_ms
+        started = time.monotonic()
+        result: ConsumeResult
+        if listener is None:
+            log.warning("consume.no_listener", topic=msgs[0].topic, queue=str(req.mq))
+            result = ConsumeResult.RECONSUME_LATER
+        else:
+            try:
+                raw = await listener(msgs, ctx)
+                result = _as_concurrent_result(raw)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("consume.listener_raised", topic=msgs[0].topic, queue=str(req.mq),
+                            offsets=[m.queue_offset for m in msgs],
+                            msg_ids=[m.msg_id for m in msgs[:8]],
+                            error=f"{type(exc).__name__}: {exc}")
+                result = ConsumeResult.RECONSUME_LATER
+        elapsed = time.monotonic() - started
+        req.pq.last_consume_timestamp = time.monotonic()
+        await self.process_result(req, result, ctx, elapsed)
+
+    async def process_result(self, req: ConsumeRequest, result: ConsumeResult,
+                             ctx: ConsumeContext, elapsed: float) -> None:
+        c = self._consumer
+        msgs = req.msgs
+        n = len(msgs)
+        if result is ConsumeResult.SUCCESS:
+            ack = n - 1 if ctx.ack_index is None or ctx.ack_index >= n else ctx.ack_index
+        else:
+            ack = -1
+        ok = ack + 1
+        failed = msgs[ok:]
+        topic = msgs[0].topic
+        c.stats.record_consume(topic, ok, len(failed), elapsed)
+        if req.pq.dropped:
+            # Rebalance took the queue away meanwhile: this result commits nothing.
+            log.debug("consume.result_for_dropped_queue", queue=str(req.mq), count=n)
+            return
+        to_remove = msgs
+        if failed:
+            if self._opts.message_model == MessageModel.BROADCASTING:
+                log.warning("consume.broadcast_failed_dropped", queue=str(req.mq),
+                            msg_ids=[m.msg_id for m in failed],
+                            offsets=[m.queue_offset for m in failed])
+            else:
+                not_sent: list[MessageExt] = []
+                for m in failed:
+                    if not await c.send_message_back(m, ctx.delay_level_when_next_consume):
+                        m.reconsume_times += 1
+                        not_sent.append(m)
+                if not_sent:
+                    keep = {id(m) for m in not_sent}
+                    to_remove = [m for m in msgs if id(m) not in keep]
+                    self.submit_later(not_sent, req.pq, req.mq, SEND_BACK_FAILED_RETRY_DELAY)
+        offset = req.pq.remove_messages(to_remove)
+        if offset >= 0 and not req.pq.dropped:
+            c.offset_store.update(req.mq, offset, increase_only=True)
+
+    # ------------------------------------------------------------------ consume timeout
+
+    async def _expired_cleaner(self) -> None:
+        interval = self._opts.consume_timeout_seconds
+        while True:
+            await asyncio.sleep(interval)
+            await self.clean_expired()
+
+    async def clean_expired(self) -> None:
+        """Send back cached messages whose consumption started longer than consume_timeout ago."""
+        c = self._consumer
+        if self._opts.message_model != MessageModel.CLUSTERING:
+            return
+        now_ms = int(time.time() * 1000)
+        timeout_ms = int(self._opts.consume_timeout_seconds * 1000)
+        for mq, pq in list(c.process_queues.items()):
+            if c.is_orderly(mq.topic) or pq.dropped:
+                continue
+            expired = pq.clean_expired_messages(now_ms, timeout_ms)
+            for m in expired:
+                reset_retry_topic([m], c.retry_topic)
+                if await c.send_message_back(m, 3):
+                    offset = pq.remove_messages([m])
+                    if offset >= 0 and not pq.dropped:
+                        c.offset_store.update(mq, offset, increase_only=True)
+                    log.warning("consume.expired_sent_back", queue=str(mq),
+                                offset=m.queue_offset, msg_id=m.msg_id)
+
+
+def _as_concurrent_result(raw: Any) -> ConsumeResult:
+    if isinstance(raw, ConsumeResult):
+        return raw
+    if raw is None:
+        return ConsumeResult.RECONSUME_LATER
+    log.warning("consume.unexpected_result", result=repr(raw))
+    return ConsumeResult.RECONSUME_LATER

@@ -1,0 +1,334 @@
+"""Orderly consumption (Java ``ConsumeMessageOrderlyService`` + the lock parts of ``RebalanceImpl``).
+
+Messages of one queue reach the listener strictly in queue-offset order, one batch at a time,
+and never in two workers at once. In clustering mode a queue is consumed only while this
+client holds the broker's lock for it:
+
+* a newly assigned queue is locked (LOCK_BATCH_MQ) before it is pulled; a queue whose lock
+  fails is not pulled, and the next rebalance tries again;
+* every ``rebalance_lock_interval`` (20 s) all held queues are locked again (renewal); a local
+  lock older than ``rebalance_lock_max_live_time`` (30 s) counts as lost;
+* a queue given up is unlocked (UNLOCK_BATCH_MQ) only after the batch being consumed on it has
+  finished, so its next owner never overlaps with us.
+
+A failing batch (SUSPEND_CURRENT_QUEUE_A_MOMENT, an exception or ``None``) is put back and
+retried after ``suspend_current_queue_time_millis``; once a message has been retried
+``max_reconsume_times`` times it is sent to the dead-letter queue and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+
+from rmq_async.client.errors import MQClientError
+from rmq_async.consumer.consume import reset_retry_topic
+from rmq_async.consumer.options import MessageModel
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.results import ConsumeContext, ConsumeResult, normalize_result
+from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
+from rmq_async.remoting.errors import RemotingError
+
+if TYPE_CHECKING:
+    from rmq_async.consumer.pull import PullRequest
+    from rmq_async.consumer.push import PushConsumer
+
+log = structlog.get_logger(__name__)
+
+#: Delays of the Java client's orderly service, in seconds.
+RETRY_LOCK_DELAY = 0.01          # lock lost: try to lock again after 10 ms
+CONSUME_AFTER_LOCK_OK = 0.01     # ... then consume after 10 ms
+CONSUME_AFTER_LOCK_FAILED = 3.0  # ... or try again after 3 s
+YIELD_DELAY = 0.01               # after MAX_TIME_CONSUME_CONTINUOUSLY, resubmit after 10 ms
+NOT_LOCKED_PULL_DELAY = 3.0      # a queue not locked is not pulled; look again after 3 s
+UNLOCK_WAIT = 20.0               # longest wait for an in-flight batch before a forced unlock
+
+
+@dataclass(slots=True)
+class _Turn:
+    mq: MessageQueue
+    pq: ProcessQueue
+
+
+class OrderlyConsumeService:
+    def __init__(self, consumer: PushConsumer) -> None:
+        self._consumer = consumer
+        self._opts = consumer.options
+        self._queue: asyncio.Queue[_Turn] = asyncio.Queue()
+        self._owner = TaskOwner(f"orderly[{consumer.group}]")
+        # One lock per queue: held while a batch of that queue is with the listener.
+        self._consume_locks: dict[MessageQueue, asyncio.Lock] = {}
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def clustering(self) -> bool:
+        return self._opts.message_model == MessageModel.CLUSTERING
+
+    def consume_lock(self, mq: MessageQueue) -> asyncio.Lock:
+        lock = self._consume_locks.get(mq)
+        if lock is None:
+            lock = self._consume_locks[mq] = asyncio.Lock()
+        return lock
+
+    def start(self) -> None:
+        for i in range(self._opts.consume_concurrency):
+            self._owner.spawn(self._worker(), name=f"worker-{i}")
+        if self.clustering:
+            self._owner.spawn(self._lock_renewal_loop(), name="lock-renewal")
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def aclose(self) -> None:
+        await self._owner.aclose()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def submit(self, pq: ProcessQueue, mq: MessageQueue, dispatch: bool) -> None:
+        """Called after pulled messages were cached; ``dispatch`` when no turn is pending."""
+        if dispatch:
+            self._queue.put_nowait(_Turn(mq, pq))
+
+    def submit_later(self, pq: ProcessQueue, mq: MessageQueue, delay: float) -> None:
+        self._owner.spawn(self._later(pq, mq, delay), name=f"later:{mq}")
+
+    async def _later(self, pq: ProcessQueue, mq: MessageQueue, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if not pq.dropped:
+            self._queue.put_nowait(_Turn(mq, pq))
+
+    async def _worker(self) -> None:
+        while True:
+            turn = await self._queue.get()
+            self._active += 1
+            self._idle.clear()
+            try:
+                await self._run_turn(turn.mq, turn.pq)
+            finally:
+                self._active -= 1
+                if self._active == 0:
+                    self._idle.set()
+
+    async def _run_turn(self, mq: MessageQueue, pq: ProcessQueue) -> None:
+        """Consume one queue for a while, one batch after the other, in offset order."""
+        c = self._consumer
+        if pq.dropped:
+            return
+        started = time.monotonic()
+        batch_size = self._opts.consume_message_batch_max_size
+        while True:
+            if pq.dropped or c.stopping:
+                return
+            if self.clustering and (not pq.locked or pq.is_lock_expired(
+                    time.monotonic(), self._opts.rebalance_lock_max_live_time)):
+                self._owner.spawn(self._try_lock_later(pq, mq), name=f"relock:{mq}")
+                return
+            if time.monotonic() - started > self._opts.max_time_consume_continuously:
+                self.submit_later(pq, mq, YIELD_DELAY)
+                return
+            async with self.consume_lock(mq):
+                if _dropped(pq):  # may have changed while waiting for the lock
+                    return
+                msgs = pq.take_messages(batch_size)
+                if not msgs:
+                    pq.consuming = False
+                    return
+                keep_going = await self._consume_batch(mq, pq, msgs)
+            if not keep_going:
+                return
+
+    async def _consume_batch(self, mq: MessageQueue, pq: ProcessQueue,
+                             msgs: list[MessageExt]) -> bool:
+        c = self._consumer
+        reset_retry_topic(msgs, c.retry_topic)
+        listener = c.listener_for(msgs[0].topic)
+        ctx = ConsumeContext(message_queue=mq)
+        now_ms = str(int(time.time() * 1000))
+        for m in msgs:
+            m.properties[PROPERTY_CONSUME_START_TIME] = now_ms
+        began = time.monotonic()
+        if listener is None:
+            result = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        else:
+            try:
+                result = normalize_result(await listener(msgs, ctx), orderly=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("orderly.listener_raised", queue=str(mq),
+                            offsets=[m.queue_offset for m in msgs], error=f"{type(exc).__name__}: {exc}")
+                result = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        elapsed = time.monotonic() - began
+        pq.last_consume_timestamp = time.monotonic()
+        ok = result in (ConsumeResult.SUCCESS, ConsumeResult.COMMIT)
+        c.stats.record_consume(msgs[0].topic, len(msgs) if ok else 0,
+                               0 if ok else len(msgs), elapsed)
+        if pq.dropped:
+            return False
+        if result is ConsumeResult.ROLLBACK:
+            pq.rollback()
+            self.submit_later(pq, mq, self._suspend_time(ctx))
+            return False
+        if ok:
+            self._commit(mq, pq)
+            return True
+        # SUSPEND_CURRENT_QUEUE_A_MOMENT (or failure): retry in place, unless a message has used
+        # up its retries, in which case it goes to the dead-letter queue and is skipped.
+        if await self._retries_exhausted(msgs):
+            self._commit(mq, pq)
+            return True
+        for m in msgs:
+            m.reconsume_times += 1
+        pq.make_message_to_consume_again(msgs)
+        log.info("orderly.suspended", queue=str(mq), offsets=[m.queue_offset for m in msgs],
+                 reconsume_times=msgs[0].reconsume_times)
+        self.submit_later(pq, mq, self._suspend_time(ctx))
+        return False
+
+    def _suspend_time(self, ctx: ConsumeContext) -> float:
+        millis = ctx.suspend_current_queue_time_millis
+        if millis is None or millis < 0:
+            millis = self._opts.suspend_current_queue_time_millis
+        return millis / 1000.0
+
+    def _commit(self, mq: MessageQueue, pq: ProcessQueue) -> None:
+        offset = pq.commit()
+        if offset >= 0 and not pq.dropped:
+            self._consumer.offset_store.update(mq, offset, increase_only=False)
+
+    async def _retries_exhausted(self, msgs: list[MessageExt]) -> bool:
+        """True when every message of the batch has been retried the maximum number of times
+        and was handed to the dead-letter queue (Java ``checkReconsumeTimes``)."""
+        c = self._consumer
+        limit = self._opts.effective_max_reconsume_times(orderly=True)
+        if not all(m.reconsume_times >= limit for m in msgs):
+            return False
+        if self._opts.message_model == MessageModel.BROADCASTING:
+            log.warning("orderly.broadcast_retries_exhausted", msg_ids=[m.msg_id for m in msgs])
+            return True
+        for m in msgs:
+            # Delay level -1 asks the broker for the dead-letter queue directly.
+            if not await c.send_message_back(m, -1):
+                return False
+            log.warning("orderly.sent_to_dlq", msg_id=m.msg_id, offset=m.queue_offset,
+                        reconsume_times=m.reconsume_times)
+        return True
+
+    # ------------------------------------------------------------------ locks
+
+    async def lock(self, mq: MessageQueue) -> bool:
+        """LOCK_BATCH_MQ for one queue; True when this client now holds it."""
+        c = self._consumer
+        try:
+            addr = await c.instance.find_broker_master(mq.broker_name, mq.topic)
+            locked = await c.instance.api.lock_batch_mq(addr, c.group, c.client_id, [mq])
+        except (MQClientError, RemotingError) as exc:
+            log.warning("orderly.lock_failed", queue=str(mq), error=str(exc))
+            return False
+        ok = mq in locked
+        pq = c.process_queues.get(mq)
+        if pq is not None:
+            pq.locked = ok
+            if ok:
+                pq.last_lock_timestamp = time.monotonic()
+        log.debug("orderly.lock", queue=str(mq), locked=ok)
+        return ok
+
+    async def lock_all(self) -> None:
+        c = self._consumer
+        by_broker: dict[str, list[MessageQueue]] = defaultdict(list)
+        for mq, pq in c.process_queues.items():
+            if c.is_orderly(mq.topic) and not pq.dropped:
+                by_broker[mq.broker_name].append(mq)
+        for broker_name, mqs in by_broker.items():
+            try:
+                addr = await c.instance.find_broker_master(broker_name, mqs[0].topic)
+                locked = await c.instance.api.lock_batch_mq(addr, c.group, c.client_id, mqs)
+            except (MQClientError, RemotingError) as exc:
+                log.warning("orderly.lock_all_failed", broker=broker_name, error=str(exc))
+                continue
+            now = time.monotonic()
+            for mq in mqs:
+                held = c.process_queues.get(mq)
+                if held is None:
+                    continue
+                if mq in locked:
+                    if not held.locked:
+                        log.info("orderly.lock_regained", queue=str(mq))
+                    held.locked = True
+                    held.last_lock_timestamp = now
+                else:
+                    if held.locked:
+                        log.warning("orderly.lock_lost", queue=str(mq))
+                    held.locked = False
+
+    async def unlock(self, mq: MessageQueue, *, oneway: bool = False) -> None:
+        c = self._consumer
+        try:
+            addr = await c.instance.find_broker_master(mq.broker_name, mq.topic)
+            await c.instance.api.unlock_batch_mq(addr, c.group, c.client_id, [mq], oneway=oneway)
+        except (MQClientError, RemotingError) as exc:
+            log.warning("orderly.unlock_failed", queue=str(mq), error=str(exc))
+
+    async def _lock_renewal_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._opts.rebalance_lock_interval)
+            await self.lock_all()
+
+    async def _try_lock_later(self, pq: ProcessQueue, mq: MessageQueue) -> None:
+        await asyncio.sleep(RETRY_LOCK_DELAY)
+        if pq.dropped:
+            return
+        ok = await self.lock(mq)
+        self.submit_later(pq, mq, CONSUME_AFTER_LOCK_OK if ok else CONSUME_AFTER_LOCK_FAILED)
+
+    async def release(self, mq: MessageQueue, pq: ProcessQueue) -> None:
+        """Give a queue up: wait for its in-flight batch, persist its offset, unlock it."""
+        c = self._consumer
+        lock = self.consume_lock(mq)
+        try:
+            async with asyncio.timeout(UNLOCK_WAIT):
+                await lock.acquire()
+        except TimeoutError:
+            log.warning("orderly.forced_unlock", queue=str(mq))
+            acquired = False
+        else:
+            acquired = True
+        try:
+            await c.offset_store.persist(mq)
+            if self.clustering:
+                await self.unlock(mq)
+            pq.locked = False
+        finally:
+            if acquired:
+                lock.release()
+            self._consume_locks.pop(mq, None)
+
+    async def pull_gate(self, req: PullRequest) -> float:
+        """Clustering: pull only a locked queue; re-read its offset on the first locked pull."""
+        pq = req.pq
+        if not pq.locked:
+            return NOT_LOCKED_PULL_DELAY
+        if not req.previously_locked:
+            offset = await self._consumer.compute_pull_from_where(req.mq)
+            if offset < 0:
+                return self._opts.pull_time_delay_when_exception
+            req.previously_locked = True
+            if offset != req.next_offset:
+                log.info("orderly.offset_reloaded", queue=str(req.mq), offset=offset,
+                         was=req.next_offset)
+            req.next_offset = offset
+        return 0.0
+
+
+def _dropped(pq: ProcessQueue) -> bool:
+    """Read ``pq.dropped`` afresh (it changes while this task waits)."""
+    return pq.dropped

@@ -1,0 +1,229 @@
+"""The pull loop: one long-poll PULL_MESSAGE in flight per assigned queue.
+
+Each assigned queue has one pull task (owned by :class:`PullService`). Before each pull it
+applies the consumer's flow control (cached count / size per queue, the concurrent span, the
+pause flag); each check that fails delays the next pull of that queue only. Answers are handled
+as the Java client does: FOUND messages go into the queue's ProcessQueue and to the consume
+service; NO_NEW_MSG / NO_MATCHED_MSG pull again at once from the returned offset; OFFSET_ILLEGAL
+drops the queue, fixes and persists its offset and asks the rebalancer to recreate it; errors
+delay the next pull (broker flow control briefly, anything else by the exception delay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+
+from rmq_async.client.api import PullStatus
+from rmq_async.client.errors import MQBrokerError, MQClientError
+from rmq_async.consumer.options import MessageModel
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.protocol.codes import ResponseCode
+from rmq_async.protocol.filter import tag_matches
+from rmq_async.protocol.message import ProtocolError
+from rmq_async.protocol.types import (
+    PROPERTY_MAX_OFFSET,
+    PROPERTY_MIN_OFFSET,
+    MessageQueue,
+)
+from rmq_async.remoting.errors import RemotingError
+
+if TYPE_CHECKING:
+    from rmq_async.consumer.push import PushConsumer
+
+log = structlog.get_logger(__name__)
+
+MiB = 1024 * 1024
+
+
+@dataclass(slots=True)
+class PullRequest:
+    mq: MessageQueue
+    pq: ProcessQueue
+    next_offset: int
+    #: Orderly mode: re-read the offset from the broker before the first pull after locking.
+    previously_locked: bool = False
+
+
+class _RateLimitedCounter:
+    """Counts an event and logs it at most once per ``every`` occurrences."""
+
+    def __init__(self, event: str, every: int = 1000) -> None:
+        self.event = event
+        self.every = every
+        self.count = 0
+
+    def hit(self, **fields: object) -> None:
+        self.count += 1
+        if self.count % self.every == 1:
+            log.warning(self.event, times=self.count, **fields)
+
+
+class PullService:
+    def __init__(self, consumer: PushConsumer) -> None:
+        self._consumer = consumer
+        self._opts = consumer.options
+        self._owner = TaskOwner(f"pull[{consumer.group}]")
+        self.requests: dict[MessageQueue, PullRequest] = {}
+        self.flow_count = _RateLimitedCounter("pull.flow_control.cached_count")
+        self.flow_size = _RateLimitedCounter("pull.flow_control.cached_size")
+        self.flow_span = _RateLimitedCounter("pull.flow_control.span")
+        self.flow_broker = _RateLimitedCounter("pull.flow_control.broker_busy", every=100)
+        self.pulls = 0
+        # Per-queue thresholds, recomputed from the topic thresholds on rebalance.
+        self.queue_count_threshold: dict[str, int] = {}
+        self.queue_size_threshold_mib: dict[str, int] = {}
+
+    def start_queue(self, req: PullRequest, *, delay: float = 0.0) -> None:
+        self.requests[req.mq] = req
+        self._owner.spawn(self._loop(req, delay), name=f"pull:{req.mq}", key=req.mq)
+
+    async def stop_queue(self, mq: MessageQueue) -> None:
+        self.requests.pop(mq, None)
+        await self._owner.cancel(mq)
+
+    def is_pulling(self, mq: MessageQueue) -> bool:
+        task = self._owner.get(mq)
+        return task is not None and not task.done()
+
+    async def aclose(self) -> None:
+        await self._owner.aclose()
+        self.requests.clear()
+
+    # ------------------------------------------------------------------ flow control
+
+    def _flow_control_delay(self, req: PullRequest) -> float:
+        c = self._consumer
+        opts = self._opts
+        pq = req.pq
+        if c.is_paused(req.mq.topic):
+            return opts.pull_time_delay_when_suspend
+        topic = req.mq.topic
+        count_limit = self.queue_count_threshold.get(topic, opts.pull_threshold_for_queue)
+        size_limit = self.queue_size_threshold_mib.get(topic, opts.pull_threshold_size_for_queue)
+        if pq.msg_count > count_limit:
+            self.flow_count.hit(queue=str(req.mq), cached=pq.msg_count, limit=count_limit)
+            return opts.pull_time_delay_when_flow_control
+        if pq.msg_size > size_limit * MiB:
+            self.flow_size.hit(queue=str(req.mq), cached_mib=pq.msg_size // MiB, limit=size_limit)
+            return opts.pull_time_delay_when_flow_control
+        if not c.is_orderly(topic) and pq.max_span > opts.consume_concurrently_max_span:
+            self.flow_span.hit(queue=str(req.mq), span=pq.max_span,
+                               limit=opts.consume_concurrently_max_span)
+            return opts.pull_time_delay_when_flow_control
+        sink_delay = c.sink_backpressure_delay(topic)
+        if sink_delay:
+            return sink_delay
+        return 0.0
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _loop(self, req: PullRequest, delay: float) -> None:
+        c = self._consumer
+        opts = self._opts
+        if delay > 0:
+            await asyncio.sleep(delay)
+        while not req.pq.dropped and not c.stopping:
+            wait = self._flow_control_delay(req)
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            if c.is_orderly(req.mq.topic) and opts.message_model == MessageModel.CLUSTERING:
+                wait = await c.orderly_pull_gate(req)
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    continue
+            try:
+                wait = await self._pull_once(req)
+            except asyncio.CancelledError:
+                raise
+            except MQBrokerError as exc:
+                wait = self._error_delay(req, exc)
+            except (MQClientError, RemotingError, ProtocolError) as exc:
+                log.warning("pull.failed", queue=str(req.mq), offset=req.next_offset,
+                            error=f"{type(exc).__name__}: {exc}")
+                wait = opts.pull_time_delay_when_exception
+            if wait > 0:
+                await asyncio.sleep(wait)
+
+    def _error_delay(self, req: PullRequest, exc: MQBrokerError) -> float:
+        opts = self._opts
+        if exc.code == ResponseCode.FLOW_CONTROL:
+            self.flow_broker.hit(queue=str(req.mq), code=exc.code)
+            return opts.pull_time_delay_when_broker_flow_control
+        if exc.code == ResponseCode.SYSTEM_BUSY:
+            # What the Apache broker really sends when it sheds load.
+            self.flow_broker.hit(queue=str(req.mq), code=exc.code, remark=exc.remark)
+            return opts.pull_time_delay_when_exception
+        log.warning("pull.broker_error", queue=str(req.mq), offset=req.next_offset,
+                    code=exc.code, remark=exc.remark)
+        return opts.pull_time_delay_when_exception
+
+    async def _pull_once(self, req: PullRequest) -> float:
+        """One PULL_MESSAGE; returns how long to wait before the next one."""
+        c = self._consumer
+        opts = self._opts
+        mq = req.mq
+        sub = c.subscription_data(mq.topic)
+        if sub is None:
+            return opts.pull_time_delay_when_exception
+        commit_offset = -1
+        if opts.message_model == MessageModel.CLUSTERING:
+            commit_offset = c.offset_store.read_memory(mq)
+        addr = await c.instance.find_broker_master(mq.broker_name, mq.topic)
+        started = time.monotonic()
+        req.pq.last_pull_timestamp = started
+        result = await c.instance.api.pull_message(
+            addr,
+            group=c.group,
+            mq=mq,
+            queue_offset=req.next_offset,
+            max_msg_nums=opts.pull_batch_size,
+            commit_offset=commit_offset,
+            suspend_timeout=opts.broker_suspend_max_time,
+            timeout=opts.consumer_timeout_when_suspend,
+            subscription=sub if opts.post_subscription_when_pull else None,
+            sub_version=sub.sub_version,
+            expression_type=sub.expression_type,
+        )
+        self.pulls += 1
+        elapsed = time.monotonic() - started
+        if req.pq.dropped:
+            return 0.0
+        status = result.status
+        if status is PullStatus.FOUND:
+            msgs = result.decode()
+            c.stats.record_pull(mq.topic, len(msgs), elapsed)
+            req.next_offset = result.next_begin_offset
+            if sub.tags_set:
+                msgs = [m for m in msgs if tag_matches(sub, m.tags)]
+            if msgs:
+                min_s = str(result.min_offset)
+                max_s = str(result.max_offset)
+                bname = mq.broker_name
+                for m in msgs:
+                    m.broker_name = bname
+                    props = m.properties
+                    props[PROPERTY_MIN_OFFSET] = min_s
+                    props[PROPERTY_MAX_OFFSET] = max_s
+                first = req.pq.put_messages(msgs)
+                c.dispatch(msgs, req.pq, mq, first)
+            return opts.pull_interval
+        if status in (PullStatus.NO_NEW_MSG, PullStatus.NO_MATCHED_MSG):
+            req.next_offset = result.next_begin_offset
+            if req.pq.msg_count == 0 and opts.message_model == MessageModel.CLUSTERING:
+                # Nothing cached: the consume offset can follow the pull offset ("correctTagsOffset").
+                c.offset_store.update(mq, req.next_offset, increase_only=True)
+            return 0.0
+        # OFFSET_ILLEGAL: the broker moved our offset (out of range, or an admin reset).
+        log.warning("pull.offset_illegal", queue=str(mq), offset=req.next_offset,
+                    next_offset=result.next_begin_offset, min_offset=result.min_offset,
+                    max_offset=result.max_offset)
+        req.pq.dropped = True
+        await c.fix_offset_and_recreate(mq, result.next_begin_offset)
+        return 0.0
