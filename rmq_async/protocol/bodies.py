@@ -16,7 +16,13 @@ from typing import Any, Self
 from .codes import MASTER_ID, PERM_READ, PERM_WRITE
 from .errors import ProtocolError
 from .filter import SubscriptionData
-from .jsonutil import fastjson_dumps, java_hash_order, java_string_hash, tolerant_loads
+from .jsonutil import (
+    InsertionOrderedMap,
+    fastjson_dumps,
+    java_hash_order,
+    java_string_hash,
+    tolerant_loads,
+)
 from .types import MessageQueue
 
 __all__ = [
@@ -128,6 +134,13 @@ def mq_hash_code(mq: MessageQueue) -> int:
     h = (31 * h + mq.queue_id) & 0xFFFFFFFF
     h = (31 * h + java_string_hash(mq.topic)) & 0xFFFFFFFF
     return h - 0x100000000 if h >= 0x80000000 else h
+
+
+def _mq_hash_map(table: Mapping[MessageQueue, Any]) -> InsertionOrderedMap:
+    """A ``HashMap<MessageQueue, ?>`` in Java's iteration order."""
+    keys = list(table)
+    ordered = java_hash_order(keys, [mq_hash_code(mq) for mq in keys])
+    return InsertionOrderedMap((mq, table[mq]) for mq in ordered)
 
 
 def _mq_set_json(mqs: Iterable[MessageQueue]) -> list[dict[str, Any]]:
@@ -525,7 +538,7 @@ class ResetOffsetBody:
         return cls(_offset_table(_opt(d, "offsetTable", {}), what))
 
     def to_json_bytes(self) -> bytes:
-        return fastjson_dumps({"offsetTable": self.offset_table})
+        return fastjson_dumps({"offsetTable": _mq_hash_map(self.offset_table)})
 
 
 @dataclass(slots=True)
@@ -536,7 +549,10 @@ class GetConsumerStatusBody:
     consumer_table: dict[str, dict[MessageQueue, int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"consumerTable": self.consumer_table, "messageQueueTable": self.message_queue_table}
+        return {
+            "consumerTable": {k: _mq_hash_map(v) for k, v in self.consumer_table.items()},
+            "messageQueueTable": _mq_hash_map(self.message_queue_table),
+        }
 
     def to_json_bytes(self) -> bytes:
         return fastjson_dumps(self.to_json())

@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from .errors import ProtocolError
 
@@ -106,6 +106,7 @@ def hfield(java: str, kind: FieldKind, *, required: bool = False, default: Any =
 
 
 _TABLES: dict[type, tuple[HeaderField, ...]] = {}
+_PUT_ORDERS: dict[type, tuple[HeaderField, ...]] = {}
 
 
 def _format(kind: FieldKind, value: Any) -> str:
@@ -133,7 +134,16 @@ def _parse(row: HeaderField, raw: str) -> Any:
 
 @dataclass(slots=True, kw_only=True)
 class CommandHeader:
-    """Base of all headers: conversion to and from ``extFields``."""
+    """Base of all headers: conversion to and from ``extFields``.
+
+    ``JAVA_PUT_ORDER`` lists the Java field names in the order Java 5.3.3 puts them into the
+    ``extFields`` HashMap (the iteration order of the ``HashSet<Field>`` it collects by
+    reflection). HashMap iteration follows the key hashes, so this order only decides between
+    keys that land in the same bucket; :meth:`to_ext_fields` inserts in this order so that the
+    encoded header is byte-identical to Java's.
+    """
+
+    JAVA_PUT_ORDER: ClassVar[str] = ""
 
     @classmethod
     def field_table(cls) -> tuple[HeaderField, ...]:
@@ -149,10 +159,23 @@ class CommandHeader:
             _TABLES[cls] = table
         return table
 
+    @classmethod
+    def _put_order(cls) -> tuple[HeaderField, ...]:
+        rows = _PUT_ORDERS.get(cls)
+        if rows is None:
+            java_order = [n for n in cls.JAVA_PUT_ORDER.split(",") if n]
+            rank = {name: i for i, name in enumerate(java_order)}
+            table = cls.field_table()
+            rows = tuple(
+                sorted(table, key=lambda r: (rank.get(r.java_name, len(rank)), table.index(r)))
+            )
+            _PUT_ORDERS[cls] = rows
+        return rows
+
     def to_ext_fields(self) -> dict[str, str]:
         """The header as ``extFields``: Java names, Java ``toString`` values, ``None`` skipped."""
         out: dict[str, str] = {}
-        for row in self.field_table():
+        for row in self._put_order():
             value = getattr(self, row.py_name)
             if value is not None:
                 out[row.java_name] = _format(row.kind, value)
@@ -193,6 +216,8 @@ class RequestHeader(CommandHeader):
 class GetRouteInfoRequestHeader(RequestHeader):
     """GET_ROUTEINFO_BY_TOPIC (105)."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = "topic,ns,bname,oway,acceptStandardJsonOnly,lo,nsd"
+
     topic: str = hfield("topic", S, required=True)
     accept_standard_json_only: bool | None = hfield("acceptStandardJsonOnly", B)
 
@@ -204,10 +229,14 @@ class GetRouteInfoRequestHeader(RequestHeader):
 class HeartbeatRequestHeader(RequestHeader):
     """HEART_BEAT (34): no fields of its own (5.x sends ``"extFields":{}``)."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = "ns,bname,oway,nsd"
+
 
 @dataclass(slots=True, kw_only=True)
 class UnregisterClientRequestHeader(RequestHeader):
     """UNREGISTER_CLIENT (35)."""
+
+    JAVA_PUT_ORDER: ClassVar[str] = "ns,bname,oway,producerGroup,clientID,consumerGroup,nsd"
 
     client_id: str = hfield("clientID", S, required=True)
     producer_group: str | None = hfield("producerGroup", S)
@@ -217,6 +246,8 @@ class UnregisterClientRequestHeader(RequestHeader):
 @dataclass(slots=True, kw_only=True)
 class GetConsumerListByGroupRequestHeader(RequestHeader):
     """GET_CONSUMER_LIST_BY_GROUP (38)."""
+
+    JAVA_PUT_ORDER: ClassVar[str] = "consumerGroup,ns,bname,oway,nsd"
 
     consumer_group: str = hfield("consumerGroup", S, required=True)
 
@@ -228,6 +259,10 @@ class GetConsumerListByGroupRequestHeader(RequestHeader):
 class QueryConsumerOffsetRequestHeader(RequestHeader):
     """QUERY_CONSUMER_OFFSET (14)."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = (
+        "topic,setZeroIfNotFound,ns,bname,oway,consumerGroup,queueId,lo,nsd"
+    )
+
     consumer_group: str = hfield("consumerGroup", S, required=True)
     topic: str = hfield("topic", S, required=True)
     queue_id: int = hfield("queueId", I32, required=True)
@@ -236,12 +271,16 @@ class QueryConsumerOffsetRequestHeader(RequestHeader):
 
 @dataclass(slots=True, kw_only=True)
 class QueryConsumerOffsetResponseHeader(CommandHeader):
+    JAVA_PUT_ORDER: ClassVar[str] = "offset"
+
     offset: int = hfield("offset", I64, required=True)
 
 
 @dataclass(slots=True, kw_only=True)
 class UpdateConsumerOffsetRequestHeader(RequestHeader):
     """UPDATE_CONSUMER_OFFSET (15)."""
+
+    JAVA_PUT_ORDER: ClassVar[str] = "queueId,ns,bname,oway,commitOffset,topic,consumerGroup,lo,nsd"
 
     consumer_group: str = hfield("consumerGroup", S, required=True)
     topic: str = hfield("topic", S, required=True)
@@ -253,6 +292,8 @@ class UpdateConsumerOffsetRequestHeader(RequestHeader):
 class GetMaxOffsetRequestHeader(RequestHeader):
     """GET_MAX_OFFSET (30). ``committed`` is a Java primitive (5.x), always sent."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = "committed,queueId,ns,bname,oway,topic,lo,nsd"
+
     topic: str = hfield("topic", S, required=True)
     queue_id: int = hfield("queueId", I32, required=True)
     committed: bool = hfield("committed", B, default=True)
@@ -260,6 +301,8 @@ class GetMaxOffsetRequestHeader(RequestHeader):
 
 @dataclass(slots=True, kw_only=True)
 class GetMaxOffsetResponseHeader(CommandHeader):
+    JAVA_PUT_ORDER: ClassVar[str] = "offset"
+
     offset: int = hfield("offset", I64, required=True)
 
 
@@ -267,18 +310,24 @@ class GetMaxOffsetResponseHeader(CommandHeader):
 class GetMinOffsetRequestHeader(RequestHeader):
     """GET_MIN_OFFSET (31)."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = "topic,ns,bname,oway,queueId,lo,nsd"
+
     topic: str = hfield("topic", S, required=True)
     queue_id: int = hfield("queueId", I32, required=True)
 
 
 @dataclass(slots=True, kw_only=True)
 class GetMinOffsetResponseHeader(CommandHeader):
+    JAVA_PUT_ORDER: ClassVar[str] = "offset"
+
     offset: int = hfield("offset", I64, required=True)
 
 
 @dataclass(slots=True, kw_only=True)
 class SearchOffsetRequestHeader(RequestHeader):
     """SEARCH_OFFSET_BY_TIMESTAMP (29). ``boundary_type``: ``"LOWER"`` or ``"UPPER"`` (5.x)."""
+
+    JAVA_PUT_ORDER: ClassVar[str] = "timestamp,boundaryType,ns,bname,oway,topic,lo,queueId,nsd"
 
     topic: str = hfield("topic", S, required=True)
     queue_id: int = hfield("queueId", I32, required=True)
@@ -288,6 +337,8 @@ class SearchOffsetRequestHeader(RequestHeader):
 
 @dataclass(slots=True, kw_only=True)
 class SearchOffsetResponseHeader(CommandHeader):
+    JAVA_PUT_ORDER: ClassVar[str] = "offset"
+
     offset: int = hfield("offset", I64, required=True)
 
 
@@ -295,12 +346,16 @@ class SearchOffsetResponseHeader(CommandHeader):
 class GetEarliestMsgStoretimeRequestHeader(RequestHeader):
     """GET_EARLIEST_MSG_STORETIME (32)."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = "queueId,ns,bname,oway,topic,lo,nsd"
+
     topic: str = hfield("topic", S, required=True)
     queue_id: int = hfield("queueId", I32, required=True)
 
 
 @dataclass(slots=True, kw_only=True)
 class GetEarliestMsgStoretimeResponseHeader(CommandHeader):
+    JAVA_PUT_ORDER: ClassVar[str] = "timestamp"
+
     timestamp: int = hfield("timestamp", I64, required=True)
 
 
@@ -310,6 +365,12 @@ class GetEarliestMsgStoretimeResponseHeader(CommandHeader):
 @dataclass(slots=True, kw_only=True)
 class PullMessageRequestHeader(RequestHeader):
     """PULL_MESSAGE (11) / LITE_PULL_MESSAGE (361)."""
+
+    JAVA_PUT_ORDER: ClassVar[str] = (
+        "maxMsgBytes,queueId,ns,commitOffset,maxMsgNums,sysFlag,subscription,"
+        "requestSource,proxyFrowardClientId,lo,bname,oway,suspendTimeoutMillis,"
+        "queueOffset,expressionType,topic,consumerGroup,subVersion,nsd"
+    )
 
     consumer_group: str = hfield("consumerGroup", S, required=True)
     topic: str = hfield("topic", S, required=True)
@@ -331,6 +392,11 @@ class PullMessageRequestHeader(RequestHeader):
 class PullMessageResponseHeader(CommandHeader):
     """Response of PULL_MESSAGE. ``offset_delta`` and the flags are 5.x only."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = (
+        "maxOffset,offsetDelta,topicSysFlag,minOffset,groupSysFlag,suggestWhichBrokerId,"
+        "nextBeginOffset,forbiddenType"
+    )
+
     suggest_which_broker_id: int = hfield("suggestWhichBrokerId", I64, required=True)
     next_begin_offset: int = hfield("nextBeginOffset", I64, required=True)
     min_offset: int = hfield("minOffset", I64, required=True)
@@ -348,6 +414,11 @@ class PullMessageResponseHeader(CommandHeader):
 class ConsumerSendMsgBackRequestHeader(RequestHeader):
     """CONSUMER_SEND_MSG_BACK (36). ``offset`` is the commit-log offset of the message."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = (
+        "maxReconsumeTimes,ns,bname,originTopic,oway,delayLevel,offset,originMsgId,group,"
+        "unitMode,nsd"
+    )
+
     offset: int = hfield("offset", I64, required=True)
     group: str = hfield("group", S, required=True)
     delay_level: int = hfield("delayLevel", I32, required=True)
@@ -361,10 +432,14 @@ class ConsumerSendMsgBackRequestHeader(RequestHeader):
 class LockBatchMqRequestHeader(RequestHeader):
     """LOCK_BATCH_MQ (41): no fields of its own; the queues travel in the body."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = "ns,bname,oway,nsd"
+
 
 @dataclass(slots=True, kw_only=True)
 class UnlockBatchMqRequestHeader(RequestHeader):
     """UNLOCK_BATCH_MQ (42): no fields of its own; the queues travel in the body."""
+
+    JAVA_PUT_ORDER: ClassVar[str] = "ns,bname,oway,nsd"
 
 
 # --- send and admin ----------------------------------------------------------------------------
@@ -373,6 +448,8 @@ class UnlockBatchMqRequestHeader(RequestHeader):
 @dataclass(slots=True, kw_only=True)
 class SendMessageRequestHeaderV2(CommandHeader):
     """SEND_MESSAGE_V2 (310) / SEND_BATCH_MESSAGE (320): one-letter Java names ``a`` ... ``n``."""
+
+    JAVA_PUT_ORDER: ClassVar[str] = "n,l,m,j,ns,k,h,i,f,g,d,e,b,c,lo,a,bname,oway,nsd"
 
     producer_group: str = hfield("a", S, required=True)
     topic: str = hfield("b", S, required=True)
@@ -394,6 +471,10 @@ class SendMessageRequestHeaderV2(CommandHeader):
 class SendMessageResponseHeader(CommandHeader):
     """Response of SEND_MESSAGE(_V2) / SEND_BATCH_MESSAGE. ``msg_id`` is the offsetMsgId."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = (
+        "msgId,recallHandle,queueOffset,batchUniqId,transactionId,queueId"
+    )
+
     msg_id: str = hfield("msgId", S, required=True)
     queue_id: int = hfield("queueId", I32, required=True)
     queue_offset: int = hfield("queueOffset", I64, required=True)
@@ -407,6 +488,11 @@ class SendMessageResponseHeader(CommandHeader):
 @dataclass(slots=True, kw_only=True)
 class CreateTopicRequestHeader(RequestHeader):
     """UPDATE_AND_CREATE_TOPIC (17)."""
+
+    JAVA_PUT_ORDER: ClassVar[str] = (
+        "ns,topicFilterType,writeQueueNums,attributes,force,topic,order,lo,readQueueNums,"
+        "bname,oway,perm,topicSysFlag,defaultTopic,nsd"
+    )
 
     topic: str = hfield("topic", S, required=True)
     default_topic: str = hfield("defaultTopic", S, required=True, default="TBW102")
@@ -427,12 +513,18 @@ class CreateTopicRequestHeader(RequestHeader):
 class NotifyConsumerIdsChangedRequestHeader(RequestHeader):
     """NOTIFY_CONSUMER_IDS_CHANGED (40), oneway."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = "consumerGroup,ns,bname,oway,nsd"
+
     consumer_group: str = hfield("consumerGroup", S, required=True)
 
 
 @dataclass(slots=True, kw_only=True)
 class ResetOffsetRequestHeader(RequestHeader):
     """RESET_CONSUMER_CLIENT_OFFSET (220), oneway. ``queue_id``/``offset`` are 5.x only."""
+
+    JAVA_PUT_ORDER: ClassVar[str] = (
+        "isForce,topic,ns,bname,group,timestamp,oway,queueId,offset,lo,nsd"
+    )
 
     topic: str = hfield("topic", S, required=True)
     group: str = hfield("group", S, required=True)
@@ -446,6 +538,8 @@ class ResetOffsetRequestHeader(RequestHeader):
 class GetConsumerStatusRequestHeader(RequestHeader):
     """GET_CONSUMER_STATUS_FROM_CLIENT (221)."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = "ns,bname,oway,clientAddr,group,topic,lo,nsd"
+
     topic: str = hfield("topic", S, required=True)
     group: str = hfield("group", S, required=True)
     client_addr: str | None = hfield("clientAddr", S)
@@ -455,6 +549,8 @@ class GetConsumerStatusRequestHeader(RequestHeader):
 class GetConsumerRunningInfoRequestHeader(RequestHeader):
     """GET_CONSUMER_RUNNING_INFO (307)."""
 
+    JAVA_PUT_ORDER: ClassVar[str] = "jstackEnable,ns,bname,consumerGroup,oway,clientId,nsd"
+
     consumer_group: str = hfield("consumerGroup", S, required=True)
     client_id: str = hfield("clientId", S, required=True)
     jstack_enable: bool = hfield("jstackEnable", B, default=False)
@@ -463,6 +559,11 @@ class GetConsumerRunningInfoRequestHeader(RequestHeader):
 @dataclass(slots=True, kw_only=True)
 class ConsumeMessageDirectlyResultRequestHeader(RequestHeader):
     """CONSUME_MESSAGE_DIRECTLY (309); the body is one stored message record."""
+
+    JAVA_PUT_ORDER: ClassVar[str] = (
+        "msgId,topic,consumerGroup,ns,bname,topicSysFlag,oway,brokerName,clientId,"
+        "groupSysFlag,lo,nsd"
+    )
 
     consumer_group: str = hfield("consumerGroup", S, required=True)
     client_id: str | None = hfield("clientId", S)

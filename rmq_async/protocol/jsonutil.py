@@ -41,6 +41,7 @@ from .errors import ProtocolError
 from .types import MessageQueue
 
 __all__ = [
+    "InsertionOrderedMap",
     "fastjson_dumps",
     "fastjson_string",
     "java_double_str",
@@ -191,6 +192,13 @@ def fastjson_string(text: str) -> str:
     return '"' + _NEEDS_ESCAPE.sub(_escape_char, text) + '"'
 
 
+class InsertionOrderedMap(dict[Any, Any]):
+    """A map that :func:`fastjson_dumps` writes in insertion order instead of sorting it.
+
+    Used for Java ``HashMap`` fields whose iteration order the caller has reproduced.
+    """
+
+
 def _key_rank(key: object) -> tuple[int, Any]:
     if isinstance(key, str):
         return (0, _java_sort_key(key))
@@ -251,7 +259,8 @@ def _write_array(items: Iterable[Any], out: list[str]) -> None:
 def _write_map(mapping: Mapping[Any, Any], out: list[str]) -> None:
     out.append("{")
     first = True
-    for key in sorted(mapping, key=_key_rank):
+    keys = mapping if isinstance(mapping, InsertionOrderedMap) else sorted(mapping, key=_key_rank)
+    for key in keys:
         value = mapping[key]
         if value is None:
             continue
@@ -273,7 +282,8 @@ def fastjson_dumps(obj: Any) -> bytes:
     """Serialize ``obj`` as fastjson would, as UTF-8 bytes.
 
     Dicts stand for Java beans and maps: keys are sorted (Java ``String`` order; non-string keys
-    after strings) and entries whose value is ``None`` are omitted. Objects with a
+    after strings; an :class:`InsertionOrderedMap` keeps its order) and entries whose value is
+    ``None`` are omitted. Objects with a
     ``json_value()`` method are written as what that method returns.
     """
     out: list[str] = []
