@@ -94,6 +94,10 @@ class Producer:
     async def send(self, msg: Message, *, queue: MessageQueue | None = None,
                    selector: QueueSelector | None = None) -> SendResult:
         """Send one message; the queue is chosen round-robin unless given or selected."""
+        if not msg.body:
+            # The broker cannot store a single message without a body (Java refuses it too:
+            # "the message body length is zero"); inside a batch an empty body is fine.
+            raise ValueError("the message body is empty; send it with send_batch() or add a body")
         props = msg.all_properties()
         props.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id())
         props.setdefault(PROPERTY_WAIT, "true")

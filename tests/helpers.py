@@ -1,0 +1,123 @@
+"""Shared helpers for the broker tests: producing, reading back, waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+
+from rmq_async.client.instance import ClientInstance
+from rmq_async.producer import Producer
+from rmq_async.protocol.types import Message, MessageExt, MessageQueue
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float, *, interval: float = 0.05,
+                     what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def wait_until_async(predicate: Callable[[], Awaitable[bool]], timeout: float, *,
+                           interval: float = 0.2, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def produce(namesrv: str, topic: str, messages: Sequence[Message], *,
+                  batch: int = 64, concurrency: int = 4) -> list[tuple[int, int]]:
+    """Send ``messages`` (batched, a few batches in flight) and return (queue_id, offset) of each."""
+    placed: list[tuple[int, int]] = []
+    async with Producer(unique("PG"), namesrv) as producer:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def send_chunk(chunk: Sequence[Message]) -> None:
+            async with sem:
+                if len(chunk) == 1:
+                    r = await producer.send(chunk[0])
+                else:
+                    r = await producer.send_batch(list(chunk))
+                for i in range(len(chunk)):
+                    placed.append((r.queue_id, r.queue_offset + i))
+
+        chunks = [messages[i:i + batch] for i in range(0, len(messages), batch)]
+        await asyncio.gather(*(send_chunk(c) for c in chunks))
+    return placed
+
+
+def simple_messages(topic: str, n: int, *, size: int = 100, tags: str | None = None,
+                    prefix: str = "m") -> list[Message]:
+    pad = b"x" * max(0, size - 16)
+    return [Message(topic, f"{prefix}{i:010d}".encode() + pad[: max(0, size - 11)], tags=tags,
+                    keys=[f"{prefix}{i}"])
+            for i in range(n)]
+
+
+class AdminClient:
+    """Reads offsets straight from the broker for assertions."""
+
+    def __init__(self, namesrv: str) -> None:
+        self.instance = ClientInstance(namesrv, f"127.0.0.1@admin-{uuid.uuid4().hex[:8]}")
+
+    async def __aenter__(self) -> AdminClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.instance.close()
+
+    async def queues(self, topic: str) -> list[MessageQueue]:
+        await self.instance.update_route(topic)
+        return sorted(await self.instance.subscribe_queues(topic))
+
+    async def max_offsets(self, topic: str) -> dict[MessageQueue, int]:
+        out = {}
+        for mq in await self.queues(topic):
+            addr = await self.instance.find_broker_master(mq.broker_name, topic)
+            out[mq] = await self.instance.api.get_max_offset(addr, mq)
+        return out
+
+    async def committed_offsets(self, group: str, topic: str) -> dict[MessageQueue, int]:
+        from rmq_async.client.errors import MQBrokerError
+
+        out = {}
+        for mq in await self.queues(topic):
+            addr = await self.instance.find_broker_master(mq.broker_name, topic)
+            try:
+                out[mq] = await self.instance.api.query_consumer_offset(addr, group, mq)
+            except MQBrokerError:
+                out[mq] = -1
+        return out
+
+    async def read_all(self, topic: str, *, group: str = "rmq_async_test_reader",
+                       max_per_queue: int | None = None) -> list[MessageExt]:
+        """Raw PULL_MESSAGE over every queue from offset 0 to the max offset."""
+        msgs: list[MessageExt] = []
+        for mq in await self.queues(topic):
+            addr = await self.instance.find_broker_master(mq.broker_name, topic)
+            end = await self.instance.api.get_max_offset(addr, mq)
+            offset = 0
+            while offset < end:
+                r = await self.instance.api.pull_message(
+                    addr, group=group, mq=mq, queue_offset=offset, max_msg_nums=32,
+                    suspend_timeout=0.0, timeout=10.0, subscription="*",
+                )
+                got = r.decode()
+                if not got and r.next_begin_offset <= offset:
+                    break
+                offset = r.next_begin_offset
+                for m in got:
+                    m.broker_name = mq.broker_name
+                msgs.extend(got)
+                if max_per_queue is not None and offset >= max_per_queue:
+                    break
+        return msgs
