@@ -7,12 +7,13 @@ the consumer can type against :class:`MessageSink` without them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from rmq_async.protocol.types import MessageExt
 
-__all__ = ["AckCallback", "MessageSink", "SinkClosedError"]
+__all__ = ["AckCallback", "MessageSink", "SinkClosedError", "TaskSpawner"]
 
 #: Called exactly once per offered chunk, on the event loop: ``True`` once the chunk is stored,
 #: ``False`` when storing it failed for good (the consumer then runs its failure path).
@@ -21,6 +22,12 @@ AckCallback = Callable[[bool], None]
 
 class SinkClosedError(RuntimeError):
     """A chunk was offered to a sink that is closing or closed."""
+
+
+class TaskSpawner(Protocol):
+    """Anything that owns tasks and starts one from a coroutine (the consumer's task owner)."""
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str) -> Any: ...
 
 
 class MessageSink(Protocol):
@@ -41,6 +48,10 @@ class MessageSink(Protocol):
     @property
     def backlog_rows(self) -> int:
         """Messages offered and not yet acknowledged."""
+        ...
+
+    async def start(self, owner: TaskSpawner | asyncio.TaskGroup) -> None:
+        """Start :meth:`run` as a task of ``owner``."""
         ...
 
     async def run(self) -> None:

@@ -198,9 +198,7 @@ def _fit(values: list[Any], value_type: pa.StructType) -> pa.Array:
     return pa.concat_arrays([_fit(values[:middle], value_type), _fit(values[middle:], value_type)])
 
 
-def decode_values(
-    bodies: Sequence[bytes], value_format: ValueFormat, value_type: pa.StructType
-) -> pa.Array:
+def decode_values(bodies: Sequence[bytes], value_format: ValueFormat, value_type: pa.StructType) -> pa.Array:
     """Decode each body (JSON or msgpack) into a struct array of ``value_type``.
 
     A body decodes to a row when it parses, its top level is a map, and its fields convert to

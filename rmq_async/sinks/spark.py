@@ -74,9 +74,9 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import anyio.to_thread
 import pyarrow as pa
@@ -94,7 +94,7 @@ from pyspark.sql.types import (
 )
 
 from rmq_async.protocol.types import MessageExt, MessageQueue
-from rmq_async.sinks import AckCallback, SinkClosedError
+from rmq_async.sinks import AckCallback, SinkClosedError, TaskSpawner
 from rmq_async.sinks._arrow import (
     ARROW_SCHEMA,
     ValueFormat,
@@ -182,12 +182,6 @@ class SinkStatistics(NamedTuple):
     rows_given_up: int
     write_seconds: float
     """Time spent in successful attempts (conversion, DataFrame creation, write)."""
-
-
-class TaskSpawner(Protocol):
-    """Anything that owns tasks and starts one from a coroutine (the consumer's task owner)."""
-
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str) -> Any: ...
 
 
 class _Batch:
@@ -678,9 +672,7 @@ def _batch_info(batch: _Batch, msgs: Sequence[MessageExt]) -> BatchInfo:
     )
 
 
-def parquet_writer(
-    path: str, mode: str = "append", *, partition_by: Sequence[str] = ()
-) -> WriteFunction:
+def parquet_writer(path: str, mode: str = "append", *, partition_by: Sequence[str] = ()) -> WriteFunction:
     """A write function that stores each batch as Parquet files under ``path``.
 
     ``path`` is any URI Spark can write (a local folder in local mode; HDFS, S3 or another

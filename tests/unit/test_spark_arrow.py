@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rmq_async.protocol.types import MessageExt, MessageQueue
-from rmq_async.sinks import SinkClosedError
+from rmq_async.sinks import MessageSink, SinkClosedError
 from rmq_async.sinks._arrow import ARROW_SCHEMA, decode_values, messages_to_arrow, offset_ranges
 from rmq_async.sinks.spark import BatchInfo, SparkSink
 
@@ -610,9 +610,12 @@ async def test_failing_ack_does_not_stop_the_writer(logs: LogList) -> None:
     sink.offer(chunk(2, 2), acks.cb(1))
     await sink.aclose()
     assert acks.outcome(1) is True
-    assert [e["event"] for e in logs if e["event"] == "spark_sink.ack_failed"] == [
-        "spark_sink.ack_failed"
-    ]
+    assert [e["event"] for e in logs if e["event"] == "spark_sink.ack_failed"] == ["spark_sink.ack_failed"]
+
+
+def test_spark_sink_is_a_message_sink() -> None:
+    sink: MessageSink = make_sink(Recorder())  # checked statically by mypy
+    assert callable(sink.offer) and callable(sink.wait_for_room)
 
 
 async def test_empty_offer_is_acknowledged_without_a_write() -> None:
