@@ -529,12 +529,13 @@ def encode_stored_message(
     magic: int | None = None,
     compress: bool = False,
     compress_level: int = 5,
+    crc: int | None = None,
 ) -> bytes:
     """Write ``msg`` as the broker stores it (one record of a pull body).
 
     Host strings decide the IPv4/IPv6 flags; ``magic`` defaults to v1, or v2 when the topic is
     longer than 127 bytes; ``compress`` deflates the body (zlib) and sets the COMPRESSED flag
-    with the ZLIB type. BODYCRC and TOTALSIZE are computed.
+    with the ZLIB type. TOTALSIZE is computed, and BODYCRC too unless ``crc`` is given.
     """
     body = msg.body
     sys_flag = msg.sys_flag & ~(MSG_BORNHOST_V6_FLAG | MSG_STOREHOST_V6_FLAG)
@@ -580,7 +581,8 @@ def encode_stored_message(
         )
     )
     total = 16 + len(middle)
-    return struct.pack(">iiii", total, magic, body_crc(body), msg.queue_id) + middle
+    stored_crc = body_crc(body) if crc is None else crc
+    return struct.pack(">iiii", total, magic, stored_crc, msg.queue_id) + middle
 
 
 def _encode_batch_item(body: bytes, flag: int, properties: Mapping[str, str | None]) -> bytes:
