@@ -13,8 +13,11 @@ in sorted order (``code``, ``extFields``, ``flag``, ``language``, ``opaque``, ``
 ``serializeTypeCurrentRPC`` as enum names. ``extFields`` is a Java ``HashMap`` written without
 ``MapSortField``, so its entries appear in HashMap iteration order, which
 :func:`~rmq_async.protocol.jsonutil.java_hashmap_order` reproduces (insertion order of
-``ext_fields`` stands in for Java's order only where two keys share a bucket). The ROCKETMQ
-binary header writes the entries in the same order.
+``ext_fields`` stands in for Java's order only where two keys share a bucket; the typed headers
+insert in Java's order). The ROCKETMQ binary header writes the entries in the same order, as
+Java's ``RocketMQSerializable`` does for ordinary headers; Java's Netty encoder writes the
+"fast codes" headers (pull, send V2 and their responses) field by field in declaration order
+instead, which changes the byte order but not the content.
 """
 
 from __future__ import annotations
@@ -461,5 +464,6 @@ class FrameDecoder:
             if pos:
                 del buf[:pos]
         elif pos < total:
-            self._buf = bytearray(view_src[pos:]) if pos else bytearray(view_src)
+            with memoryview(view_src) as rest:
+                self._buf = bytearray(rest[pos:])
         return out
