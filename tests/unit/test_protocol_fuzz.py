@@ -23,6 +23,9 @@ from rmq_async.protocol.message import (
 from rmq_async.protocol.types import Message, MessageExt, MessageQueue
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Generators of whole records and command streams are expensive; fewer examples keep the
+# unit suite fast.
+FUZZ_HEAVY = settings(FUZZ, max_examples=100)
 
 texts = st.text(max_size=40)
 ext_fields = st.dictionaries(st.text(min_size=1, max_size=12), st.text(min_size=1, max_size=20),
@@ -61,7 +64,7 @@ def _feed_all(dec: FrameDecoder, data: bytes, cuts: list[int]) -> list[RemotingC
     return out
 
 
-@FUZZ
+@FUZZ_HEAVY
 @given(st.lists(commands(), min_size=1, max_size=5), st.lists(st.integers(0, 10**6), max_size=8))
 def test_valid_stream_survives_any_chunking(cmds: list[RemotingCommand], cuts: list[int]) -> None:
     stream = b"".join(c.encode() for c in cmds)
@@ -102,7 +105,7 @@ def mutated(draw: st.DrawFn, data: bytes) -> bytes:
     return bytes(buf)
 
 
-@FUZZ
+@FUZZ_HEAVY
 @given(st.data(), st.lists(commands(), min_size=1, max_size=3),
        st.lists(st.integers(0, 10**6), max_size=6))
 def test_mutated_frames_give_commands_or_protocol_error(
@@ -175,7 +178,7 @@ def stored(draw: st.DrawFn) -> MessageExt:
     )
 
 
-@FUZZ
+@FUZZ_HEAVY
 @given(st.lists(stored(), min_size=1, max_size=4), st.booleans())
 def test_stored_messages_round_trip(msgs: list[MessageExt], compress: bool) -> None:
     data = b"".join(encode_stored_message(m, compress=compress) for m in msgs)
@@ -188,7 +191,7 @@ def test_stored_messages_round_trip(msgs: list[MessageExt], compress: bool) -> N
             m.commit_log_offset, m.flag, m.queue_id)
 
 
-@FUZZ
+@FUZZ_HEAVY
 @given(st.data(), st.lists(stored(), min_size=1, max_size=3), st.booleans())
 def test_mutated_message_records(data: st.DataObject, msgs: list[MessageExt], compress: bool) -> None:
     raw = data.draw(mutated(b"".join(encode_stored_message(m, compress=compress) for m in msgs)))
