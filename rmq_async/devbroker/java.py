@@ -153,7 +153,7 @@ def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:
 
 
 async def run_java(main_class: str, args: Sequence[str], classpath: Sequence[Path | str] | str,
-                   *, timeout: float, env: Mapping[str, str] | None = None,  # noqa: ASYNC109
+                   *, timeout: float, env: Mapping[str, str] | None = None,
                    jvm_flags: Sequence[str] = ()) -> tuple[int, str, str]:
     """Run ``main_class`` to completion; return ``(exit status, stdout, stderr)``.
 
@@ -269,7 +269,7 @@ class JavaProcess:
         self._proc.stdin.write(line.encode() + b"\n")
         await self._proc.stdin.drain()
 
-    async def wait_for(self, pattern: str | re.Pattern[str], timeout: float, *,  # noqa: ASYNC109
+    async def wait_for(self, pattern: str | re.Pattern[str], timeout: float, *,
                        start: int = 0) -> str:
         """The first line at index >= ``start`` containing ``pattern`` (a substring or regex).
 

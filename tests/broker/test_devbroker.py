@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rmq_async.devbroker import DevBrokerError, LocalRocketMQ
+from rmq_async.devbroker import AclAccount, DevBrokerError, LocalRocketMQ
 from rmq_async.devbroker.broker import parse_lenient_json
 from rmq_async.devbroker.java import classpath, compile_java, run_java, start_java
 from rmq_async.devbroker.procs import pid_alive, pid_cmdline, reap_stale_runs
@@ -316,3 +316,85 @@ async def test_run_java_timeout_kills(rocketmq: LocalRocketMQ, tmp_path: Path) -
     with pytest.raises(DevBrokerError, match="did not finish within 3"):
         await run_java("Sleeper", [], classpath(rocketmq.lib_dir, classes), timeout=3)
     assert time.monotonic() - started < 30
+
+
+_ACL_CLIENT = textwrap.dedent("""\
+    import org.apache.rocketmq.acl.common.AclClientRPCHook;
+    import org.apache.rocketmq.acl.common.SessionCredentials;
+    import org.apache.rocketmq.client.producer.DefaultMQProducer;
+    import org.apache.rocketmq.common.TopicConfig;
+    import org.apache.rocketmq.common.message.Message;
+    import org.apache.rocketmq.remoting.RPCHook;
+    import org.apache.rocketmq.tools.admin.DefaultMQAdminExt;
+
+    /** args: namesrv broker topic mode(send|create) [accessKey secretKey] */
+    public class AclProbe {
+        public static void main(String[] a) throws Exception {
+            RPCHook hook = a.length > 5
+                ? new AclClientRPCHook(new SessionCredentials(a[4], a[5])) : null;
+            try {
+                if (a[3].equals("send")) {
+                    DefaultMQProducer p = new DefaultMQProducer("acl_probe_pg", hook);
+                    p.setNamesrvAddr(a[0]);
+                    p.setRetryTimesWhenSendFailed(0);
+                    p.start();
+                    try {
+                        System.out.println("OK " + p.send(new Message(a[2], "x".getBytes()))
+                            .getSendStatus());
+                    } finally {
+                        p.shutdown();
+                    }
+                } else {
+                    DefaultMQAdminExt admin = new DefaultMQAdminExt(hook, 5000);
+                    admin.setNamesrvAddr(a[0]);
+                    admin.start();
+                    try {
+                        admin.createAndUpdateTopicConfig(a[1], new TopicConfig(a[2], 2, 2));
+                        System.out.println("OK created");
+                    } finally {
+                        admin.shutdown();
+                    }
+                }
+            } catch (Exception e) {
+                Throwable root = e;
+                while (root.getCause() != null) {
+                    root = root.getCause();
+                }
+                System.out.println("DENIED " + String.valueOf(root.getMessage()).split("\\n")[0]);
+            }
+        }
+    }
+    """)
+
+
+@pytest.mark.parametrize("admin", [False, True], ids=["normal", "super"])
+async def test_acl_account(tmp_path: Path, admin: bool) -> None:
+    src = tmp_path / "AclProbe.java"
+    src.write_text(_ACL_CLIENT)
+    account = AclAccount("alice", "alice-secret-1", admin=admin)
+    async with LocalRocketMQ(acl=account) as rmq:
+        await rmq.create_topic("T_acl", queues=4)  # the internal admin may
+        users = await rmq.mqadmin("listUser", "-b", rmq.broker_addr)
+        row = next(line.split() for line in users.splitlines() if line.startswith("alice "))
+        assert row[2] == ("Super" if admin else "Normal")
+
+        classes = await compile_java([src], rmq.lib_dir, tmp_path / "classes")
+        cp = classpath(rmq.lib_dir, classes)
+
+        async def probe(mode: str, *creds: str) -> str:
+            rc, out, err = await run_java(
+                "AclProbe", [rmq.namesrv_addr, rmq.broker_addr, "T_acl", mode, *creds], cp,
+                timeout=60,
+            )
+            assert rc == 0, err
+            return out.strip().splitlines()[-1]
+
+        assert await probe("send", "alice", "alice-secret-1") == "OK SEND_OK"
+        assert (await probe("send")).startswith("DENIED")
+        assert (await probe("send", "alice", "wrong-secret")).startswith("DENIED")
+        assert (await probe("send", "mallory", "alice-secret-1")).startswith("DENIED")
+        created = await probe("create", "alice", "alice-secret-1")
+        if admin:
+            assert created == "OK created"
+        else:
+            assert created.startswith("DENIED"), created

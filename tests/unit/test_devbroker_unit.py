@@ -421,3 +421,42 @@ def test_child_dies_with_its_parent(tmp_path: Path) -> None:
     while procs.pid_alive(child_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not procs.pid_alive(child_pid)
+
+
+# ---------------------------------------------------------------- ACL
+
+
+def test_acl_broker_config_enables_authn_and_authz() -> None:
+    from rmq_async.devbroker.broker import acl_broker_config
+
+    values = acl_broker_config("root", "s3cret-pw")
+    assert values["authenticationEnabled"] == "true"
+    assert values["authorizationEnabled"] == "true"
+    assert values["authenticationMetadataProvider"].endswith("LocalAuthenticationMetadataProvider")
+    assert values["authorizationMetadataProvider"].endswith("LocalAuthorizationMetadataProvider")
+    assert json.loads(values["initAuthenticationUser"]) == {"username": "root",
+                                                            "password": "s3cret-pw"}
+    assert json.loads(values["innerClientAuthenticationCredentials"]) == {
+        "accessKey": "root", "secretKey": "s3cret-pw"}
+    # Survives .properties rendering unchanged (no escaping needed for JSON values).
+    rendered = cfg.render_properties(values)
+    assert 'initAuthenticationUser={"username":"root","password":"s3cret-pw"}\n' in rendered
+
+
+def test_acl_settings_reach_the_broker_config_and_can_be_overridden() -> None:
+    from rmq_async.devbroker import AclAccount
+
+    rmq = LocalRocketMQ(acl=AclAccount("ak", "sk-123456"),
+                        broker_config={"authorizationEnabled": "false"})
+    assert rmq._overrides["authenticationEnabled"] == "true"
+    assert rmq._overrides["authorizationEnabled"] == "false"
+    assert "authenticationEnabled" not in LocalRocketMQ()._overrides
+
+
+@pytest.mark.parametrize(("ak", "sk"), [("", "secret1"), ("a b", "secret1"), ("a", "sh"),
+                                        ('a"', "secret1"), ("a", "sec ret1")])
+def test_acl_account_validation(ak: str, sk: str) -> None:
+    from rmq_async.devbroker import AclAccount
+
+    with pytest.raises(ValueError):
+        AclAccount(ak, sk)

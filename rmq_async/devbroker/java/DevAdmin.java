@@ -39,6 +39,8 @@ import org.apache.rocketmq.tools.admin.DefaultMQAdminExt;
  *   register BROKER_ADDR         asks the broker to register in the name server now
  *   create CLUSTER TOPIC QUEUES ORDER   creates/updates the topic on every master; lines: address
  *   route TOPIC                  "NOROUTE", or lines: brokerName TAB read TAB write TAB perm
+ *   user ADDR NAME PASSWORD TYPE creates (or updates) an authentication user; TYPE Super|Normal
+ *   acl ADDR SUBJECT RESOURCES ACTIONS DECISION   grants (comma-separated resources/actions)
  *
  * Exits when its standard input ends.
  */
@@ -199,6 +201,20 @@ public class DevAdmin {
                     result.add(q.getBrokerName() + "\t" + q.getReadQueueNums() + "\t"
                         + q.getWriteQueueNums() + "\t" + q.getPerm());
                 }
+                return "OK";
+            }
+            case "user": {
+                try {
+                    admin.createUser(w[1], w[2], w[3], w[4]);
+                } catch (Exception exists) {
+                    admin.updateUser(w[1], w[2], w[3], w[4], "enable");
+                }
+                return "OK";
+            }
+            case "acl": {
+                List<String> resources = java.util.Arrays.asList(w[3].split(","));
+                List<String> actions = java.util.Arrays.asList(w[4].split(","));
+                admin.createAcl(w[1], w[2], resources, actions, null, w[5]);
                 return "OK";
             }
             default:
