@@ -200,8 +200,9 @@ class JavaProcess:
     """
 
     def __init__(self, cmd: list[str], *, env: Mapping[str, str] | None, home: Path,
-                 stop_grace: float = 5.0) -> None:
+                 stop_grace: float = 5.0, main_class: str = "") -> None:
         self._cmd = cmd
+        self.main_class = main_class
         self._env = _child_env(env)
         self._home = home
         self.stop_grace = stop_grace
@@ -240,10 +241,13 @@ class JavaProcess:
                 env=self._env, cwd=self._home, start_new_session=True,
                 preexec_fn=pdeathsig_preexec(os.getpid()),
             )
+        except BaseException:
+            shutil.rmtree(self._home, ignore_errors=True)
+            raise
         finally:
             os.close(err)
         self._reader = asyncio.create_task(self._read_lines(), name=f"java-stdout-{self.pid}")
-        log.info("devbroker.java.started", pid=self.pid, main=self._cmd[-1] if self._cmd else "")
+        log.info("devbroker.java.started", pid=self.pid, main=self.main_class)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -321,7 +325,8 @@ class JavaProcess:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._reader
             shutil.rmtree(self._home, ignore_errors=True)
-        log.info("devbroker.java.stopped", pid=proc.pid, status=proc.returncode)
+        log.info("devbroker.java.stopped", pid=proc.pid, main=self.main_class,
+                 status=proc.returncode)
         return proc.returncode
 
 
@@ -331,4 +336,4 @@ def start_java(main_class: str, args: Sequence[str], classpath: Sequence[Path | 
     """A :class:`JavaProcess` for ``main_class`` (started by ``async with``)."""
     home = Path(tempfile.mkdtemp(prefix="rmq-java-"))
     cmd = java_command(main_class, args, classpath, user_home=home, jvm_flags=jvm_flags)
-    return JavaProcess(cmd, env=env, home=home, stop_grace=stop_grace)
+    return JavaProcess(cmd, env=env, home=home, stop_grace=stop_grace, main_class=main_class)
