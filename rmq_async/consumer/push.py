@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -12,8 +13,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
-from rmq_async.client.errors import MQBrokerError, MQClientError
+from rmq_async.client.errors import MQBrokerError, MQClientError, NoRouteError
 from rmq_async.client.instance import ClientInstance
+from rmq_async.consumer.admin import BrokerRequestHandler
 from rmq_async.consumer.consume import ConcurrentConsumeService, ListenerAdapter
 from rmq_async.consumer.offset_store import (
     OFFSET_NOT_FOUND,
@@ -37,7 +39,7 @@ from rmq_async.protocol.bodies import ConsumerData, HeartbeatData
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.filter import SubscriptionData, build_subscription
 from rmq_async.protocol.types import MessageExt, MessageQueue
-from rmq_async.remoting.connection import Connection, unsupported_response
+from rmq_async.remoting.connection import Connection
 from rmq_async.remoting.errors import RemotingError
 
 if TYPE_CHECKING:
@@ -107,6 +109,8 @@ class PushConsumer:
         self.consume_service: ConcurrentConsumeService = None  # type: ignore[assignment]
         self.orderly_service: OrderlyConsumeService = None  # type: ignore[assignment]
         self.rebalancer = Rebalancer(self)
+        self._request_handler = BrokerRequestHandler(self)
+        self._sub_version_override: dict[str, int] = {}
         self.start_timestamp = 0
 
     # ------------------------------------------------------------------ subscriptions
@@ -259,7 +263,13 @@ class PushConsumer:
             self._owner = TaskOwner(f"consumer[{self.group}]")
             try:
                 for topic in self.subscribed_topics():
-                    await self.instance.update_route(topic)
+                    try:
+                        await self.instance.update_route(topic)
+                    except NoRouteError:
+                        # A new group's retry topic is created by the broker on the first
+                        # heartbeat; the rebalancer picks its route up later.
+                        if topic != self.retry_topic:
+                            raise
                 await self.instance.send_heartbeats()
                 for sub in self._subs.values():
                     if sub.sink is not None:
@@ -358,6 +368,12 @@ class PushConsumer:
         subs = [s.data for s in self._subs.values()]
         if self.options.message_model == MessageModel.CLUSTERING and self._subs:
             subs.append(self._retry_sub)
+        if self._sub_version_override:
+            subs = [
+                dataclasses.replace(d, sub_version=self._sub_version_override[d.topic])
+                if d.topic in self._sub_version_override else d
+                for d in subs
+            ]
         return HeartbeatData(
             client_id=self.client_id,
             consumer_data_set=[
@@ -389,6 +405,7 @@ class PushConsumer:
                 await self.remove_queue(mq, reason="pull_expired")
                 changed = True
         new_queues = [mq for mq in allocated if mq not in self.process_queues]
+        added: list[PullRequest] = []
         for mq in sorted(new_queues):
             if self.stopping:
                 return
@@ -404,18 +421,33 @@ class PushConsumer:
                 pq.locked = True
                 pq.last_lock_timestamp = time.monotonic()
             self.process_queues[mq] = pq
-            self.pull_service.start_queue(PullRequest(mq, pq, offset))
+            added.append(PullRequest(mq, pq, offset))
             log.info("rebalance.queue_added", group=self.group, queue=str(mq), offset=offset)
             changed = True
         if changed:
-            self._on_allocation_changed(topic)
+            await self._on_allocation_changed(topic)
+        for req in added:
+            if not req.pq.dropped and not self.stopping:
+                self.pull_service.start_queue(req)
 
-    def _on_allocation_changed(self, topic: str) -> None:
-        data = self.subscription_data(topic)
-        if data is not None:
-            data.sub_version = int(time.time() * 1000)
+    async def _on_allocation_changed(self, topic: str) -> None:
+        """New subscription version, new per-queue thresholds, and a heartbeat right away.
+
+        The broker refuses a pull whose ``subVersion`` is newer than the one its last
+        heartbeat registered (SUBSCRIPTION_NOT_LATEST), so the heartbeat carrying the new
+        version goes out first and the pulls switch to it only once it was sent.
+        """
         self._recompute_topic_thresholds(topic)
-        self._owner_spawn(self.instance.send_heartbeats(), "heartbeat-after-rebalance")
+        data = self.subscription_data(topic)
+        if data is None:
+            return
+        new_version = max(int(time.time() * 1000), data.sub_version + 1)
+        self._sub_version_override[topic] = new_version
+        try:
+            await self.instance.send_heartbeats()
+        finally:
+            self._sub_version_override.pop(topic, None)
+        data.sub_version = new_version
 
     def _recompute_topic_thresholds(self, topic: str) -> None:
         o = self.options
@@ -527,9 +559,9 @@ class PushConsumer:
 
     def _offer_to_sink(self, sink: SparkSink, msgs: list[MessageExt], pq: ProcessQueue,
                        mq: MessageQueue) -> None:
-        from rmq_async.consumer.consume import reset_retry_topic
-
-        reset_retry_topic(msgs, self.retry_topic)
+        # Rows keep the coordinates of the queue they were read from (a redelivered message
+        # keeps %RETRY%<group> as its topic and carries RETRY_TOPIC), so that
+        # (topic, broker_name, queue_id, queue_offset) stays a unique, idempotent row key.
 
         def ack(ok: bool) -> None:
             self._owner_spawn(self._sink_acked(msgs, pq, mq, ok), "sink-ack")
@@ -570,13 +602,7 @@ class PushConsumer:
 
     async def _handle_broker_request(self, cmd: RemotingCommand,
                                      conn: Connection) -> RemotingCommand | None:
-        from rmq_async.protocol.codes import RequestCode
-
-        if cmd.code == RequestCode.NOTIFY_CONSUMER_IDS_CHANGED:
-            log.info("rebalance.notified", group=self.group, broker=conn.addr)
-            self.rebalancer.wake()
-            return None
-        return unsupported_response(cmd)
+        return await self._request_handler(cmd, conn)
 
     # ------------------------------------------------------------------ introspection
 

@@ -49,7 +49,8 @@ async def test_basic_delivery_commit_and_restart(rocketmq) -> None:
     consumer2 = _consumer(rocketmq.namesrv_addr, group)
     consumer2.subscribe(topic, listener=lambda msgs: again.extend(msgs) or ConsumeResult.SUCCESS)
     async with consumer2:
-        await wait_until(lambda: len(consumer2.process_queues) == 8, 30, what="8 queues assigned")
+        await wait_until(lambda: sum(mq.topic == topic for mq in consumer2.process_queues) == 8, 30,
+                         what="8 queues assigned")
         await asyncio.sleep(3.0)
     assert again == []
 
