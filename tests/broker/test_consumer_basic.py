@@ -80,7 +80,7 @@ async def test_group_split_three_consumers(rocketmq) -> None:
         await c.start()
     try:
         def split_done() -> bool:
-            owned = [set(c.process_queues) for c in consumers]
+            owned = [{mq for mq in c.process_queues if mq.topic == topic} for c in consumers]
             return all(owned) and sum(len(o) for o in owned) == 8 and len(set().union(*owned)) == 8
 
         await wait_until(split_done, 60, what="8 queues split among 3 consumers")
