@@ -1,19 +1,223 @@
-"""Requests the broker (or an admin tool through the broker) sends to a consumer."""
+"""Requests the broker (or an admin tool through the broker) sends to a consumer.
+
+Answered on the consumer's remoting connections (Java ``ClientRemotingProcessor``):
+
+* ``NOTIFY_CONSUMER_IDS_CHANGED`` (oneway): a member joined or left; rebalance now.
+* ``RESET_CONSUMER_CLIENT_OFFSET`` (oneway): ``mqadmin resetOffsetByTime`` on a broker that does
+  not reset offsets itself (4.x, or 5.x with ``useServerSideResetOffset=false``). The listed
+  queues this client holds are dropped, their new offsets are set, persisted and the queues
+  forgotten; an immediate rebalance recreates them, and they start from the new offsets.
+
+  Java sleeps 10 s between dropping and persisting, to let in-flight listener calls end before
+  the new offset is written. Here that wait is not needed: a dropped queue's results commit
+  nothing (both consume services check the drop flag before updating an offset) and the new
+  offset is *frozen* in the offset store until the queue is removed, so a late result cannot
+  overwrite it. Orderly queues are still released the orderly way (after the batch in flight,
+  then unlocked). The reset therefore takes effect within one broker round trip per queue.
+* ``GET_CONSUMER_STATUS_FROM_CLIENT``: the in-memory consume offsets of one topic
+  (``mqadmin getConsumerStatus``).
+* ``GET_CONSUMER_RUNNING_INFO``: properties, subscriptions, per-queue process-queue state and
+  per-topic statistics (``mqadmin consumerStatus``, ``consumerProgress -s true``); with
+  ``jstackEnable`` the stacks of the process's asyncio tasks and threads.
+* ``CONSUME_MESSAGE_DIRECTLY``: the admin's ``queryMsgById -g <group> -d <clientId>`` asks the
+  broker to forward one stored message; the listener runs on it once and the result is
+  reported. Nothing is acknowledged or sent back: it is a diagnostic call, as in Java.
+
+Anything else is answered with REQUEST_CODE_NOT_SUPPORTED.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+import io
+import sys
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from rmq_async.protocol.codes import RequestCode
+from rmq_async.consumer.consume import reset_retry_topic
+from rmq_async.consumer.results import ConsumeContext, direct_consume_result
+from rmq_async.protocol.bodies import (
+    ConsumeMessageDirectlyResult,
+    ConsumerRunningInfo,
+    ConsumeStatus,
+    GetConsumerStatusBody,
+    ProcessQueueInfo,
+    ResetOffsetBody,
+)
+from rmq_async.protocol.codes import RequestCode, ResponseCode
 from rmq_async.protocol.command import RemotingCommand
+from rmq_async.protocol.errors import ProtocolError
+from rmq_async.protocol.headers import (
+    ConsumeMessageDirectlyResultRequestHeader,
+    GetConsumerRunningInfoRequestHeader,
+    GetConsumerStatusRequestHeader,
+    ResetOffsetRequestHeader,
+)
+from rmq_async.protocol.message import decode_message
+from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageQueue
 from rmq_async.remoting.connection import Connection, unsupported_response
 
 if TYPE_CHECKING:
+    from rmq_async.consumer.process_queue import ProcessQueue
     from rmq_async.consumer.push import PushConsumer
 
 log = structlog.get_logger(__name__)
+
+__all__ = [
+    "CLIENT_VERSION_DESC",
+    "PROP_CLIENT_VERSION",
+    "PROP_CONSUMER_START_TIMESTAMP",
+    "PROP_CONSUME_ORDERLY",
+    "PROP_CONSUME_TYPE",
+    "PROP_NAMESERVER_ADDR",
+    "PROP_THREADPOOL_CORE_SIZE",
+    "BrokerRequestHandler",
+    "build_running_info",
+    "process_queue_info",
+]
+
+# Property names of ConsumerRunningInfo that the admin tools read.
+PROP_NAMESERVER_ADDR = "PROP_NAMESERVER_ADDR"
+PROP_THREADPOOL_CORE_SIZE = "PROP_THREADPOOL_CORE_SIZE"
+PROP_CONSUME_ORDERLY = "PROP_CONSUMEORDERLY"
+PROP_CONSUME_TYPE = "PROP_CONSUME_TYPE"
+PROP_CLIENT_VERSION = "PROP_CLIENT_VERSION"
+PROP_CONSUMER_START_TIMESTAMP = "PROP_CONSUMER_START_TIMESTAMP"
+
+#: The protocol version this client speaks (``CURRENT_VERSION`` 479), as Java names it.
+CLIENT_VERSION_DESC = "V5_3_3"
+CONSUME_TYPE_PUSH = "CONSUME_PASSIVELY"
+
+#: Upper bound of the stack dump sent for ``jstackEnable``.
+MAX_STACK_DUMP = 256 * 1024
+
+# Options whose value is not a plain setting (secrets, objects) are left out of running info.
+_HIDDEN_OPTIONS = frozenset({"credentials", "ssl_context"})
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def _option_value(value: Any) -> str:
+    name = getattr(value, "name", None)
+    if isinstance(name, str) and hasattr(value, "allocate"):
+        return name
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def process_queue_info(pq: ProcessQueue, commit_offset: int) -> ProcessQueueInfo:
+    """Java ``ProcessQueueInfo`` of one process queue."""
+    d = pq.to_info(commit_offset)
+    return ProcessQueueInfo(
+        commit_offset=d["commitOffset"],
+        cached_msg_min_offset=d["cachedMsgMinOffset"],
+        cached_msg_max_offset=d["cachedMsgMaxOffset"],
+        cached_msg_count=d["cachedMsgCount"],
+        cached_msg_size_in_mib=d["cachedMsgSizeInMiB"],
+        transaction_msg_min_offset=d["transactionMsgMinOffset"],
+        transaction_msg_max_offset=d["transactionMsgMaxOffset"],
+        transaction_msg_count=d["transactionMsgCount"],
+        locked=d["locked"],
+        try_unlock_times=d["tryUnlockTimes"],
+        last_lock_timestamp=d["lastLockTimestamp"],
+        droped=d["droped"],
+        last_pull_timestamp=d["lastPullTimestamp"],
+        last_consume_timestamp=d["lastConsumeTimestamp"],
+    )
+
+
+def _consume_status(snapshot: dict[str, Any]) -> ConsumeStatus:
+    return ConsumeStatus(
+        pull_rt=float(snapshot["pullRT"]),
+        pull_tps=float(snapshot["pullTPS"]),
+        consume_rt=float(snapshot["consumeRT"]),
+        consume_ok_tps=float(snapshot["consumeOKTPS"]),
+        consume_failed_tps=float(snapshot["consumeFailedTPS"]),
+        consume_failed_msgs=int(snapshot["consumeFailedMsgs"]),
+    )
+
+
+def build_running_info(consumer: PushConsumer, *, jstack: bool = False) -> ConsumerRunningInfo:
+    """The consumer's ``ConsumerRunningInfo`` as ``mqadmin consumerStatus`` reads it."""
+    c = consumer
+    import rmq_async
+
+    props: dict[str, str] = {}
+    for name in type(c.options).__dataclass_fields__:
+        if name in _HIDDEN_OPTIONS:
+            continue
+        value = getattr(c.options, name)
+        if value is not None:
+            props[_camel(name)] = _option_value(value)
+    if c.options.credentials is not None:
+        props["accessKey"] = c.options.credentials.access_key
+    props["useTLS"] = "true" if c.options.ssl_context is not None else "false"
+    props["clientId"] = c.client_id
+    orderly = any(c.is_orderly(t) for t in c.subscribed_topics())
+    props[PROP_CONSUME_ORDERLY] = "true" if orderly else "false"
+    props[PROP_THREADPOOL_CORE_SIZE] = str(c.options.consume_concurrency)
+    props[PROP_CONSUMER_START_TIMESTAMP] = str(c.start_timestamp)
+    props[PROP_NAMESERVER_ADDR] = "".join(f"{addr};" for addr in c.namesrv)
+    props[PROP_CONSUME_TYPE] = CONSUME_TYPE_PUSH
+    props[PROP_CLIENT_VERSION] = CLIENT_VERSION_DESC
+
+    subs = [d for d in (c.subscription_data(t) for t in c.subscribed_topics()) if d is not None]
+    mq_table: dict[MessageQueue, ProcessQueueInfo] = {}
+    for mq, pq in sorted(c.process_queues.items()):
+        mq_table[mq] = process_queue_info(pq, _commit_offset(c, mq, pq))
+    status = {
+        topic: _consume_status(c.stats.snapshot(topic)) for topic in c.subscribed_topics()
+    }
+    user_info = {
+        "client": f"rmq_async {rmq_async.__version__}",
+        "python": sys.version.split()[0],
+        "paused": ",".join(sorted(t for t in c.subscribed_topics() if c.is_paused(t))),
+    }
+    return ConsumerRunningInfo(
+        properties=props,
+        subscription_set=subs,
+        mq_table=mq_table,
+        status_table=status,
+        user_consumer_info=user_info,
+        jstack=_stack_dump() if jstack else None,
+    )
+
+
+def _commit_offset(c: PushConsumer, mq: MessageQueue, pq: ProcessQueue) -> int:
+    """The queue's consume offset in memory; for a queue that has nothing cached and no offset
+    yet (nothing consumed since it was assigned), the offset its pulls continue from."""
+    offset = c.offset_store.read_memory(mq)
+    if offset < 0 and pq.msg_count == 0 and c.pull_service is not None:
+        req = c.pull_service.requests.get(mq)
+        if req is not None:
+            offset = req.next_offset
+    return offset
+
+
+def _stack_dump() -> str:
+    """Stacks of this process's asyncio tasks and threads (the ``jstack`` of running info)."""
+    out = io.StringIO()
+    try:
+        tasks = sorted(asyncio.all_tasks(), key=lambda t: t.get_name())
+    except RuntimeError:
+        tasks = []
+    for task in tasks:
+        task.print_stack(limit=12, file=out)
+        if out.tell() > MAX_STACK_DUMP:
+            break
+    for ident, frame in sys._current_frames().items():
+        out.write(f"\nThread {ident} (most recent call last):\n")
+        traceback.print_stack(frame, limit=12, file=out)
+        if out.tell() > MAX_STACK_DUMP:
+            break
+    return out.getvalue()[:MAX_STACK_DUMP]
 
 
 class BrokerRequestHandler:
@@ -21,11 +225,125 @@ class BrokerRequestHandler:
 
     def __init__(self, consumer: PushConsumer) -> None:
         self._consumer = consumer
+        self._reset_lock = asyncio.Lock()
 
     async def __call__(self, cmd: RemotingCommand, conn: Connection) -> RemotingCommand | None:
         c = self._consumer
-        if cmd.code == RequestCode.NOTIFY_CONSUMER_IDS_CHANGED:
-            log.info("rebalance.notified", group=c.group, broker=conn.addr)
-            c.rebalancer.wake()
-            return None
+        code = cmd.code
+        try:
+            if code == RequestCode.NOTIFY_CONSUMER_IDS_CHANGED:
+                log.info("rebalance.notified", group=c.group, broker=conn.addr)
+                c.rebalancer.wake()
+                return None
+            if code == RequestCode.RESET_CONSUMER_CLIENT_OFFSET:
+                await self._reset_offset(cmd, conn)
+                return None
+            if code == RequestCode.GET_CONSUMER_STATUS_FROM_CLIENT:
+                return self._consumer_status(cmd)
+            if code == RequestCode.GET_CONSUMER_RUNNING_INFO:
+                return self._running_info(cmd)
+            if code == RequestCode.CONSUME_MESSAGE_DIRECTLY:
+                return await self._consume_directly(cmd)
+        except ProtocolError as exc:
+            log.warning("admin.bad_request", code=code, broker=conn.addr, error=str(exc))
+            return cmd.response_to(ResponseCode.SYSTEM_ERROR, remark=f"bad request: {exc}")
         return unsupported_response(cmd)
+
+    def _not_this_group(self, cmd: RemotingCommand, group: str) -> RemotingCommand:
+        return cmd.response_to(
+            ResponseCode.SYSTEM_ERROR,
+            remark=f"The Consumer Group <{group}> not exist in this consumer",
+        )
+
+    # ------------------------------------------------------------------ reset offset
+
+    async def _reset_offset(self, cmd: RemotingCommand, conn: Connection) -> None:
+        c = self._consumer
+        header = ResetOffsetRequestHeader.from_ext_fields(cmd.ext_fields)
+        table = ResetOffsetBody.from_json_bytes(cmd.body).offset_table if cmd.body else {}
+        log.info("admin.reset_offset", group=header.group, topic=header.topic, broker=conn.addr,
+                 timestamp=header.timestamp, queues=len(table))
+        if header.group != c.group or c.stopping:
+            return
+        async with self._reset_lock:
+            await self.reset_offsets(header.topic, table)
+
+    async def reset_offsets(self, topic: str, table: dict[MessageQueue, int]) -> None:
+        """Move the held queues of ``topic`` listed in ``table`` to their new offsets."""
+        c = self._consumer
+        targets = [(mq, pq) for mq, pq in c.process_queues.items()
+                   if mq.topic == topic and mq in table]
+        # Drop first, so no result of a batch still with the listener commits anything.
+        for _, pq in targets:
+            pq.dropped = True
+            pq.clear()
+        for mq, _ in targets:
+            offset = table[mq]
+            c.offset_store.freeze(mq, offset)
+            # Persists the frozen offset (orderly: after the batch in flight, then unlocks).
+            await c.remove_queue(mq, reason="offset_reset")
+            log.info("admin.queue_reset", queue=str(mq), offset=offset)
+        if targets:
+            c.rebalancer.wake()
+
+    # ------------------------------------------------------------------ status / running info
+
+    def _consumer_status(self, cmd: RemotingCommand) -> RemotingCommand:
+        c = self._consumer
+        header = GetConsumerStatusRequestHeader.from_ext_fields(cmd.ext_fields)
+        if header.group != c.group:
+            return self._not_this_group(cmd, header.group)
+        offsets = {mq: off for mq, off in c.offset_store.snapshot().items()
+                   if mq.topic == header.topic}
+        body = GetConsumerStatusBody(message_queue_table=offsets)
+        return cmd.response_to(ResponseCode.SUCCESS, body=body.to_json_bytes())
+
+    def _running_info(self, cmd: RemotingCommand) -> RemotingCommand:
+        c = self._consumer
+        header = GetConsumerRunningInfoRequestHeader.from_ext_fields(cmd.ext_fields)
+        if header.consumer_group != c.group:
+            return self._not_this_group(cmd, header.consumer_group)
+        info = build_running_info(c, jstack=header.jstack_enable)
+        return cmd.response_to(ResponseCode.SUCCESS, body=info.to_json_bytes())
+
+    # ------------------------------------------------------------------ consume directly
+
+    async def _consume_directly(self, cmd: RemotingCommand) -> RemotingCommand:
+        c = self._consumer
+        header = ConsumeMessageDirectlyResultRequestHeader.from_ext_fields(cmd.ext_fields)
+        if header.consumer_group != c.group:
+            return self._not_this_group(cmd, header.consumer_group)
+        msg = decode_message(cmd.body)
+        msg.broker_name = header.broker_name or ""
+        reset_retry_topic([msg], c.retry_topic)
+        listener = c.listener_for(msg.topic)
+        if listener is None:
+            return cmd.response_to(
+                ResponseCode.SYSTEM_ERROR,
+                remark=f"no listener for topic {msg.topic!r} in group {c.group!r}",
+            )
+        msg.properties[PROPERTY_CONSUME_START_TIME] = str(int(time.time() * 1000))
+        mq = MessageQueue(msg.topic, msg.broker_name, msg.queue_id)
+        ctx = ConsumeContext(message_queue=mq)
+        orderly = c.is_orderly(msg.topic)
+        started = time.monotonic()
+        remark: str | None = None
+        raw: Any
+        try:
+            raw = await listener([msg], ctx)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raw = exc
+            remark = "".join(traceback.format_exception(exc, limit=8))
+        spent = int((time.monotonic() - started) * 1000)
+        result = ConsumeMessageDirectlyResult(
+            consume_result=str(direct_consume_result(raw)),
+            order=orderly,
+            auto_commit=ctx.auto_commit,
+            remark=remark,
+            spent_time_mills=spent,
+        )
+        log.info("admin.consumed_directly", msg_id=msg.msg_id, topic=msg.topic,
+                 result=result.consume_result, ms=spent)
+        return cmd.response_to(ResponseCode.SUCCESS, body=result.to_json_bytes())

@@ -13,6 +13,8 @@ import structlog
 
 from rmq_async.client.errors import MQBrokerError, MQClientError
 from rmq_async.protocol.codes import ResponseCode
+from rmq_async.protocol.errors import ProtocolError
+from rmq_async.protocol.jsonutil import tolerant_loads
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.errors import RemotingError
 
@@ -40,6 +42,8 @@ class OffsetStore(Protocol):
     async def persist_all(self, mqs: set[MessageQueue], *, oneway: bool) -> None: ...
 
     def remove(self, mq: MessageQueue) -> None: ...
+
+    def freeze(self, mq: MessageQueue, offset: int) -> None: ...
 
     def snapshot(self) -> dict[MessageQueue, int]: ...
 
@@ -134,58 +138,74 @@ class BrokerOffsetStore(_MemoryTable):
 class LocalFileOffsetStore(_MemoryTable):
     """Offsets of a broadcasting consumer, kept in a JSON file of its own (Java LocalFileOffsetStore).
 
-    The file is ``<dir>/<client_id>/<group>/offsets.json``. Every write goes to a temporary file
-    in the same folder which is then renamed over the old one, so a crash at any moment leaves
-    either the previous complete file or the new complete file, never a torn one.
+    The file is ``<dir>/<client_id>/<group>/offsets.json``, in standard JSON:
+    ``{"offsetTable": [{"brokerName", "offset", "queueId", "topic"}, ...]}``. A file written by
+    the Java client (a map with object keys, fastjson's form) is read too. Every write goes
+    to a temporary file in the same folder, is flushed to disk and then renamed over the old
+    one, so a crash at any moment (``kill -9`` included) leaves either the previous complete
+    file or the new complete file, never a torn one.
+
+    The store keeps a copy of what the file holds. A queue that is given up keeps its entry in
+    the file (only the in-memory offset is forgotten), so a later round that takes the queue
+    again, or the next run, continues from it.
     """
 
     def __init__(self, directory: str | Path, client_id: str, group: str) -> None:
         super().__init__()
         safe_cid = client_id.replace(os.sep, "_")
         self.path = Path(directory).expanduser() / safe_cid / group / "offsets.json"
+        self._file: dict[MessageQueue, int] = {}
+        self._write_lock = anyio.Lock()
 
     async def load(self) -> None:
         data = await anyio.to_thread.run_sync(self._read_file)
-        for mq, offset in data.items():
-            self._table[mq] = offset
+        self._file = dict(data)
+        self._table.update(data)
         log.info("offset.file_loaded", path=str(self.path), queues=len(data))
 
     def _read_file(self) -> dict[MessageQueue, int]:
         for candidate in (self.path, self.path.with_suffix(".json.bak")):
             try:
-                raw = json.loads(candidate.read_text("utf-8"))
+                raw = tolerant_loads(candidate.read_bytes())
+                return _parse_offset_file(raw)
             except FileNotFoundError:
                 continue
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError,
+                    ProtocolError) as exc:
                 log.warning("offset.file_unreadable", path=str(candidate), error=str(exc))
                 continue
-            result: dict[MessageQueue, int] = {}
-            for entry in raw.get("offsetTable", []):
-                mq = MessageQueue(entry["topic"], entry["brokerName"], int(entry["queueId"]))
-                result[mq] = int(entry["offset"])
-            return result
         return {}
 
     async def read_store(self, mq: MessageQueue) -> int:
-        data = await anyio.to_thread.run_sync(self._read_file)
-        offset = data.get(mq)
+        offset = self._file.get(mq)
         if offset is None:
             return OFFSET_NOT_FOUND
         super().update(mq, offset, increase_only=False)
         return offset
 
+    def stored(self) -> dict[MessageQueue, int]:
+        """What the offsets file holds (as of the last load or write)."""
+        return dict(self._file)
+
     async def persist(self, mq: MessageQueue) -> None:
         await self.persist_all({mq}, oneway=False)
 
     async def persist_all(self, mqs: set[MessageQueue], *, oneway: bool) -> None:
-        # The file always holds every queue we know, not only ``mqs``.
-        table = [
-            {"brokerName": mq.broker_name, "offset": off, "queueId": mq.queue_id, "topic": mq.topic}
-            for mq, off in sorted(self._table.items(), key=lambda kv: kv[0].java_sort_key())
-            if off >= 0
-        ]
-        payload = json.dumps({"offsetTable": table}, separators=(",", ":")).encode("utf-8")
-        await anyio.to_thread.run_sync(self._write_file, payload)
+        # The file always holds every queue known, not only ``mqs``.
+        async with self._write_lock:
+            merged = dict(self._file)
+            merged.update((mq, off) for mq, off in self._table.items() if off >= 0)
+            if merged == self._file and self.path.exists():
+                return
+            table = [
+                {"brokerName": mq.broker_name, "offset": off, "queueId": mq.queue_id,
+                 "topic": mq.topic}
+                for mq, off in sorted(merged.items(), key=lambda kv: kv[0].java_sort_key())
+            ]
+            payload = json.dumps({"offsetTable": table}, separators=(",", ":")).encode("utf-8")
+            await anyio.to_thread.run_sync(self._write_file, payload)
+            self._file = merged
+            log.debug("offset.file_written", path=str(self.path), queues=len(merged))
 
     def _write_file(self, payload: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,3 +222,35 @@ class LocalFileOffsetStore(_MemoryTable):
             except OSError:
                 pass
             raise
+        # Make the rename itself durable.
+        try:
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(dir_fd)
+        except OSError:
+            pass
+        finally:
+            os.close(dir_fd)
+
+
+def _parse_offset_file(raw: object) -> dict[MessageQueue, int]:
+    """Entries of an offsets file; Java's object-keyed map form is accepted too."""
+    if not isinstance(raw, dict):
+        raise ValueError("offsets file is not a JSON object")
+    table = raw.get("offsetTable", [])
+    result: dict[MessageQueue, int] = {}
+    if isinstance(table, dict):
+        for key, value in table.items():
+            if not isinstance(key, MessageQueue):
+                raise ValueError(f"offsets file: unexpected key {key!r}")
+            if int(value) >= 0:
+                result[key] = int(value)
+        return result
+    for entry in table:
+        mq = MessageQueue(str(entry["topic"]), str(entry["brokerName"]), int(entry["queueId"]))
+        offset = int(entry["offset"])
+        if offset >= 0:
+            result[mq] = offset
+    return result

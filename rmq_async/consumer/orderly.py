@@ -171,15 +171,17 @@ class OrderlyConsumeService:
         ok = result in (ConsumeResult.SUCCESS, ConsumeResult.COMMIT)
         c.stats.record_consume(msgs[0].topic, len(msgs) if ok else 0,
                                0 if ok else len(msgs), elapsed)
+        if ok:
+            # Committed even when the queue was just given up: it is released (persisted, then
+            # unlocked) only after this batch ends, so the next owner starts after it.
+            self._commit(mq, pq)
+            return not pq.dropped
         if pq.dropped:
             return False
         if result is ConsumeResult.ROLLBACK:
             pq.rollback()
             self.submit_later(pq, mq, self._suspend_time(ctx))
             return False
-        if ok:
-            self._commit(mq, pq)
-            return True
         # SUSPEND_CURRENT_QUEUE_A_MOMENT (or failure): retry in place, unless a message has used
         # up its retries, in which case it goes to the dead-letter queue and is skipped.
         if await self._retries_exhausted(msgs):
@@ -200,8 +202,16 @@ class OrderlyConsumeService:
         return millis / 1000.0
 
     def _commit(self, mq: MessageQueue, pq: ProcessQueue) -> None:
+        """Commit the batch taken from ``pq``.
+
+        A dropped queue still commits while it is not held anew (its release waits for this
+        batch and persists afterwards); an offset frozen by a reset ignores the update.
+        """
         offset = pq.commit()
-        if offset >= 0 and not pq.dropped:
+        if offset < 0:
+            return
+        current = self._consumer.process_queues.get(mq)
+        if current is pq or (pq.dropped and current is None):
             self._consumer.offset_store.update(mq, offset, increase_only=False)
 
     async def _retries_exhausted(self, msgs: list[MessageExt]) -> bool:

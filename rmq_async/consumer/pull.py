@@ -87,6 +87,24 @@ class PullService:
         self.requests.pop(mq, None)
         await self._owner.cancel(mq)
 
+    def interrupt(self, mq: MessageQueue) -> None:
+        """Abandon what ``mq``'s pull task is waiting for and start its loop over.
+
+        Used by pause/resume: a long poll in flight is given up at once (its answer, if any,
+        is ignored and the offset does not move), so a paused topic hands nothing more to the
+        listener and a resumed one pulls without waiting for the pause delay to end.
+        """
+        req = self.requests.get(mq)
+        task = self._owner.get(mq)
+        if req is None or task is None or task.done():
+            return
+        task.cancel()
+        self._owner.spawn(self._restart(task, req), name=f"pull:{mq}", key=mq)
+
+    async def _restart(self, old: asyncio.Task[object], req: PullRequest) -> None:
+        await asyncio.gather(old, return_exceptions=True)
+        await self._loop(req, 0.0)
+
     def is_pulling(self, mq: MessageQueue) -> bool:
         task = self._owner.get(mq)
         return task is not None and not task.done()
