@@ -105,6 +105,7 @@ class ConcurrentConsumeService:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._draining = False
 
     def start(self) -> None:
         for i in range(self._opts.consume_concurrency):
@@ -134,7 +135,12 @@ class ConcurrentConsumeService:
             self.submit(msgs, pq, mq)
 
     async def wait_idle(self) -> None:
-        """Wait until no listener call is running."""
+        """Stop starting listener calls and wait until none is running.
+
+        Requests still queued stay unacknowledged in their ProcessQueues, so their offsets are
+        not committed and they are delivered again later.
+        """
+        self._draining = True
         await self._idle.wait()
 
     async def aclose(self) -> None:
@@ -145,7 +151,7 @@ class ConcurrentConsumeService:
     async def _worker(self) -> None:
         while True:
             req = await self._queue.get()
-            if req.pq.dropped:
+            if req.pq.dropped or self._draining:
                 continue
             self._in_flight += 1
             self._idle.clear()
