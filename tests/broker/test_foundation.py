@@ -124,8 +124,8 @@ async def test_long_poll_wakes_on_message_and_times_out(rocketmq) -> None:
         assert latency < 0.2, latency
 
 
-async def test_broker_killed_mid_request_then_reconnect(rocketmq_private) -> None:
-    rmq = rocketmq_private
+async def test_broker_killed_mid_request_then_reconnect(rocketmq) -> None:
+    rmq = rocketmq
     topic = unique("T_kill")
     await rmq.create_topic(topic, queues=1)
     instance = ClientInstance(rmq.namesrv_addr, "127.0.0.1@killtest")
@@ -138,11 +138,13 @@ async def test_broker_killed_mid_request_then_reconnect(rocketmq_private) -> Non
             subscription="*"))
         await asyncio.sleep(1.0)
         started = time.monotonic()
-        rmq.kill_broker()
-        with pytest.raises(ConnectionClosed):
-            await pull
-        assert time.monotonic() - started < 20.0
-        await rmq.start()
+        try:
+            rmq.kill_broker()
+            with pytest.raises(ConnectionClosed):
+                await pull
+            assert time.monotonic() - started < 20.0
+        finally:
+            await rmq.start()
         deadline = time.monotonic() + 60
         while True:
             try:
