@@ -160,7 +160,10 @@ def build_running_info(consumer: PushConsumer, *, jstack: bool = False) -> Consu
         props["accessKey"] = c.options.credentials.access_key
     props["useTLS"] = "true" if c.options.ssl_context is not None else "false"
     props["clientId"] = c.client_id
-    orderly = any(c.is_orderly(t) for t in c.subscribed_topics())
+    # Java has one listener kind per consumer; the admin tools expect every queue of an orderly
+    # consumer to be locked, so a consumer mixing both kinds reports itself as concurrent.
+    own_topics = [t for t in c.subscribed_topics() if t != c.retry_topic]
+    orderly = bool(own_topics) and all(c.is_orderly(t) for t in own_topics)
     props[PROP_CONSUME_ORDERLY] = "true" if orderly else "false"
     props[PROP_THREADPOOL_CORE_SIZE] = str(c.options.consume_concurrency)
     props[PROP_CONSUMER_START_TIMESTAMP] = str(c.start_timestamp)
