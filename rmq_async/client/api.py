@@ -26,6 +26,8 @@ from rmq_async.protocol.message import decode_messages
 from rmq_async.protocol.types import MessageExt, MessageQueue
 from rmq_async.remoting.client import RemotingClient
 
+_OffsetAnswer = h.GetMaxOffsetResponseHeader | h.GetMinOffsetResponseHeader | h.SearchOffsetResponseHeader
+
 
 class PullStatus(enum.Enum):
     FOUND = "FOUND"
@@ -154,27 +156,30 @@ class MQClientAPI:
             await self._call(addr, RequestCode.UPDATE_CONSUMER_OFFSET, ext,
                              name="UPDATE_CONSUMER_OFFSET")
 
+    async def _offset_call(self, addr: str, code: RequestCode, header: h.CommandHeader,
+                           answer: type[_OffsetAnswer]) -> int:
+        resp = await self._call(addr, code, header.to_ext_fields(), name=code.name)
+        return answer.from_ext_fields(resp.ext_fields or {}).offset
+
     async def get_max_offset(self, addr: str, mq: MessageQueue) -> int:
-        ext = h.GetMaxOffsetRequestHeader(
-            topic=mq.topic, queue_id=mq.queue_id, bname=mq.broker_name
-        ).to_ext_fields()
-        resp = await self._call(addr, RequestCode.GET_MAX_OFFSET, ext, name="GET_MAX_OFFSET")
-        return h.GetMaxOffsetResponseHeader.from_ext_fields(resp.ext_fields or {}).offset
+        """The queue's exclusive max offset (where the next message will be written)."""
+        header = h.GetMaxOffsetRequestHeader(topic=mq.topic, queue_id=mq.queue_id,
+                                             bname=mq.broker_name)
+        return await self._offset_call(addr, RequestCode.GET_MAX_OFFSET, header,
+                                       h.GetMaxOffsetResponseHeader)
 
     async def get_min_offset(self, addr: str, mq: MessageQueue) -> int:
-        ext = h.GetMinOffsetRequestHeader(
-            topic=mq.topic, queue_id=mq.queue_id, bname=mq.broker_name
-        ).to_ext_fields()
-        resp = await self._call(addr, RequestCode.GET_MIN_OFFSET, ext, name="GET_MIN_OFFSET")
-        return h.GetMinOffsetResponseHeader.from_ext_fields(resp.ext_fields or {}).offset
+        header = h.GetMinOffsetRequestHeader(topic=mq.topic, queue_id=mq.queue_id,
+                                             bname=mq.broker_name)
+        return await self._offset_call(addr, RequestCode.GET_MIN_OFFSET, header,
+                                       h.GetMinOffsetResponseHeader)
 
     async def search_offset(self, addr: str, mq: MessageQueue, timestamp_ms: int) -> int:
-        ext = h.SearchOffsetRequestHeader(
-            topic=mq.topic, queue_id=mq.queue_id, timestamp=timestamp_ms, bname=mq.broker_name
-        ).to_ext_fields()
-        resp = await self._call(addr, RequestCode.SEARCH_OFFSET_BY_TIMESTAMP, ext,
-                                name="SEARCH_OFFSET_BY_TIMESTAMP")
-        return h.SearchOffsetResponseHeader.from_ext_fields(resp.ext_fields or {}).offset
+        """The offset of the first message stored at or after ``timestamp_ms``."""
+        header = h.SearchOffsetRequestHeader(topic=mq.topic, queue_id=mq.queue_id,
+                                             timestamp=timestamp_ms, bname=mq.broker_name)
+        return await self._offset_call(addr, RequestCode.SEARCH_OFFSET_BY_TIMESTAMP, header,
+                                       h.SearchOffsetResponseHeader)
 
     # ------------------------------------------------------------------ pull
 
