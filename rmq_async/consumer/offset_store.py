@@ -27,6 +27,9 @@ log = structlog.get_logger(__name__)
 OFFSET_NOT_FOUND = -1
 OFFSET_READ_ERROR = -2
 
+_TEMP_PREFIX = ".offsets-"
+_TEMP_SUFFIX = ".tmp"
+
 
 class OffsetStore(Protocol):
     async def load(self) -> None: ...
@@ -164,6 +167,7 @@ class LocalFileOffsetStore(_MemoryTable):
         log.info("offset.file_loaded", path=str(self.path), queues=len(data))
 
     def _read_file(self) -> dict[MessageQueue, int]:
+        self._remove_stale_temp_files()
         for candidate in (self.path, self.path.with_suffix(".json.bak")):
             try:
                 raw = tolerant_loads(candidate.read_bytes())
@@ -175,6 +179,19 @@ class LocalFileOffsetStore(_MemoryTable):
                 log.warning("offset.file_unreadable", path=str(candidate), error=str(exc))
                 continue
         return {}
+
+    def _remove_stale_temp_files(self) -> None:
+        """Temporary files a writer killed before its rename left behind (never read)."""
+        try:
+            stale = list(self.path.parent.glob(_TEMP_PREFIX + "*" + _TEMP_SUFFIX))
+        except OSError:
+            return
+        for tmp in stale:
+            try:
+                tmp.unlink()
+            except OSError:
+                continue
+            log.info("offset.stale_temp_removed", path=str(tmp))
 
     async def read_store(self, mq: MessageQueue) -> int:
         offset = self._file.get(mq)
@@ -209,7 +226,7 @@ class LocalFileOffsetStore(_MemoryTable):
 
     def _write_file(self, payload: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".offsets-", suffix=".tmp", dir=self.path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX, dir=self.path.parent)
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(payload)
