@@ -75,7 +75,7 @@ def _java_sort_key(text: str) -> bytes:
     return text.encode("utf-16-be", "surrogatepass")
 
 
-_ORDER_CACHE: dict[tuple[str, ...], tuple[int, ...]] = {}
+_ORDER_CACHE: dict[tuple[int, tuple[str, ...]], tuple[int, ...]] = {}
 _ORDER_CACHE_MAX = 1024
 
 
@@ -108,12 +108,13 @@ def java_hashmap_order(keys: Iterable[str], initial_capacity: int = 16) -> list[
     bucket in insertion order. Tree bins (8+ keys in one bucket) are not modelled.
     """
     ks = tuple(keys)
-    perm = _ORDER_CACHE.get(ks)
+    cache_key = (initial_capacity, ks)
+    perm = _ORDER_CACHE.get(cache_key)
     if perm is None:
         perm = _hash_order([java_string_hash(k) for k in ks], initial_capacity)
         if len(_ORDER_CACHE) >= _ORDER_CACHE_MAX:
             _ORDER_CACHE.clear()
-        _ORDER_CACHE[ks] = perm
+        _ORDER_CACHE[cache_key] = perm
     return [ks[i] for i in perm]
 
 
