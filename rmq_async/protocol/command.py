@@ -7,17 +7,33 @@ Frame layout (big-endian)::
     H bytes header        JSON (type 0) or ROCKETMQ binary (type 1)
     B bytes body
 
-JSON headers are written byte for byte as the Java side writes them with fastjson: bean fields
-in sorted order (``code``, ``extFields``, ``flag``, ``language``, ``opaque``, ``remark``,
-``serializeTypeCurrentRPC``, ``version``), null fields omitted, ``language`` and
-``serializeTypeCurrentRPC`` as enum names. ``extFields`` is a Java ``HashMap`` written without
-``MapSortField``, so its entries appear in HashMap iteration order, which
-:func:`~rmq_async.protocol.jsonutil.java_hashmap_order` reproduces (insertion order of
-``ext_fields`` stands in for Java's order only where two keys share a bucket; the typed headers
-insert in Java's order). The ROCKETMQ binary header writes the entries in the same order, as
-Java's ``RocketMQSerializable`` does for ordinary headers; Java's Netty encoder writes the
-"fast codes" headers (pull, send V2 and their responses) field by field in declaration order
-instead, which changes the byte order but not the content.
+:meth:`RemotingCommand.encode` writes what Java's ``NettyEncoder`` puts on the wire
+(``fastEncodeHeader`` + body), byte for byte.
+
+JSON headers are written as fastjson writes them: bean fields in sorted order (``code``,
+``extFields``, ``flag``, ``language``, ``opaque``, ``remark``, ``serializeTypeCurrentRPC``,
+``version``), null fields omitted, ``language`` and ``serializeTypeCurrentRPC`` as enum names.
+``extFields`` is a Java ``HashMap`` written without ``MapSortField``, so its entries appear in
+HashMap iteration order, which :func:`~rmq_async.protocol.jsonutil.java_hashmap_order`
+reproduces. That order depends on the map's capacity and, within a bucket, on insertion order,
+which :class:`ExtFields` records:
+
+* a plain ``dict`` stands for a map Java filled in the dict's order after creating it with
+  ``new HashMap<>()`` (capacity 16), as ``setExtFields`` users do;
+* an :class:`ExtFields` (what typed headers' ``to_ext_fields`` return, and what
+  :meth:`RemotingCommand.add_ext_field` creates) knows which keys are the header's own fields.
+  Alone, they are put into a ``new HashMap<>()`` by ``makeCustomHeaderToNet``; any other key
+  stands for Java's ``addExtField``, which creates the map with capacity 256 before the header's
+  fields are put into it at encode time. (Java's ACL hook adds its ``Signature`` after the
+  header fields; that changes the order only if it shares a bucket with one of them.)
+
+The ROCKETMQ binary header writes the entries in the same HashMap order, as
+``RocketMQSerializable`` does for ordinary headers. Headers implementing Java's
+``FastCodesHeader`` (pull and send V2 requests and their responses) are different on the wire:
+``fastEncodeHeader`` writes their fields in declaration order (``ExtFields.fast_codes``),
+then the added keys in HashMap order. :meth:`RemotingCommand.encode_header_binary` gives either
+form; the HashMap form is also real wire bytes (Java's ``encodeHeader()``, which the broker uses
+for zero-copy pull responses).
 """
 
 from __future__ import annotations
@@ -25,7 +41,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +57,7 @@ from .jsonutil import fastjson_string, java_hashmap_order
 
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
+    "ExtFields",
     "FrameDecoder",
     "RemotingCommand",
     "next_opaque",
@@ -85,6 +102,48 @@ def _language_value(language: int) -> int:
         return language
 
 
+#: Capacity of the map Java's ``addExtField`` creates (``new HashMap<>(256)``).
+_ADDED_MAP_CAPACITY = 256
+#: Capacity of the map ``makeCustomHeaderToNet`` creates (``new HashMap<>()``).
+_HEADER_MAP_CAPACITY = 16
+
+
+class ExtFields(dict[str, str]):
+    """``extFields`` built from a typed header, remembering how Java would have built them.
+
+    ``header_keys`` are the Java field names of the header in the order Java's
+    ``makeCustomHeaderToNet`` puts them; any other key counts as added with ``addExtField``.
+    ``fast_codes`` is the field order of the header's ``FastCodesHeader.encode`` (``None`` for
+    ordinary headers). Both only decide byte order; the mapping itself is a plain ``dict``.
+    """
+
+    __slots__ = ("fast_codes", "header_keys")
+
+    header_keys: tuple[str, ...]
+    fast_codes: tuple[str, ...] | None
+
+    def __init__(
+        self,
+        items: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+        *,
+        header_keys: Iterable[str] = (),
+        fast_codes: Iterable[str] | None = None,
+    ) -> None:
+        super().__init__(items)
+        self.header_keys = tuple(header_keys)
+        self.fast_codes = tuple(fast_codes) if fast_codes is not None else None
+
+    def copy(self) -> ExtFields:
+        return ExtFields(self, header_keys=self.header_keys, fast_codes=self.fast_codes)
+
+    def __repr__(self) -> str:
+        return f"ExtFields({dict.__repr__(self)})"
+
+
+def _copy_ext(fields: Mapping[str, str]) -> dict[str, str]:
+    return fields.copy() if isinstance(fields, ExtFields) else dict(fields)
+
+
 @dataclass(slots=True, repr=False)
 class RemotingCommand:
     """One request or response of the remoting protocol.
@@ -120,7 +179,7 @@ class RemotingCommand:
             code=int(code),
             opaque=next_opaque(),
             flag=RPC_ONEWAY if oneway else 0,
-            ext_fields=dict(ext_fields) if ext_fields is not None else None,
+            ext_fields=_copy_ext(ext_fields) if ext_fields is not None else None,
             body=body,
             serialize_type=serialize_type,
         )
@@ -138,7 +197,7 @@ class RemotingCommand:
             opaque=self.opaque,
             flag=RPC_TYPE_RESPONSE,
             remark=remark,
-            ext_fields=dict(ext_fields) if ext_fields is not None else None,
+            ext_fields=_copy_ext(ext_fields) if ext_fields is not None else None,
             body=body,
             serialize_type=self.serialize_type,
         )
@@ -152,6 +211,12 @@ class RemotingCommand:
     @property
     def is_oneway(self) -> bool:
         return (self.flag & RPC_ONEWAY) != 0
+
+    def add_ext_field(self, name: str, value: str) -> None:
+        """Set one extFields entry, as Java's ``addExtField`` (which may create the map)."""
+        if self.ext_fields is None:
+            self.ext_fields = ExtFields()
+        self.ext_fields[name] = value
 
     def ext(self, name: str) -> str | None:
         """One extFields value, or ``None``."""
@@ -168,12 +233,37 @@ class RemotingCommand:
 
     # -- encoding ---------------------------------------------------------------------------
 
-    def _ordered_ext(self) -> list[tuple[str, str]]:
+    def _hashmap_entries(self) -> list[tuple[str, str]]:
+        """The entries in the iteration order of Java's ``extFields`` HashMap."""
         fields = self.ext_fields
         if not fields:
             return []
         present = [k for k, v in fields.items() if v is not None]
-        return [(k, fields[k]) for k in java_hashmap_order(present)]
+        if isinstance(fields, ExtFields):
+            own = set(fields.header_keys)
+            added = [k for k in present if k not in own]
+            header = [k for k in fields.header_keys if fields.get(k) is not None]
+            if added:
+                keys = java_hashmap_order(added + header, _ADDED_MAP_CAPACITY)
+            else:
+                keys = java_hashmap_order(header, _HEADER_MAP_CAPACITY)
+        else:
+            keys = java_hashmap_order(present, _HEADER_MAP_CAPACITY)
+        return [(k, fields[k]) for k in keys]
+
+    def _fast_codes_entries(self) -> list[tuple[str, str]] | None:
+        """Entries as ``fastEncodeHeader`` writes a FastCodesHeader, or ``None`` if not one."""
+        fields = self.ext_fields
+        if not isinstance(fields, ExtFields) or fields.fast_codes is None:
+            return None
+        own = set(fields.header_keys)
+        first = [k for k in fields.fast_codes if k in own and fields.get(k) is not None]
+        listed = set(first)
+        # Header fields missing from the declaration list would be dropped by Java; keep them.
+        first += [k for k, v in fields.items() if k in own and k not in listed and v is not None]
+        added = [k for k, v in fields.items() if k not in own and v is not None]
+        keys = first + java_hashmap_order(added, _ADDED_MAP_CAPACITY)
+        return [(k, fields[k]) for k in keys]
 
     def encode_header_json(self) -> bytes:
         parts = ['{"code":', str(self.code)]
@@ -181,7 +271,7 @@ class RemotingCommand:
             parts.append(',"extFields":{')
             parts.append(
                 ",".join(
-                    f"{fastjson_string(k)}:{fastjson_string(v)}" for k, v in self._ordered_ext()
+                    f"{fastjson_string(k)}:{fastjson_string(v)}" for k, v in self._hashmap_entries()
                 )
             )
             parts.append("}")
@@ -193,7 +283,13 @@ class RemotingCommand:
         parts.append(f',"serializeTypeCurrentRPC":"JSON","version":{self.version}}}')
         return "".join(parts).encode("utf-8", "replace")
 
-    def encode_header_binary(self) -> bytes:
+    def encode_header_binary(self, *, fast_codes: bool = False) -> bytes:
+        """The ROCKETMQ binary header.
+
+        By default as Java's ``encodeHeader()`` writes it (every extFields entry in HashMap
+        order); with ``fast_codes`` as ``fastEncodeHeader`` (the Netty encoder) writes it, which
+        differs for FastCodesHeader headers (see the module doc). :meth:`encode` uses the latter.
+        """
         if not -32768 <= self.code <= 32767:
             raise ValueError(f"code {self.code} does not fit the ROCKETMQ header; use JSON")
         if not -32768 <= self.version <= 32767:
@@ -207,8 +303,11 @@ class RemotingCommand:
             ),
             remark,
         ]
+        entries = self._fast_codes_entries() if fast_codes else None
+        if entries is None:
+            entries = self._hashmap_entries()
         ext: list[bytes] = []
-        for key, value in self._ordered_ext():
+        for key, value in entries:
             kb = key.encode("utf-8", "replace")
             vb = value.encode("utf-8", "replace")
             if len(kb) > 32767:
@@ -227,7 +326,7 @@ class RemotingCommand:
         if self.serialize_type == SerializeType.JSON:
             header = self.encode_header_json()
         elif self.serialize_type == SerializeType.ROCKETMQ:
-            header = self.encode_header_binary()
+            header = self.encode_header_binary(fast_codes=True)
         else:  # pragma: no cover - enum is closed
             raise ValueError(f"unknown serialize type {self.serialize_type}")
         hlen = len(header)

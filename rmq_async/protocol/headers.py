@@ -24,6 +24,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Self
 
+from .command import ExtFields
 from .errors import ProtocolError
 
 __all__ = [
@@ -107,6 +108,7 @@ def hfield(java: str, kind: FieldKind, *, required: bool = False, default: Any =
 
 _TABLES: dict[type, tuple[HeaderField, ...]] = {}
 _PUT_ORDERS: dict[type, tuple[HeaderField, ...]] = {}
+_LAYOUTS: dict[type, tuple[tuple[str, ...], tuple[str, ...] | None]] = {}
 
 
 def _format(kind: FieldKind, value: Any) -> str:
@@ -144,6 +146,9 @@ class CommandHeader:
     """
 
     JAVA_PUT_ORDER: ClassVar[str] = ""
+    #: For Java ``FastCodesHeader`` classes: the field order of their ``encode(ByteBuf)``,
+    #: which the Netty encoder uses for the ROCKETMQ binary header instead of HashMap order.
+    JAVA_FAST_CODES: ClassVar[str] = ""
 
     @classmethod
     def field_table(cls) -> tuple[HeaderField, ...]:
@@ -172,9 +177,26 @@ class CommandHeader:
             _PUT_ORDERS[cls] = rows
         return rows
 
-    def to_ext_fields(self) -> dict[str, str]:
-        """The header as ``extFields``: Java names, Java ``toString`` values, ``None`` skipped."""
-        out: dict[str, str] = {}
+    @classmethod
+    def _ext_layout(cls) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+        layout = _LAYOUTS.get(cls)
+        if layout is None:
+            own = tuple(n for n in cls.JAVA_PUT_ORDER.split(",") if n)
+            fast = tuple(n for n in cls.JAVA_FAST_CODES.split(",") if n) or None
+            layout = (own, fast)
+            _LAYOUTS[cls] = layout
+        return layout
+
+    def to_ext_fields(self) -> ExtFields:
+        """The header as ``extFields``: Java names, Java ``toString`` values, ``None`` skipped.
+
+        The result is an :class:`~rmq_async.protocol.command.ExtFields`: fields named in
+        ``JAVA_PUT_ORDER`` are the Java header's own; any other (a Java ``addExtField`` beside
+        the header, such as the send response's ``MSG_REGION``) or any key the caller adds
+        later counts as added, which is how Java orders them on the wire.
+        """
+        own, fast = self._ext_layout()
+        out = ExtFields(header_keys=own, fast_codes=fast)
         for row in self._put_order():
             value = getattr(self, row.py_name)
             if value is not None:
@@ -371,6 +393,11 @@ class PullMessageRequestHeader(RequestHeader):
         "requestSource,proxyFrowardClientId,lo,bname,oway,suspendTimeoutMillis,"
         "queueOffset,expressionType,topic,consumerGroup,subVersion,nsd"
     )
+    JAVA_FAST_CODES: ClassVar[str] = (
+        "consumerGroup,topic,queueId,queueOffset,maxMsgNums,sysFlag,commitOffset,"
+        "suspendTimeoutMillis,subscription,subVersion,expressionType,maxMsgBytes,requestSource,"
+        "proxyFrowardClientId,lo,ns,nsd,bname,oway"
+    )
 
     consumer_group: str = hfield("consumerGroup", S, required=True)
     topic: str = hfield("topic", S, required=True)
@@ -395,6 +422,10 @@ class PullMessageResponseHeader(CommandHeader):
     JAVA_PUT_ORDER: ClassVar[str] = (
         "maxOffset,offsetDelta,topicSysFlag,minOffset,groupSysFlag,suggestWhichBrokerId,"
         "nextBeginOffset,forbiddenType"
+    )
+    JAVA_FAST_CODES: ClassVar[str] = (
+        "suggestWhichBrokerId,nextBeginOffset,minOffset,maxOffset,offsetDelta,topicSysFlag,"
+        "groupSysFlag,forbiddenType"
     )
 
     suggest_which_broker_id: int = hfield("suggestWhichBrokerId", I64, required=True)
@@ -450,6 +481,7 @@ class SendMessageRequestHeaderV2(CommandHeader):
     """SEND_MESSAGE_V2 (310) / SEND_BATCH_MESSAGE (320): one-letter Java names ``a`` ... ``n``."""
 
     JAVA_PUT_ORDER: ClassVar[str] = "n,l,m,j,ns,k,h,i,f,g,d,e,b,c,lo,a,bname,oway,nsd"
+    JAVA_FAST_CODES: ClassVar[str] = "a,b,c,d,e,f,g,h,i,j,k,l,m,n"
 
     producer_group: str = hfield("a", S, required=True)
     topic: str = hfield("b", S, required=True)
@@ -473,6 +505,9 @@ class SendMessageResponseHeader(CommandHeader):
 
     JAVA_PUT_ORDER: ClassVar[str] = (
         "msgId,recallHandle,queueOffset,batchUniqId,transactionId,queueId"
+    )
+    JAVA_FAST_CODES: ClassVar[str] = (
+        "msgId,queueId,queueOffset,transactionId,batchUniqId,recallHandle"
     )
 
     msg_id: str = hfield("msgId", S, required=True)
