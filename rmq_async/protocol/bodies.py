@@ -387,7 +387,13 @@ class ConsumerData:
             "consumeType": self.consume_type,
             "groupName": self.group_name,
             "messageModel": self.message_model,
-            "subscriptionDataSet": [s.to_json() for s in self.subscription_data_set],
+            # A HashSet in Java: written in its hash order, not in the order we hold them.
+            "subscriptionDataSet": [
+                s.to_json() for s in java_hash_order(
+                    self.subscription_data_set,
+                    [s.java_hash_code() for s in self.subscription_data_set],
+                )
+            ],
             "unitMode": self.unit_mode,
         }
 

@@ -51,6 +51,21 @@ class SubscriptionData:
         """True when every message of the topic is wanted (``*``, TAG type)."""
         return self.sub_string == SUB_ALL and self.expression_type == EXPRESSION_TAG
 
+    def java_hash_code(self) -> int:
+        """Java ``SubscriptionData.hashCode`` (its sets hash as the sum of their elements).
+
+        Decides where the subscription lands in the ``HashSet`` a Java client sends in its
+        heartbeat, so :class:`~rmq_async.protocol.bodies.ConsumerData` writes the same order.
+        """
+        acc = 31 + (1231 if self.class_filter_mode else 1237)
+        acc = 31 * acc + sum(self.code_set)
+        acc = 31 * acc + java_string_hash(self.sub_string)
+        acc = 31 * acc + sum(java_string_hash(t) for t in self.tags_set)
+        acc = 31 * acc + java_string_hash(self.topic)
+        acc = 31 * acc + java_string_hash(self.expression_type)
+        acc &= 0xFFFFFFFF
+        return acc - (1 << 32) if acc >= (1 << 31) else acc
+
     def to_json(self) -> dict[str, Any]:
         """The fastjson bean as a dict (``fastjson_dumps`` sorts the keys)."""
         return {

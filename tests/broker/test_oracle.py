@@ -14,10 +14,10 @@ run once per direction (no broker process is needed, only the jars and a JDK):
   ``MessageExtEncoder`` (v1 and v2 magic, IPv4/IPv6 hosts, zlib bodies, unicode properties)
   must decode with :func:`decode_messages` to exactly what Java's own client-side decode sees.
 
-Two known differences have tests of their own: a heartbeat whose consumer has several
-subscriptions (Java writes its HashSet in hash order; ``bodies.ConsumerData`` in list order: a
-strict xfail, so a fix shows up), and ACL-signed FastCodesHeader commands in ROCKETMQ
-serialization, where Java writes every header field twice (a quirk we do not copy).
+Two cases have tests of their own: a heartbeat whose consumer has several subscriptions (Java
+writes its HashSet in hash order, which ``bodies.ConsumerData`` reproduces whatever order it is
+given), and ACL-signed FastCodesHeader commands in ROCKETMQ serialization, where Java writes
+every header field twice (a quirk we do not copy).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from rmq_async.protocol.codes import (
     SerializeType,
 )
 from rmq_async.protocol.command import ExtFields, RemotingCommand
-from rmq_async.protocol.filter import SubscriptionData, build_subscription
-from rmq_async.protocol.jsonutil import java_hash_order, java_hashmap_order, java_string_hash
+from rmq_async.protocol.filter import build_subscription
+from rmq_async.protocol.jsonutil import java_hash_order, java_hashmap_order
 from rmq_async.protocol.message import (
     MAGIC_V1,
     MAGIC_V2,
@@ -77,7 +77,7 @@ _JAVA_CLASS: dict[type[h.CommandHeader], str] = {
 }
 
 #: A consumer with several subscriptions: Java writes its HashSet<SubscriptionData> in hash
-#: order, rmq_async's ConsumerData in list order (a known difference; see the xfail test).
+#: order; ConsumerData must write the same order whatever order it holds them in.
 SUBSCRIPTION_SET_CASE = "heartbeat-subscriptions"
 
 ACL = ("oracleAccessKey", "oracleSecretKey-12345")
@@ -131,17 +131,6 @@ def _i32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def subscription_hash_code(sub: SubscriptionData) -> int:
-    """Java ``SubscriptionData.hashCode`` (its sets hash as the sum of their elements)."""
-    acc = 31 + (1231 if sub.class_filter_mode else 1237)
-    acc = 31 * acc + sum(sub.code_set)
-    acc = 31 * acc + java_string_hash(sub.sub_string)
-    acc = 31 * acc + sum(java_string_hash(t) for t in sub.tags_set)
-    acc = 31 * acc + java_string_hash(sub.topic)
-    acc = 31 * acc + java_string_hash(sub.expression_type)
-    return _i32(acc)
-
-
 def _body_bytes(spec: dict[str, Any]) -> bytes:
     kind = spec["kind"]
     if kind == "none":
@@ -159,7 +148,8 @@ def _body_bytes(spec: dict[str, Any]) -> bytes:
                 for s in c["subscriptions"]
             ]
             if spec.get("pythonSubscriptionOrder") == "java-hashset":
-                subs = java_hash_order(subs, [subscription_hash_code(s) for s in subs])
+                # Already in Java's order: ConsumerData must leave it as it is.
+                subs = java_hash_order(subs, [s.java_hash_code() for s in subs])
             consumers.append(ConsumerData(
                 group_name=c["groupName"],
                 consume_type=c["consumeType"],
@@ -573,10 +563,6 @@ def test_java_acl_hook_writes_fast_header_fields_twice(java_frames: dict[str, by
     assert binary_ext_keys(theirs) == fast_part + hashmap_order
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bodies.ConsumerData writes subscriptionDataSet in list order; Java writes its "
-    "HashSet<SubscriptionData> in SubscriptionData.hashCode order (the java-order case passes)"
-))
 def test_heartbeat_subscription_set_in_java_order(java_frames: dict[str, bytes]) -> None:
     cases = [c for c in all_cases() if c.name == SUBSCRIPTION_SET_CASE]
     assert len(cases) == 2
