@@ -203,16 +203,29 @@ class PushConsumer:
     # ------------------------------------------------------------------ pause / resume
 
     def pause(self, topics: Iterable[str] | str | None = None) -> None:
-        """Stop pulling the given topics (all when ``None``) until :meth:`resume`."""
-        self._paused.update(self._topic_set(topics))
+        """Stop pulling the given topics (all when ``None``) until :meth:`resume`.
+
+        Long polls in flight for those topics are abandoned at once, so nothing pulled after
+        this call reaches the listener; batches already handed to the consume side finish.
+        """
+        chosen = self._topic_set(topics)
+        self._paused.update(chosen)
+        self._interrupt_pulls(chosen)
         log.info("consumer.paused", group=self.group, topics=sorted(self._paused))
 
     def resume(self, topics: Iterable[str] | str | None = None) -> None:
-        if topics is None:
-            self._paused.clear()
-        else:
-            self._paused.difference_update(self._topic_set(topics))
+        """Pull the given topics (all when ``None``) again, right away."""
+        chosen = set(self._paused) if topics is None else self._topic_set(topics)
+        self._paused.difference_update(chosen)
+        self._interrupt_pulls(chosen)
         log.info("consumer.resumed", group=self.group, paused=sorted(self._paused))
+
+    def _interrupt_pulls(self, topics: set[str]) -> None:
+        if self.pull_service is None or self.stopping:
+            return
+        for mq in list(self.process_queues):
+            if mq.topic in topics:
+                self.pull_service.interrupt(mq)
 
     def _topic_set(self, topics: Iterable[str] | str | None) -> set[str]:
         if topics is None:
@@ -605,6 +618,16 @@ class PushConsumer:
         return await self._request_handler(cmd, conn)
 
     # ------------------------------------------------------------------ introspection
+
+    def stats_snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per-topic statistics of the subscribed topics (the retry topic included).
+
+        For each topic: ``pullRT`` / ``consumeRT`` (average milliseconds per pull / listener
+        call over the last minute), ``pullTPS`` / ``consumeOKTPS`` / ``consumeFailedTPS``
+        (messages per second over the last minute) and ``consumeFailedMsgs`` (failed messages
+        in the last hour) — the figures ``mqadmin consumerStatus`` shows.
+        """
+        return {topic: self.stats.snapshot(topic) for topic in self.subscribed_topics()}
 
     def running_tasks(self) -> int:
         n = 0
