@@ -1,0 +1,109 @@
+"""Pause/resume, subscription changes after start, and the consumer's statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import pytest
+
+from rmq_async import ConsumeResult, MessageExt, PushConsumer
+from rmq_async.consumer.admin import build_running_info
+from rmq_async.devbroker import LocalRocketMQ
+from tests.helpers import produce, simple_messages, unique, wait_until
+
+pytestmark = pytest.mark.broker
+
+
+def _queues(consumer: PushConsumer, topic: str) -> int:
+    return sum(1 for mq in consumer.process_queues if mq.topic == topic)
+
+
+async def test_paused_topic_gets_nothing_until_resumed(rocketmq: LocalRocketMQ) -> None:
+    ns = rocketmq.namesrv_addr
+    paused, other = unique("T_paused"), unique("T_running")
+    await rocketmq.create_topic(paused, queues=4)
+    await rocketmq.create_topic(other, queues=4)
+    got: dict[str, collections.Counter[tuple[int, int]]] = {
+        paused: collections.Counter(), other: collections.Counter()}
+    consumer = PushConsumer(unique("G_pause"), namesrv=ns,
+                            consume_from_where="CONSUME_FROM_FIRST_OFFSET")
+
+    async def on(msgs: list[MessageExt]) -> ConsumeResult:
+        for m in msgs:
+            got[m.topic][(m.queue_id, m.queue_offset)] += 1
+        return ConsumeResult.SUCCESS
+
+    consumer.subscribe(paused, listener=on)
+    consumer.subscribe(other, listener=on)
+    async with consumer:
+        await produce(ns, paused, simple_messages(paused, 100), batch=10)
+        await wait_until(lambda: len(got[paused]) == 100, 30, what="first 100")
+        # Every queue of the paused topic now waits in a long poll that the next message
+        # would answer: pausing must give those up.
+        consumer.pause(paused)
+        assert consumer.is_paused(paused) and not consumer.is_paused(other)
+        sent_paused = await produce(ns, paused, simple_messages(paused, 500), batch=10)
+        sent_other = await produce(ns, other, simple_messages(other, 500), batch=10)
+        await wait_until(lambda: len(got[other]) == 500, 30, what="the running topic")
+        await asyncio.sleep(2.0)  # longer than the pause check interval: still nothing
+        assert len(got[paused]) == 100, "a paused topic received messages"
+        assert _queues(consumer, paused) == 4  # paused, not given up
+        resumed = time.monotonic()
+        consumer.resume(paused)
+        await wait_until(lambda: len(got[paused]) == 600, 30, what="everything after resume")
+        latency = time.monotonic() - resumed
+    assert set(sent_paused) <= set(got[paused]) and set(sent_other) == set(got[other])
+    assert set(got[paused].values()) == {1}
+    print(f"\npause: 500 messages held while paused, delivered {latency:.2f} s after resume")
+    assert latency < 5.0
+
+
+async def test_subscribe_and_unsubscribe_after_start_with_stats(rocketmq: LocalRocketMQ) -> None:
+    ns = rocketmq.namesrv_addr
+    first, later = unique("T_first"), unique("T_later")
+    await rocketmq.create_topic(first, queues=2)
+    await rocketmq.create_topic(later, queues=4)
+    seen: collections.Counter[str] = collections.Counter()
+    failed_once: set[bytes] = set()
+    # Rebalance every 60 s: only the immediate rebalance of (un)subscribe can be this quick.
+    consumer = PushConsumer(unique("G_resub"), namesrv=ns, rebalance_interval=60.0,
+                            consume_from_where="CONSUME_FROM_FIRST_OFFSET")
+    consumer.subscribe(first, listener=lambda msgs: ConsumeResult.SUCCESS)
+
+    async def on_later(msgs: list[MessageExt]) -> ConsumeResult:
+        for m in msgs:
+            # Five messages fail on their first delivery (retried through %RETRY%).
+            if int(m.body[1:11]) < 5 and m.body not in failed_once:
+                failed_once.add(m.body)
+                return ConsumeResult.RECONSUME_LATER
+            seen[m.topic] += 1
+        return ConsumeResult.SUCCESS
+
+    async with consumer:
+        await wait_until(lambda: _queues(consumer, first) == 2, 20, what="first topic")
+        started = time.monotonic()
+        consumer.subscribe(later, listener=on_later)
+        await wait_until(lambda: _queues(consumer, later) == 4, 10, what="queues of a new topic")
+        took = time.monotonic() - started
+        await produce(ns, later, simple_messages(later, 200, size=32), batch=10)
+        await wait_until(lambda: seen[later] == 200, 30, what="200 messages of the new topic")
+        assert len(failed_once) == 5
+
+        stats = consumer.stats_snapshot()
+        assert set(stats) == {first, later, consumer.retry_topic}
+        s = stats[later]
+        assert s["consumeFailedMsgs"] == 5
+        assert s["pullTPS"] > 0 and s["consumeOKTPS"] > 0 and s["pullRT"] >= 0
+        assert stats[first]["consumeOKTPS"] == 0
+        info = build_running_info(consumer)
+        assert info.status_table[later].consume_failed_msgs == 5
+
+        consumer.unsubscribe(later)
+        await wait_until(lambda: _queues(consumer, later) == 0, 10, what="queues given up")
+        await produce(ns, later, simple_messages(later, 50, prefix="x"), batch=10)
+        await asyncio.sleep(1.5)
+        assert seen[later] == 200, "an unsubscribed topic still delivered"
+        assert later not in consumer.stats_snapshot()
+    print(f"\nsubscribe after start: queues assigned {took:.2f} s after subscribe()")
