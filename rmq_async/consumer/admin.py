@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from rmq_async.client.errors import MQClientError, NoPermissionError
 from rmq_async.consumer.consume import reset_retry_topic
 from rmq_async.consumer.results import ConsumeContext, direct_consume_result
 from rmq_async.protocol.bodies import (
@@ -59,6 +60,7 @@ from rmq_async.protocol.headers import (
 from rmq_async.protocol.message import decode_message
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageQueue
 from rmq_async.remoting.connection import Connection, unsupported_response
+from rmq_async.remoting.errors import RemotingError
 
 if TYPE_CHECKING:
     from rmq_async.consumer.process_queue import ProcessQueue
@@ -77,6 +79,7 @@ __all__ = [
     "BrokerRequestHandler",
     "build_running_info",
     "process_queue_info",
+    "raise_if_refused",
 ]
 
 # Property names of ConsumerRunningInfo that the admin tools read.
@@ -221,6 +224,33 @@ def _stack_dump() -> str:
         if out.tell() > MAX_STACK_DUMP:
             break
     return out.getvalue()[:MAX_STACK_DUMP]
+
+
+async def raise_if_refused(consumer: PushConsumer, heartbeats: dict[str, bool]) -> None:
+    """After the first heartbeats of ``start()``: fail if a broker refuses this client.
+
+    A broker that could not be reached is left to the periodic heartbeat (it may come back),
+    but one that answers NO_PERMISSION (ACL: unknown access key, wrong secret, no credentials,
+    or no right to the group) would refuse every later request as well, so ``start()`` raises
+    :class:`NoPermissionError` at once instead of retrying forever.
+    """
+    c = consumer
+    for addr, ok in heartbeats.items():
+        if ok:
+            continue
+        try:
+            await c.instance.api.heartbeat(addr, c.heartbeat_data())
+        except NoPermissionError as exc:
+            who = (f"access key {c.options.credentials.access_key!r}"
+                   if c.options.credentials is not None else "no credentials")
+            raise NoPermissionError(
+                exc.code,
+                f"{exc.remark} (consumer group {c.group!r}, {who}; check the credentials "
+                "option and the account's rights on the broker)",
+                addr=addr, request="HEART_BEAT",
+            ) from exc
+        except (MQClientError, RemotingError):
+            continue
 
 
 class BrokerRequestHandler:
