@@ -15,7 +15,7 @@ import structlog
 
 from rmq_async.client.errors import MQBrokerError, MQClientError, NoRouteError
 from rmq_async.client.instance import ClientInstance
-from rmq_async.consumer.admin import BrokerRequestHandler
+from rmq_async.consumer.admin import BrokerRequestHandler, raise_if_refused
 from rmq_async.consumer.consume import ConcurrentConsumeService, ListenerAdapter
 from rmq_async.consumer.offset_store import (
     OFFSET_NOT_FOUND,
@@ -283,7 +283,7 @@ class PushConsumer:
                         # heartbeat; the rebalancer picks its route up later.
                         if topic != self.retry_topic:
                             raise
-                await self.instance.send_heartbeats()
+                await raise_if_refused(self, await self.instance.send_heartbeats())
                 for sub in self._subs.values():
                     if sub.sink is not None:
                         await sub.sink.start(self._owner)
