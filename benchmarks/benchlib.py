@@ -1,0 +1,154 @@
+"""What every benchmark child process shares: the line protocol, counting, and its own costs.
+
+Standard library only: the child of the ``rocketmq`` (PyPI) contender imports this module from
+an interpreter that may not have rmq_async installed.
+
+Line protocol on standard output (the runner reads it):
+
+* ``READY`` once the consumer receives messages (latency runs: once a probe, a message tagged
+  :data:`PROBE_TAG`, has arrived from every queue; the runner repeats probes until then);
+* ``PROGRESS <count>`` a few times a second;
+* ``RESULT <json>`` once, at the end (see :meth:`Tally.result`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PROBE_TAG = "probe"
+"""Tag of the messages sent to every queue, until the consumer has seen one from each, to learn
+that it is live before a latency run starts. Probes are not counted."""
+
+WARMUP_TAG = "warmup"
+"""Tag of the messages sent at the measured rate before a latency run's measured messages, so
+that every contender (a JVM most of all) is warm when measuring starts. Not counted either."""
+
+UNCOUNTED_TAGS = frozenset({PROBE_TAG, WARMUP_TAG})
+
+PROGRESS_INTERVAL = 0.25
+
+
+def emit(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def cpu_times() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process, all threads."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime, ru.ru_stime
+
+
+def peak_rss_kib() -> int:
+    """Peak resident set size of this process (``VmHWM``), KiB."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float] | None:
+    """Nearest-rank percentiles (p50, p90, p99, p99.9), max and mean; None when empty."""
+    n = len(values)
+    if n == 0:
+        return None
+    v = sorted(values)
+
+    def rank(q: float) -> float:
+        i = math.ceil(q * n) - 1
+        return v[max(0, min(n - 1, i))]
+
+    return {"n": n, "p50": rank(0.50), "p90": rank(0.90), "p99": rank(0.99),
+            "p999": rank(0.999), "max": v[-1], "mean": round(sum(v) / n, 3)}
+
+
+@dataclass
+class Tally:
+    """Counts what a listener saw and flags duplicates with one bit per (queue, offset).
+
+    ``expected`` bounds the offsets of a freshly preloaded topic, so a bitmap of
+    ``expected`` bits per queue holds every offset; an offset past it cannot be ours and is
+    counted as a duplicate too (the run then fails verification).
+    """
+
+    expected: int
+    latency: bool = False
+    consumed: int = 0
+    duplicates: int = 0
+    body_bytes: int = 0
+    listener_calls: int = 0
+    probe_queues: set[int] = field(default_factory=set)
+    first_at: float = 0.0
+    end_at: float = 0.0
+    b2c: list[int] = field(default_factory=list)
+    s2c: list[int] = field(default_factory=list)
+    _maps: dict[int, bytearray] = field(default_factory=dict)
+
+    def mark(self, queue_id: int, offset: int) -> None:
+        bitmap = self._maps.get(queue_id)
+        if bitmap is None:
+            bitmap = self._maps[queue_id] = bytearray(self.expected // 8 + 1)
+        word = offset >> 3
+        if word >= len(bitmap):
+            self.duplicates += 1
+            return
+        bit = 1 << (offset & 7)
+        if bitmap[word] & bit:
+            self.duplicates += 1
+        else:
+            bitmap[word] |= bit
+
+    def add(self, n: int, now: float) -> bool:
+        """Count ``n`` messages of one listener call; True when the expected count is reached."""
+        before = self.consumed
+        self.consumed = before + n
+        self.listener_calls += 1
+        if before == 0:
+            self.first_at = now
+        if before < self.expected <= self.consumed:
+            self.end_at = now
+            return True
+        return False
+
+    def result(self, *, ok: bool, reason: str, started_at: float, ready_at: float,
+               cpu_start: tuple[float, float], cpu_end: tuple[float, float],
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        total = cpu_times()
+        end = self.end_at if ok and self.end_at else time.perf_counter()
+        out: dict[str, Any] = {
+            "ok": ok,
+            "reason": reason,
+            "consumed": self.consumed,
+            "duplicates": self.duplicates,
+            "body_bytes": self.body_bytes,
+            "listener_calls": self.listener_calls,
+            "seconds": round(end - started_at, 6),
+            "first_message_seconds": round(self.first_at - started_at, 6) if self.first_at else -1,
+            "ready_seconds": round(ready_at - started_at, 6) if ready_at else -1,
+            "cpu_user": round(cpu_end[0] - cpu_start[0], 3),
+            "cpu_sys": round(cpu_end[1] - cpu_start[1], 3),
+            "cpu_user_total": round(total[0], 3),
+            "cpu_sys_total": round(total[1], 3),
+            "peak_rss_kib": peak_rss_kib(),
+            "runtime": f"Python {sys.version.split()[0]}",
+            "latency_b2c_ms": percentiles(self.b2c) if self.latency else None,
+            "latency_s2c_ms": percentiles(self.s2c) if self.latency else None,
+        }
+        if extra:
+            out.update(extra)
+        return out
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    emit("RESULT " + json.dumps(result, separators=(",", ":")))

@@ -1,0 +1,419 @@
+"""One measured Python contender, run by ``benchmarks/run.py`` in a process of its own.
+
+``python benchmarks/child.py '<json spec>'`` where the spec's ``kind`` is one of
+
+* ``push``: an rmq_async :class:`~rmq_async.PushConsumer` with a no-op async listener (it only
+  counts, marks each (queue, offset) to detect duplicates and, for latency runs, records the
+  born-to-listener and store-to-listener times);
+* ``raw``: a bare loop of PULL_MESSAGE calls, one in flight per queue, with or without decoding
+  the stored messages: no rebalance, no process queue, no listener;
+* ``spark``: the Spark sink into Parquet, and plain Spark writing the same rows from in-memory
+  Arrow tables.
+
+It speaks the line protocol of :mod:`benchlib` on standard output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import structlog
+from benchlib import (
+    PROBE_TAG,
+    PROGRESS_INTERVAL,
+    UNCOUNTED_TAGS,
+    Tally,
+    cpu_times,
+    emit,
+    emit_result,
+)
+
+from rmq_async import ConsumeResult, MessageExt, PushConsumer
+from rmq_async.client.api import PullStatus
+from rmq_async.client.instance import ClientInstance
+from rmq_async.protocol.types import MessageQueue
+
+
+def quiet_logging() -> None:
+    """Warnings and errors only: a benchmark run logs nothing per message."""
+    import logging
+
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+class Watch:
+    """Waits for a tally to complete, prints progress, gives up after a stall."""
+
+    def __init__(self, tally: Tally, queues: int, stall_timeout: float) -> None:
+        self.tally = tally
+        self.queues = queues
+        self.stall_timeout = stall_timeout
+        self.done = asyncio.Event()
+        self.ready_at = 0.0
+        self.reason = ""
+
+    def check_ready(self) -> None:
+        if self.ready_at:
+            return
+        live = len(self.tally.probe_queues) >= self.queues if self.tally.latency else self.tally.consumed > 0
+        if live:
+            self.ready_at = time.perf_counter()
+            emit("READY")
+
+    async def wait(self) -> bool:
+        last = -1
+        last_change = time.perf_counter()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.done.wait(), PROGRESS_INTERVAL)
+            if self.done.is_set():
+                emit(f"PROGRESS {self.tally.consumed}")
+                return True
+            now = time.perf_counter()
+            self.check_ready()
+            if self.tally.consumed != last:
+                last = self.tally.consumed
+                last_change = now
+            elif now - last_change > self.stall_timeout:
+                self.reason = (f"no progress for {self.stall_timeout} s at {last} of "
+                               f"{self.tally.expected}")
+                return False
+            emit(f"PROGRESS {self.tally.consumed}")
+
+
+# ---------------------------------------------------------------------- push consumer
+
+
+async def run_push(spec: dict[str, Any]) -> dict[str, Any]:
+    tally = Tally(int(spec["expected"]), latency=bool(spec.get("latency")))
+    watch = Watch(tally, int(spec["queues"]), float(spec["stall_timeout"]))
+    consumer = PushConsumer(
+        spec["group"], spec["namesrv"], consume_from_where="CONSUME_FROM_FIRST_OFFSET",
+        instance_name=f"bench-{os.getpid()}", **spec.get("options", {}),
+    )
+    latency = tally.latency
+
+    async def on_messages(msgs: list[MessageExt]) -> ConsumeResult:
+        now = time.perf_counter()
+        wall_ms = int(time.time() * 1000) if latency else 0
+        n = 0
+        size = 0
+        for m in msgs:
+            if latency:
+                tag = m.properties.get("TAGS")
+                if tag in UNCOUNTED_TAGS:
+                    if tag == PROBE_TAG:
+                        tally.probe_queues.add(m.queue_id)
+                    continue
+            n += 1
+            size += len(m.body)
+            tally.mark(m.queue_id, m.queue_offset)
+            if latency:
+                tally.b2c.append(wall_ms - m.born_timestamp)
+                tally.s2c.append(wall_ms - m.store_timestamp)
+        tally.body_bytes += size
+        if n and tally.add(n, now):
+            watch.done.set()
+        elif not n:
+            tally.listener_calls += 1
+        return ConsumeResult.SUCCESS
+
+    consumer.subscribe(spec["topic"], listener=on_messages)
+    cpu0 = cpu_times()
+    t0 = time.perf_counter()
+    await consumer.start()
+    try:
+        ok = await watch.wait()
+        cpu1 = cpu_times()
+        # Late duplicates (a redelivery) would show up right after the last message.
+        await asyncio.sleep(0.3)
+    finally:
+        with contextlib.suppress(Exception):
+            await consumer.stop(timeout=5.0)
+    return tally.result(ok=ok, reason=watch.reason, started_at=t0, ready_at=watch.ready_at,
+                        cpu_start=cpu0, cpu_end=cpu1)
+
+
+# ---------------------------------------------------------------------- raw pull loop
+
+
+async def run_raw(spec: dict[str, Any]) -> dict[str, Any]:
+    tally = Tally(int(spec["expected"]))
+    decode = bool(spec.get("decode"))
+    batch = int(spec.get("pull_batch_size", 32))
+    instance = ClientInstance(spec["namesrv"], f"127.0.0.1@bench-raw-{os.getpid()}")
+    topic = spec["topic"]
+    group = spec["group"]
+    cpu0 = cpu_times()
+    t0 = time.perf_counter()
+    try:
+        await instance.update_route(topic)
+        queues: list[MessageQueue] = sorted(await instance.subscribe_queues(topic))
+        addrs = {mq: await instance.find_broker_master(mq.broker_name, topic) for mq in queues}
+
+        async def drain(mq: MessageQueue) -> None:
+            offset = 0
+            api = instance.api
+            addr = addrs[mq]
+            while True:
+                r = await api.pull_message(addr, group=group, mq=mq, queue_offset=offset,
+                                           max_msg_nums=batch, suspend_timeout=0.0,
+                                           timeout=10.0, subscription="*")
+                if r.status is PullStatus.FOUND:
+                    if decode:
+                        msgs = r.decode()
+                        n = len(msgs)
+                    else:
+                        n = r.next_begin_offset - offset
+                    tally.body_bytes += len(r.body)
+                    tally.add(n, time.perf_counter())
+                elif r.status is not PullStatus.NO_MATCHED_MSG:
+                    return
+                offset = r.next_begin_offset
+
+        async def progress() -> None:
+            while True:
+                await asyncio.sleep(PROGRESS_INTERVAL)
+                emit(f"PROGRESS {tally.consumed}")
+
+        reporter = asyncio.create_task(progress())
+        try:
+            await asyncio.gather(*(drain(mq) for mq in queues))
+        finally:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
+        cpu1 = cpu_times()
+    finally:
+        await instance.close()
+    emit(f"PROGRESS {tally.consumed}")
+    ok = tally.consumed == tally.expected
+    reason = "" if ok else f"pulled {tally.consumed} of {tally.expected}"
+    if not tally.end_at:
+        tally.end_at = time.perf_counter()
+    return tally.result(ok=ok, reason=reason, started_at=t0, ready_at=0.0, cpu_start=cpu0,
+                        cpu_end=cpu1, extra={"decode": decode,
+                                             "body_bytes_note": "wire bytes (stored records)"})
+
+
+# ---------------------------------------------------------------------- spark sink
+
+
+def _spark_session(app: str) -> Any:
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName(app)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        .config("spark.driver.memory", "2g")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    return session
+
+
+async def _sink_run(spark: Any, spec: dict[str, Any], path: Path) -> dict[str, Any]:
+    from rmq_async.sinks.spark import SparkSink, parquet_writer
+
+    expected = int(spec["expected"])
+    batch_rows = int(spec["batch_rows"])
+    sink = SparkSink(spark, parquet_writer(str(path)), batch_rows=batch_rows,
+                     max_batch_latency=float(spec.get("max_batch_latency", 5.0)))
+    queues = int(spec["queues"])
+    consumer = PushConsumer(
+        f"{spec['group']}_sink_{uuid.uuid4().hex[:6]}", spec["namesrv"],
+        consume_from_where="CONSUME_FROM_FIRST_OFFSET", instance_name=f"bench-sink-{os.getpid()}",
+        # Room for one batch being written while the next fills (see SparkSink's docstring):
+        # the cached-count and the offset-span limits per queue must both allow it.
+        pull_threshold_for_queue=max(1000, 2 * batch_rows // queues + 64),
+        consume_concurrently_max_span=max(2000, 2 * batch_rows // queues + 64),
+    )
+    consumer.subscribe(spec["topic"], sink=sink)
+    t0 = time.perf_counter()
+    await consumer.start()
+    ok = True
+    reason = ""
+    last, last_change = -1, time.perf_counter()
+    try:
+        while True:
+            stats = sink.statistics()
+            if stats.rows_written >= expected:
+                break
+            now = time.perf_counter()
+            if stats.rows_written != last:
+                last, last_change = stats.rows_written, now
+            elif now - last_change > float(spec["stall_timeout"]):
+                ok, reason = False, f"sink stalled at {last} of {expected} rows"
+                break
+            emit(f"PROGRESS {stats.rows_written}")
+            await asyncio.sleep(PROGRESS_INTERVAL)
+        seconds = time.perf_counter() - t0
+    finally:
+        with contextlib.suppress(Exception):
+            await consumer.stop(timeout=30.0)
+    stats = sink.statistics()
+    return {"ok": ok, "reason": reason, "rows": stats.rows_written, "seconds": round(seconds, 3),
+            "batches": stats.batches_written, "write_seconds": round(stats.write_seconds, 3),
+            "rows_per_s": round(stats.rows_written / seconds, 1) if seconds > 0 else 0.0}
+
+
+async def _pull_batches(spec: dict[str, Any], batch_rows: int) -> list[list[MessageExt]]:
+    """Every message of the topic (raw pulls, untimed), cut into batches of ``batch_rows``."""
+    instance = ClientInstance(spec["namesrv"], f"127.0.0.1@bench-arrow-{os.getpid()}")
+    topic = spec["topic"]
+
+    async def drain(mq: MessageQueue) -> list[MessageExt]:
+        addr = await instance.find_broker_master(mq.broker_name, topic)
+        got: list[MessageExt] = []
+        offset = 0
+        while True:
+            r = await instance.api.pull_message(
+                addr, group=spec["group"] + "_arrow", mq=mq, queue_offset=offset,
+                max_msg_nums=32, suspend_timeout=0.0, timeout=10.0, subscription="*")
+            if r.status is not PullStatus.FOUND:
+                return got
+            msgs = r.decode()
+            for m in msgs:
+                m.broker_name = mq.broker_name
+            got.extend(msgs)
+            offset = r.next_begin_offset
+
+    try:
+        await instance.update_route(topic)
+        queues = sorted(await instance.subscribe_queues(topic))
+        per_queue = await asyncio.gather(*(drain(mq) for mq in queues))
+    finally:
+        await instance.close()
+    out = [m for msgs in per_queue for m in msgs]
+    return [out[i:i + batch_rows] for i in range(0, len(out), batch_rows)]
+
+
+def _verify_parquet(spark: Any, path: Path, expected: int) -> tuple[bool, str]:
+    df = spark.read.parquet(str(path))
+    rows = df.count()
+    distinct = df.select("queue_id", "queue_offset").distinct().count()
+    if rows == expected and distinct == expected:
+        return True, ""
+    return False, f"parquet holds {rows} rows, {distinct} distinct of {expected}"
+
+
+def _write_parquet(spark: Any, table: Any, path: Path) -> None:
+    spark.createDataFrame(table).write.mode("append").parquet(str(path))
+
+
+async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
+    from rmq_async.sinks.spark import messages_to_arrow
+
+    out_dir = Path(spec["work_dir"])
+    await asyncio.to_thread(out_dir.mkdir, parents=True, exist_ok=True)
+    expected = int(spec["expected"])
+    batch_rows = int(spec["batch_rows"])
+    t_start = time.perf_counter()
+    spark = await asyncio.to_thread(_spark_session, "rmq_async-bench")
+    session_seconds = time.perf_counter() - t_start
+    runs: list[dict[str, Any]] = []
+    try:
+        # The in-memory Arrow tables of the baseline: the same rows, built before timing.
+        batches = await _pull_batches(spec, batch_rows)
+        t = time.perf_counter()
+        tables = [messages_to_arrow(b) for b in batches]
+        arrow_seconds = time.perf_counter() - t
+        pulled = sum(t.num_rows for t in tables)
+        del batches
+        # Warm the JVM (first writes are several times slower) on a slice of the data.
+        warm = tables[0].slice(0, min(10_000, tables[0].num_rows))
+        await asyncio.to_thread(
+            lambda: spark.createDataFrame(warm).write.mode("overwrite").parquet(
+                str(out_dir / "warmup")))
+        for rnd in range(int(spec.get("rounds", 1))):
+            path = out_dir / f"sink-{rnd}"
+            emit(f"PHASE sink round {rnd + 1}")
+            sink_run = await _sink_run(spark, spec, path)
+            ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
+            if sink_run["ok"] and not ok:
+                sink_run.update(ok=False, reason=reason)
+            runs.append({"contender": "spark-sink", "round": rnd + 1, **sink_run})
+            shutil.rmtree(path, ignore_errors=True)
+
+            emit(f"PHASE plain spark round {rnd + 1}")
+            path = out_dir / f"plain-{rnd}"
+            t = time.perf_counter()
+            done_rows = 0
+            for table in tables:
+                await asyncio.to_thread(_write_parquet, spark, table, path)
+                done_rows += table.num_rows
+                emit(f"PROGRESS {done_rows}")
+            seconds = time.perf_counter() - t
+            ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
+            if pulled != expected:
+                ok, reason = False, f"pulled {pulled} rows for the baseline, not {expected}"
+            runs.append({"contender": "plain-spark-arrow", "round": rnd + 1, "ok": ok,
+                         "reason": reason, "rows": done_rows, "seconds": round(seconds, 3),
+                         "batches": len(tables),
+                         "rows_per_s": round(done_rows / seconds, 1) if seconds > 0 else 0.0})
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        await asyncio.to_thread(spark.stop)
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return {"ok": all(r["ok"] for r in runs), "runs": runs,
+            "arrow_build_seconds": round(arrow_seconds, 3),
+            "arrow_rows_per_s": round(pulled / arrow_seconds, 1) if arrow_seconds > 0 else 0.0,
+            "spark_session_seconds": round(session_seconds, 3), "batch_rows": batch_rows}
+
+
+# ---------------------------------------------------------------------- entry point
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    quiet_logging()
+    kind = spec["kind"]
+    runners = {"push": run_push, "raw": run_raw, "spark": run_spark}
+    if kind not in runners:
+        raise SystemExit(f"unknown contender kind {kind!r}")
+    profile_path = spec.get("profile")
+    profiler = None
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    coro = runners[kind](spec)
+    result: dict[str, Any] | None = None
+    if spec.get("uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            result = uvloop.run(coro)
+            result["event_loop"] = f"uvloop {version('uvloop')}"
+    if result is None:
+        result = asyncio.run(coro)
+        result["event_loop"] = "asyncio"
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile_path)
+        result["profile"] = profile_path
+    emit_result(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Smoke test of the benchmark harness: ``benchmarks/run.py --quick`` end to end.
+
+It checks that the run completes and that its outputs exist and are well formed (every run
+verified, figures present and consistent, the markdown tables regular, the PNG decodable); it
+does not judge speeds.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RUNNER = REPO / "benchmarks" / "run.py"
+DRAINS = ("drain-1KiB", "drain-100B", "drain-16KiB")
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk, after checking signature and chunk CRCs."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
+    pos = 8
+    size: tuple[int, int] | None = None
+    seen_end = False
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind = data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert zlib.crc32(kind + body) == crc, f"bad CRC in chunk {kind!r}"
+        if kind == b"IHDR":
+            size = struct.unpack(">II", body[:8])
+        if kind == b"IEND":
+            seen_end = True
+            break
+        pos += 12 + length
+    assert size is not None, "no IHDR chunk"
+    assert seen_end, "no IEND chunk"
+    return size
+
+
+def _tables(markdown: str) -> list[list[list[str]]]:
+    """Every markdown table as rows of cells."""
+    tables: list[list[list[str]]] = []
+    current: list[list[str]] = []
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            current.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif current:
+            tables.append(current)
+            current = []
+    if current:
+        tables.append(current)
+    return tables
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_bench_quick_writes_wellformed_outputs(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), "--quick", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
+    # The progress display names the contenders as they run.
+    assert "java-tuned" in proc.stderr and "rmq_async-tuned" in proc.stderr
+
+    data: dict[str, Any] = json.loads((out / "results.json").read_text())
+    env = data["env"]
+    for key in ("cpu_model", "cpu_count", "python", "java", "rocketmq_version",
+                "rmq_async_version"):
+        assert env[key], key
+    assert data["config"]["mode"] == "quick"
+
+    scenarios = data["scenarios"]
+    for name in (*DRAINS, "latency"):
+        sc = scenarios[name]
+        assert sc["runs"], name
+        names = {r["contender"] for r in sc["runs"]}
+        assert any(n.startswith("rmq_async") for n in names), name
+        assert any(n.startswith("java") for n in names), name
+        for run in sc["runs"]:
+            where = f"{name}/{run['contender']}/{run['round']}"
+            assert run["verified"], f"{where}: {run['reason']}"
+            assert run["consumed"] == sc["messages"], where
+            assert run["duplicates"] == 0, where
+            assert run["msgs_per_s"] > 0, where
+            assert run["cpu_s_per_million"] > 0, where
+            assert run["peak_rss_mib"] > 0, where
+            assert 0 <= run["first_message_seconds"] <= run["seconds"], where
+    preload = scenarios["drain-1KiB"]["preload"]
+    assert sum(preload["per_queue"]) == preload["messages"] == scenarios["drain-1KiB"]["messages"]
+    raw = {r["contender"] for r in scenarios["drain-1KiB"]["runs"]}
+    assert {"raw-pull", "raw-pull-decode", "rmq_async", "java"} <= raw
+
+    for run in scenarios["latency"]["runs"]:
+        for metric in ("latency_b2c_ms", "latency_s2c_ms"):
+            lat = run[metric]
+            assert lat["n"] == scenarios["latency"]["messages"]
+            assert lat["p50"] <= lat["p99"] <= lat["max"]
+        assert run["producer"]["messages"] == scenarios["latency"]["messages"]
+
+    summary = data["summary"]["drain-1KiB"]
+    assert summary["rmq_async"]["java_peer"] == "java"
+    assert summary["rmq_async"]["vs_java"]["msgs_per_s"] > 0
+    assert summary["java"]["vs_java"] is None  # Java is the reference, not compared
+
+    spark = scenarios["spark"]
+    if "skipped" not in spark:
+        assert {r["contender"] for r in spark["runs"]} == {"spark-sink", "plain-spark-arrow"}
+        assert all(r["ok"] and r["rows"] == spark["messages"] for r in spark["runs"])
+        assert data["summary"]["spark"]["sink_over_plain"] > 0
+
+    md = (out / "summary.md").read_text()
+    tables = _tables(md)
+    assert len(tables) >= len(DRAINS) + 1
+    for table in tables:
+        assert len(table) >= 3, table  # header, rule, at least one row
+        assert all(len(row) == len(table[0]) for row in table), table
+        assert all(set(cell) <= set("-: ") for cell in table[1]), table[1]
+    assert "rmq_async (tuned)" in md and "Java DefaultMQPushConsumer (tuned)" in md
+    assert "not verified" not in md
+
+    width, height = _png_size((out / "chart.png").read_bytes())
+    assert width > 300 and height > 300
