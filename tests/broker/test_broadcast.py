@@ -199,3 +199,17 @@ async def test_kill_9_leaves_an_offsets_file_that_loads(
         await c.stop()
     assert all(off >= offsets[MessageQueue(topic, "broker-a", qid)] for qid, off in seen)
     assert len(seen) == len(placed) - consumed_before
+
+
+async def test_broadcast_example_runs(rocketmq: LocalRocketMQ) -> None:
+    topic = unique("T_bc_example")
+    await rocketmq.create_topic(topic, queues=4)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(REPO / "examples" / "broadcast.py"), "--namesrv",
+        rocketmq.namesrv_addr, "--topic", topic, "--group", unique("G_bc_example"),
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 90)
+    text = out.decode()
+    assert proc.returncode == 0, text[-3000:]
+    assert "both nodes applied all 4 changes: True" in text
+    assert "restarted node-1 applied 1 change(s)" in text

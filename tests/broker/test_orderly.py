@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,8 @@ from rmq_async.protocol.types import MessageQueue
 from tests.helpers import AdminClient, unique, wait_until
 
 pytestmark = pytest.mark.broker
+
+REPO = Path(__file__).resolve().parents[2]
 
 KEYS = 200
 PER_KEY = 100
@@ -236,3 +240,18 @@ async def test_suspend_retries_in_place_then_dlq(rocketmq: LocalRocketMQ) -> Non
         committed = await admin.committed_offsets(group, topic)
     assert [m.body for m in dlq] == [b"6"]
     assert list(committed.values()) == [10]
+
+
+async def test_orderly_example_runs(rocketmq: LocalRocketMQ) -> None:
+    repo = REPO
+    topic = unique("T_ord_example")
+    await rocketmq.create_topic(topic, queues=4, order=True)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(repo / "examples" / "orderly.py"), "--namesrv", rocketmq.namesrv_addr,
+        "--topic", topic, "--group", unique("G_ord_example"), "--orders", "12", "--seconds", "60",
+        cwd=repo, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 90)
+    text = out.decode()
+    assert proc.returncode == 0, text[-3000:]
+    assert "12 of 12 orders went through all steps in order" in text
+    assert "suspending the queue" in text
