@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from rmq_async import ConsumeResult, Message, MessageExt, Producer, PushConsumer
+from rmq_async.consumer.admin import build_running_info
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.protocol.filter import java_string_hash
 from rmq_async.protocol.types import MessageQueue
@@ -227,6 +228,12 @@ async def test_suspend_retries_in_place_then_dlq(rocketmq: LocalRocketMQ) -> Non
         await producer.send_batch([Message(topic, str(i).encode()) for i in range(10)], queue=mq)
     async with consumer:
         await wait_until(lambda: any(n == 9 for n, _, _ in calls), 30, what="message 9")
+        # Running info as the admin tools see it: an orderly consumer, every queue locked
+        # (its retry queue included).
+        info = build_running_info(consumer)
+        assert info.properties["PROP_CONSUMEORDERLY"] == "true"
+        assert {mq.topic for mq in info.mq_table} == {topic, consumer.retry_topic}
+        assert all(pq.locked for pq in info.mq_table.values())
     order = [n for n, _, _ in calls]
     # 3 is suspended twice and retried in place; nothing after it runs meanwhile.
     assert order[:6] == [0, 1, 2, 3, 3, 3], order
