@@ -197,6 +197,10 @@ class PushConsumer:
         return sub.listener if sub else None
 
     def is_orderly(self, topic: str) -> bool:
+        if topic == self.retry_topic:
+            # As in Java, where orderliness belongs to the consumer: a consumer whose
+            # subscriptions are all orderly also locks and consumes its retry queue in order.
+            return bool(self._subs) and all(s.orderly for s in self._subs.values())
         sub = self._subs.get(topic)
         return bool(sub and sub.orderly)
 
