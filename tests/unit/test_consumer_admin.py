@@ -1,0 +1,133 @@
+"""Broker-initiated requests answered by a (not started) consumer, without a broker."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rmq_async import ConsumeResult, MessageExt, PushConsumer
+from rmq_async.consumer.admin import BrokerRequestHandler, build_running_info
+from rmq_async.protocol.codes import RequestCode, ResponseCode
+from rmq_async.protocol.command import RemotingCommand
+from rmq_async.protocol.filter import build_subscription
+from rmq_async.protocol.headers import (
+    ConsumeMessageDirectlyResultRequestHeader,
+    GetConsumerRunningInfoRequestHeader,
+)
+from rmq_async.protocol.message import encode_stored_message
+from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, PROPERTY_UNIQ_KEY
+from rmq_async.remoting.connection import Connection
+
+
+class _Conn:
+    addr = "127.0.0.1:10911"
+
+
+def _consumer(**opts: Any) -> PushConsumer:
+    c = PushConsumer("G_admin", namesrv="127.0.0.1:9876;127.0.0.2:9876", **opts)
+    # What start() sets up before any broker can ask: the retry topic's subscription.
+    c._retry_sub = build_subscription(c.retry_topic, "*")
+    return c
+
+
+async def _ask(c: PushConsumer, cmd: RemotingCommand) -> RemotingCommand | None:
+    handler = BrokerRequestHandler(c)
+    conn: Connection = _Conn()  # type: ignore[assignment]
+    return await handler(cmd, conn)
+
+
+def test_running_info_properties_and_no_secret() -> None:
+    c = _consumer(credentials=("my-access-key", "my-very-secret-key"), consume_concurrency=7)
+    c.subscribe("T1", tags="a || b", listener=lambda msgs: ConsumeResult.SUCCESS)
+    c.subscribe("T2", listener=lambda msgs: ConsumeResult.SUCCESS, orderly=True)
+    info = build_running_info(c)
+    props = info.properties
+    assert props["PROP_CONSUME_TYPE"] == "CONSUME_PASSIVELY"
+    assert props["PROP_CONSUMEORDERLY"] == "false"  # one topic is consumed concurrently
+    assert props["PROP_THREADPOOL_CORE_SIZE"] == "7"
+    assert props["PROP_NAMESERVER_ADDR"] == "127.0.0.1:9876;127.0.0.2:9876;"
+    assert props["PROP_CLIENT_VERSION"] == "V5_3_3"
+    assert props["consumerGroup"] == "G_admin" and props["pullBatchSize"] == "32"
+    assert props["accessKey"] == "my-access-key"
+    body = info.to_json_bytes()
+    assert b"my-very-secret-key" not in body
+    subs = {s["topic"]: s["subString"] for s in json.loads(body)["subscriptionSet"]}
+    assert subs == {"T1": "a || b", "T2": "*", "%RETRY%G_admin": "*"}
+    assert set(info.status_table) == {"T1", "T2", "%RETRY%G_admin"}
+
+
+def test_running_info_of_an_orderly_consumer() -> None:
+    c = _consumer()
+    c.subscribe("T2", listener=lambda msgs: ConsumeResult.SUCCESS, orderly=True)
+    assert build_running_info(c).properties["PROP_CONSUMEORDERLY"] == "true"
+    assert c.is_orderly(c.retry_topic)
+
+
+async def test_running_info_request_for_another_group_is_refused() -> None:
+    c = _consumer()
+    c.subscribe("T1", listener=lambda msgs: ConsumeResult.SUCCESS)
+    ext = GetConsumerRunningInfoRequestHeader(consumer_group="other", client_id="x").to_ext_fields()
+    resp = await _ask(c, RemotingCommand.request(RequestCode.GET_CONSUMER_RUNNING_INFO, ext))
+    assert resp is not None and resp.code == ResponseCode.SYSTEM_ERROR
+    assert resp.remark == "The Consumer Group <other> not exist in this consumer"
+    ext = GetConsumerRunningInfoRequestHeader(consumer_group="G_admin", client_id="x",
+                                              jstack_enable=True).to_ext_fields()
+    resp = await _ask(c, RemotingCommand.request(RequestCode.GET_CONSUMER_RUNNING_INFO, ext))
+    assert resp is not None and resp.code == ResponseCode.SUCCESS
+    assert "test_running_info_request_for_another_group" in json.loads(resp.body)["jstack"]
+
+
+async def test_unknown_and_malformed_requests_get_typed_answers() -> None:
+    c = _consumer()
+    resp = await _ask(c, RemotingCommand.request(9999))
+    assert resp is not None and resp.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED
+    resp = await _ask(c, RemotingCommand.request(RequestCode.GET_CONSUMER_RUNNING_INFO, {}))
+    assert resp is not None and resp.code == ResponseCode.SYSTEM_ERROR
+    assert "consumerGroup" in (resp.remark or "")
+
+
+def _stored(topic: str, body: bytes, **props: str) -> bytes:
+    msg = MessageExt(topic=topic, body=body, queue_id=2, queue_offset=17,
+                     properties={PROPERTY_UNIQ_KEY: "ABC123", **props},
+                     born_host="127.0.0.1:5000", store_host="127.0.0.1:10911")
+    return encode_stored_message(msg)
+
+
+async def test_consume_message_directly_runs_the_listener_once() -> None:
+    c = _consumer()
+    calls: list[tuple[str, bytes, str]] = []
+
+    def on(msgs: list[MessageExt]) -> ConsumeResult:
+        calls.append((msgs[0].topic, msgs[0].body, msgs[0].broker_name))
+        if msgs[0].body == b"boom":
+            raise ValueError("cannot")
+        return ConsumeResult.RECONSUME_LATER if msgs[0].body == b"later" else ConsumeResult.SUCCESS
+
+    c.subscribe("T1", listener=on)
+    ext = ConsumeMessageDirectlyResultRequestHeader(
+        consumer_group="G_admin", client_id="cid", msg_id="X", broker_name="broker-a",
+        topic="T1").to_ext_fields()
+    results = []
+    for body, topic, props in [(b"ok", "T1", {}), (b"later", "T1", {}), (b"boom", "T1", {}),
+                               (b"retried", c.retry_topic, {PROPERTY_RETRY_TOPIC: "T1"})]:
+        cmd = RemotingCommand.request(RequestCode.CONSUME_MESSAGE_DIRECTLY, ext,
+                                      body=_stored(topic, body, **props))
+        resp = await _ask(c, cmd)
+        assert resp is not None and resp.code == ResponseCode.SUCCESS
+        results.append(json.loads(resp.body))
+    assert [r["consumeResult"] for r in results] == [
+        "CR_SUCCESS", "CR_LATER", "CR_THROW_EXCEPTION", "CR_SUCCESS"]
+    assert "ValueError: cannot" in results[2]["remark"]
+    assert all(r["order"] is False and r["autoCommit"] is True for r in results)
+    # A redelivered message gets its original topic back before the listener sees it.
+    assert calls == [("T1", b"ok", "broker-a"), ("T1", b"later", "broker-a"),
+                     ("T1", b"boom", "broker-a"), ("T1", b"retried", "broker-a")]
+
+    cmd = RemotingCommand.request(RequestCode.CONSUME_MESSAGE_DIRECTLY, ext,
+                                  body=_stored("T9", b"x"))
+    resp = await _ask(c, cmd)
+    assert resp is not None and resp.code == ResponseCode.SYSTEM_ERROR
+    cmd = RemotingCommand.request(RequestCode.CONSUME_MESSAGE_DIRECTLY, ext, body=b"\x00\x01")
+    resp = await _ask(c, cmd)
+    assert resp is not None and resp.code == ResponseCode.SYSTEM_ERROR
+    assert len(calls) == 4

@@ -1,0 +1,98 @@
+"""LocalFileOffsetStore: the broadcasting consumer's offsets file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND, LocalFileOffsetStore
+from rmq_async.protocol.types import MessageQueue
+
+Q0 = MessageQueue("T", "broker-a", 0)
+Q1 = MessageQueue("T", "broker-a", 1)
+Q2 = MessageQueue("U", "broker-b", 3)
+
+
+async def test_round_trip_in_standard_json(tmp_path: Path) -> None:
+    store = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
+    await store.load()
+    assert store.stored() == {}
+    store.update(Q0, 10, increase_only=True)
+    store.update(Q1, 7, increase_only=True)
+    store.update(Q1, 5, increase_only=True)  # never moves back
+    await store.persist_all({Q0, Q1}, oneway=True)
+    assert store.path == tmp_path / "10.0.0.1@node" / "G" / "offsets.json"
+    raw = json.loads(store.path.read_text())
+    assert raw == {"offsetTable": [
+        {"brokerName": "broker-a", "offset": 10, "queueId": 0, "topic": "T"},
+        {"brokerName": "broker-a", "offset": 7, "queueId": 1, "topic": "T"},
+    ]}
+    again = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
+    await again.load()
+    assert again.read_memory(Q0) == 10
+    assert await again.read_store(Q1) == 7
+    assert await again.read_store(Q2) == OFFSET_NOT_FOUND
+
+
+async def test_a_queue_given_up_keeps_its_entry(tmp_path: Path) -> None:
+    store = LocalFileOffsetStore(tmp_path, "cid", "G")
+    await store.load()
+    store.update(Q0, 3, increase_only=False)
+    store.update(Q1, 4, increase_only=False)
+    await store.persist(Q0)
+    store.remove(Q0)  # the rebalancer forgot the queue
+    store.update(Q1, 9, increase_only=False)
+    await store.persist_all({Q1}, oneway=True)
+    assert store.read_memory(Q0) == OFFSET_NOT_FOUND
+    assert await store.read_store(Q0) == 3
+    assert store.stored() == {Q0: 3, Q1: 9}
+
+
+async def test_frozen_offset_ignores_updates(tmp_path: Path) -> None:
+    store = LocalFileOffsetStore(tmp_path, "cid", "G")
+    store.update(Q0, 50, increase_only=True)
+    store.freeze(Q0, 20)  # an offset reset
+    store.update(Q0, 60, increase_only=True)  # a late result of a dropped queue
+    await store.persist(Q0)
+    assert store.stored() == {Q0: 20}
+    store.remove(Q0)
+    store.update(Q0, 21, increase_only=True)
+    assert store.read_memory(Q0) == 21
+
+
+async def test_reads_the_java_clients_file(tmp_path: Path) -> None:
+    path = tmp_path / "cid" / "G" / "offsets.json"
+    path.parent.mkdir(parents=True)
+    # fastjson's form of Map<MessageQueue, AtomicLong>, as the Java client writes it.
+    path.write_text('{\n\t"offsetTable":{{"brokerName":"broker-a","queueId":0,"topic":"T"}:12,'
+                    '{"brokerName":"broker-b","queueId":3,"topic":"U"}:40\n\t}\n}')
+    store = LocalFileOffsetStore(tmp_path, "cid", "G")
+    await store.load()
+    assert store.stored() == {Q0: 12, Q2: 40}
+
+
+async def test_unreadable_file_falls_back_to_backup_then_empty(tmp_path: Path) -> None:
+    store = LocalFileOffsetStore(tmp_path, "cid", "G")
+    store.path.parent.mkdir(parents=True)
+    store.path.write_text('{"offsetTable": [{"brokerName": "broker-a", "off')
+    backup = store.path.with_suffix(".json.bak")
+    backup.write_text(json.dumps({"offsetTable": [
+        {"brokerName": "broker-a", "offset": 8, "queueId": 1, "topic": "T"}]}))
+    await store.load()
+    assert store.stored() == {Q1: 8}
+    backup.write_text("[1, 2")
+    empty = LocalFileOffsetStore(tmp_path, "cid", "G")
+    await empty.load()
+    assert empty.stored() == {}
+
+
+async def test_load_removes_temporary_files_of_a_killed_writer(tmp_path: Path) -> None:
+    store = LocalFileOffsetStore(tmp_path, "cid", "G")
+    store.update(Q0, 1, increase_only=False)
+    await store.persist(Q0)
+    stale = store.path.parent / ".offsets-abc123.tmp"
+    stale.write_text('{"offsetTable": [')  # cut short by kill -9 before the rename
+    reloaded = LocalFileOffsetStore(tmp_path, "cid", "G")
+    await reloaded.load()
+    assert reloaded.stored() == {Q0: 1}
+    assert sorted(p.name for p in store.path.parent.iterdir()) == ["offsets.json"]
