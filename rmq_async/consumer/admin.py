@@ -298,8 +298,13 @@ class BrokerRequestHandler:
                  timestamp=header.timestamp, queues=len(table))
         if header.group != c.group or c.stopping:
             return
+        # The consumer owns the work, not this connection: a connection that closes half way
+        # must not leave dropped queues behind.
+        c._owner_spawn(self._serial_reset(header.topic, table), "reset-offset")
+
+    async def _serial_reset(self, topic: str, table: dict[MessageQueue, int]) -> None:
         async with self._reset_lock:
-            await self.reset_offsets(header.topic, table)
+            await self.reset_offsets(topic, table)
 
     async def reset_offsets(self, topic: str, table: dict[MessageQueue, int]) -> None:
         """Move the held queues of ``topic`` listed in ``table`` to their new offsets."""
