@@ -11,7 +11,7 @@ import pytest
 from rmq_async import ConsumeResult, MessageExt, PushConsumer
 from rmq_async.consumer.admin import build_running_info
 from rmq_async.devbroker import LocalRocketMQ
-from tests.helpers import produce, simple_messages, unique, wait_until
+from tests.helpers import AdminClient, produce, simple_messages, unique, wait_until
 
 pytestmark = pytest.mark.broker
 
@@ -107,3 +107,37 @@ async def test_subscribe_and_unsubscribe_after_start_with_stats(rocketmq: LocalR
         assert seen[later] == 200, "an unsubscribed topic still delivered"
         assert later not in consumer.stats_snapshot()
     print(f"\nsubscribe after start: queues assigned {took:.2f} s after subscribe()")
+
+
+async def test_orderly_subscription_after_start_locks_and_unsubscribe_unlocks(
+        rocketmq: LocalRocketMQ) -> None:
+    ns = rocketmq.namesrv_addr
+    first, ordered = unique("T_first"), unique("T_ord_late")
+    await rocketmq.create_topic(first, queues=1)
+    await rocketmq.create_topic(ordered, queues=2)
+    group = unique("G_ord_late")
+    got: list[int] = []
+    consumer = PushConsumer(group, namesrv=ns, rebalance_interval=60.0,
+                            consume_from_where="CONSUME_FROM_FIRST_OFFSET")
+    consumer.subscribe(first, listener=lambda msgs: ConsumeResult.SUCCESS)
+    async with consumer:
+        await wait_until(lambda: _queues(consumer, first) == 1, 20, what="first topic")
+
+        async def on(msgs: list[MessageExt]) -> ConsumeResult:
+            got.extend(int(m.body[1:11]) for m in msgs)
+            return ConsumeResult.SUCCESS
+
+        consumer.subscribe(ordered, listener=on, orderly=True)
+        await wait_until(lambda: sum(pq.locked for mq, pq in consumer.process_queues.items()
+                                     if mq.topic == ordered) == 2, 10, what="2 locked queues")
+        await produce(ns, ordered, simple_messages(ordered, 100), batch=25)
+        await wait_until(lambda: len(got) == 100, 30, what="100 messages")
+        consumer.unsubscribe(ordered)
+        await wait_until(lambda: _queues(consumer, ordered) == 0, 10, what="queues given up")
+        # The broker locks were given back: another client of the group gets them at once.
+        async with AdminClient(ns) as admin:
+            mqs = await admin.queues(ordered)
+            addr = await admin.instance.find_broker_master(mqs[0].broker_name, ordered)
+            locked = await admin.instance.api.lock_batch_mq(addr, group, "another-client", mqs)
+        assert locked == set(mqs)
+    assert sorted(got) == list(range(100))
