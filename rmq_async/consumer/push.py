@@ -495,8 +495,9 @@ class PushConsumer:
             return
         pq.dropped = True
         await self.pull_service.stop_queue(mq)
-        if self._needs_lock(mq):
-            # Unlock only after the batch being consumed on this queue has finished.
+        if self._needs_lock(mq) or pq.locked:
+            # Unlock only after the batch being consumed on this queue has finished (also when
+            # the topic was unsubscribed and no longer counts as orderly).
             await self.orderly_service.release(mq, pq)
         else:
             await self.offset_store.persist(mq)
