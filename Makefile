@@ -17,7 +17,7 @@ setup: $(STAMP)
 	$(PY) -m rmq_async.devbroker fetch
 
 test: setup
-	$(PY) -m pytest -ra -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -ra -p no:cacheprovider -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
