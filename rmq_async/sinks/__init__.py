@@ -45,6 +45,14 @@ class MessageSink(Protocol):
         """Return once :meth:`want_more` is True."""
         ...
 
+    def set_flow_limit(self, rows: int | None, bytes_: int | None = None) -> None:
+        """The most messages (and body bytes) the consumer's flow control lets the sink hold."""
+        ...
+
+    def expedite(self) -> None:
+        """A queue stopped pulling until something is acknowledged: close the open batch soon."""
+        ...
+
     @property
     def backlog_rows(self) -> int:
         """Messages offered and not yet acknowledged."""

@@ -195,6 +195,7 @@ class _Batch:
         "opened_at",
         "opened_mono",
         "rows",
+        "urgent",
     )
 
     def __init__(self, batch_id: int) -> None:
@@ -206,6 +207,7 @@ class _Batch:
         self.opened_at = time.time()
         self.opened_mono = time.monotonic()
         self.closed_at = 0.0
+        self.urgent = False
         self.done = asyncio.Event()
 
 
@@ -233,17 +235,23 @@ class SparkSink:
     all on the event loop. Everything blocking (Arrow conversion, Spark) runs in a worker thread.
 
     Backpressure and batch size. The consumer keeps offered messages in its process queues
-    until they are acknowledged, so its flow control bounds what the sink holds: at most about
-    ``pull_threshold_for_queue`` x (assigned queues) messages (and the size and offset-span
-    thresholds likewise). When the writer falls behind (a closed batch waits while another is
-    written) :meth:`want_more` turns False and the consumer pauses pulling. If ``batch_rows``
-    is larger than what the flow control lets in, a batch never fills by count: it is then
-    closed by ``max_batch_latency``, so the sink never waits for messages the consumer will not
-    pull (no deadlock; throughput is bounded by that many messages per latency period). For full
-    batches with one writing while the next fills, keep
-    ``2 * batch_rows <= pull_threshold_for_queue * queues``. The latency limit is applied when
-    the writer is ready for the next batch: while a write is running, the open batch keeps
-    filling up to the size limits instead of being cut into many small batches.
+    until they are acknowledged, so its flow control bounds what the sink holds: per assigned
+    queue at most ``min(pull_threshold_for_queue, consume_concurrently_max_span)`` messages and
+    ``pull_threshold_size_for_queue`` MiB (plus one pull of ``pull_batch_size``). A batch that
+    needs more than that could never fill. So the consumer reports this capacity through
+    :meth:`set_flow_limit` and the sink closes batches at half of it when that is less than
+    ``batch_rows`` / ``batch_bytes`` (:attr:`effective_batch_rows`): one batch is written while
+    the next one fills. When a queue nevertheless stops pulling because of its thresholds (its
+    messages are unevenly spread, or it is the retry queue) the consumer calls
+    :meth:`expedite` and the open batch is closed as soon as the writer is free instead of at
+    ``max_batch_latency``. When the writer falls behind (a closed batch waits while another is
+    written) :meth:`want_more` turns False and the consumer pauses pulling, so memory stays
+    below about two batches whatever the thresholds. To get batches of ``batch_rows``, raise
+    the thresholds to ``2 * batch_rows / queues`` (for example ``batch_rows=50_000`` over 8
+    queues: ``pull_threshold_for_queue=12_500, consume_concurrently_max_span=12_500``). The
+    latency limit is applied when the writer is ready for the next batch: while a write is
+    running, the open batch keeps filling up to the size limits instead of being cut into many
+    small batches.
 
     Args:
         spark: the SparkSession; may be None only when ``create_dataframe`` is given.
@@ -310,6 +318,10 @@ class SparkSink:
             assert value_schema is not None
             self._value_arrow_type = to_arrow_type(value_schema, timezone="UTC")
 
+        self._flow_rows: int | None = None
+        self._flow_bytes: int | None = None
+        self._eff_rows = batch_rows
+        self._eff_bytes = batch_bytes
         self._next_id = 1
         self._open: _Batch | None = None
         self._pending: deque[_Batch] = deque()
@@ -352,8 +364,64 @@ class SparkSink:
         batch.bytes += size
         self._backlog_rows += len(msgs)
         self._backlog_bytes += size
-        if batch.rows >= self._batch_rows or batch.bytes >= self._batch_bytes:
+        if batch.rows >= self._eff_rows or batch.bytes >= self._eff_bytes:
             self._close_open()
+
+    def set_flow_limit(self, rows: int | None, bytes_: int | None = None) -> None:
+        """The most messages (and body bytes) the consumer lets this sink hold unacknowledged.
+
+        Batches then close at half of it when that is below ``batch_rows`` / ``batch_bytes``,
+        so that one batch can be written while the next one fills. ``None`` means unlimited.
+        An open batch already past the new limits is closed.
+        """
+        if rows == self._flow_rows and bytes_ == self._flow_bytes:
+            return
+        if rows is not None and rows < 1:
+            raise ValueError(f"rows must be at least 1, got {rows}")
+        if bytes_ is not None and bytes_ < 1:
+            raise ValueError(f"bytes_ must be at least 1, got {bytes_}")
+        self._flow_rows = rows
+        self._flow_bytes = bytes_
+        eff_rows = self._batch_rows if rows is None else min(self._batch_rows, max(1, rows // 2))
+        eff_bytes = (
+            self._batch_bytes if bytes_ is None else min(self._batch_bytes, max(1, bytes_ // 2))
+        )
+        if eff_rows != self._eff_rows or eff_bytes != self._eff_bytes:
+            log.info(
+                "spark_sink.batch_limit_changed",
+                batch_rows=eff_rows,
+                batch_bytes=eff_bytes,
+                configured_rows=self._batch_rows,
+                configured_bytes=self._batch_bytes,
+                flow_rows=rows,
+                flow_bytes=bytes_,
+            )
+        self._eff_rows = eff_rows
+        self._eff_bytes = eff_bytes
+        batch = self._open
+        if batch is not None and (batch.rows >= eff_rows or batch.bytes >= eff_bytes):
+            self._close_open()
+
+    @property
+    def effective_batch_rows(self) -> int:
+        """Rows at which a batch closes: ``batch_rows``, or half the flow limit if smaller."""
+        return self._eff_rows
+
+    @property
+    def effective_batch_bytes(self) -> int:
+        """Body bytes at which a batch closes: ``batch_bytes``, or half the flow limit."""
+        return self._eff_bytes
+
+    def expedite(self) -> None:
+        """Close the open batch as soon as the writer is free, without waiting for the latency.
+
+        The consumer calls it when a queue stopped pulling until some of its messages are
+        acknowledged: waiting for more rows would only wait for ``max_batch_latency``.
+        """
+        batch = self._open
+        if batch is not None and not batch.urgent:
+            batch.urgent = True
+            self._wakeup.set()
 
     def want_more(self) -> bool:
         """False while a closed batch waits behind the one being written."""
@@ -478,7 +546,7 @@ class SparkSink:
             timeout: float | None
             if batch is not None:
                 timeout = batch.opened_mono + self._max_batch_latency - time.monotonic()
-                if timeout <= 0 or self._closed:
+                if timeout <= 0 or self._closed or batch.urgent:
                     self._close_open()
                     continue
             elif self._closed:

@@ -9,26 +9,14 @@ import pytest
 
 pytest.importorskip("pyspark", reason="needs the spark extra")
 
+from tests.spark.session import local_spark
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
-    from pyspark.sql import SparkSession
-
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("rmq_async-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.default.parallelism", "2")
-        # Short-lived test JVM: the C1 compiler alone warms up much faster (the first jobs
-        # otherwise dominate the run time on a 2-core machine); a serial GC suits the small heap.
-        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
+    session = local_spark()
     yield session
     session.stop()

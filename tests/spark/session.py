@@ -1,0 +1,28 @@
+"""The local SparkSession the Spark tests share (and the subprocess consumer of the broker tests)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def local_spark(app_name: str = "rmq_async-tests") -> SparkSession:
+    """A quiet ``local[2]`` session tuned for short test runs (``getOrCreate``: one per process)."""
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        # Short-lived test JVM: the C1 compiler alone warms up much faster (the first jobs
+        # otherwise dominate the run time on a 2-core machine); a serial GC suits the small heap.
+        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    return session

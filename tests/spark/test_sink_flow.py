@@ -1,0 +1,253 @@
+"""Batch sizes that follow the consumer's flow control, and the consumer's side of a sink:
+acknowledgements, hand-back of failed chunks, pull backpressure. No broker, no Spark job."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from rmq_async import PushConsumer
+from rmq_async.consumer import consume as consume_module
+from rmq_async.consumer.offset_store import _MemoryTable
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.pull import PullService
+from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.sinks.spark import BatchInfo, SparkSink
+
+pytestmark = pytest.mark.spark
+
+MiB = 1 << 20
+
+
+def msgs(start: int, n: int, *, queue_id: int = 0, topic: str = "orders",
+         body: bytes = b"0123456789") -> list[MessageExt]:
+    return [MessageExt(topic=topic, body=body, queue_id=queue_id, queue_offset=i,
+                       properties={"UNIQ_KEY": f"K{i:08d}"}, broker_name="broker-a")
+            for i in range(start, start + n)]
+
+
+class Writes:
+    """A write function recording row counts; ``gate`` holds every write until set."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Semaphore(0)
+
+    def __call__(self, df: Any, info: BatchInfo) -> None:
+        self.entered.release()
+        assert self.gate.wait(10)
+        self.rows.append(info.row_count)
+
+    async def wait_entered(self) -> None:
+        assert await asyncio.to_thread(self.entered.acquire, True, 10), "no write started"
+
+
+def sink_for(write: Writes, **kw: Any) -> SparkSink:
+    opts: dict[str, Any] = {"batch_rows": 1000, "max_batch_latency": 30.0, "retry_backoff": 0.0}
+    opts.update(kw)
+    return SparkSink(None, write, create_dataframe=lambda table: table, **opts)
+
+
+def ignore(ok: bool) -> None:
+    pass
+
+
+# ---------------------------------------------------------------------------- the sink
+
+
+async def test_flow_limit_caps_batches_at_half_of_it() -> None:
+    write = Writes()
+    sink = sink_for(write, batch_rows=1000)
+    sink.set_flow_limit(400)
+    assert sink.effective_batch_rows == 200
+    sink.offer(msgs(0, 150), ignore)
+    assert sink.want_more()
+    sink.offer(msgs(150, 60), ignore)  # 210 >= 200: closed
+    assert not sink.want_more()
+    sink.set_flow_limit(None)
+    assert sink.effective_batch_rows == 1000
+    sink.offer(msgs(210, 300), ignore)
+    await sink.aclose()
+    assert write.rows == [210, 300]
+
+
+async def test_flow_limit_in_bytes_and_a_lower_limit_closes_the_open_batch() -> None:
+    write = Writes()
+    sink = sink_for(write, batch_rows=1000, batch_bytes=64 * MiB)
+    sink.set_flow_limit(10_000, 5000)
+    assert (sink.effective_batch_rows, sink.effective_batch_bytes) == (1000, 2500)
+    sink.offer(msgs(0, 100, body=bytes(20)), ignore)  # 2000 bytes: open
+    assert sink.want_more()
+    sink.set_flow_limit(150)  # half is 75 rows: the open batch of 100 closes now
+    assert not sink.want_more()
+    await sink.aclose()
+    assert write.rows == [100]
+
+
+def test_flow_limit_rejects_nonsense() -> None:
+    sink = sink_for(Writes())
+    with pytest.raises(ValueError):
+        sink.set_flow_limit(0)
+    with pytest.raises(ValueError):
+        sink.set_flow_limit(10, -1)
+    sink.set_flow_limit(1)
+    assert sink.effective_batch_rows == 1
+
+
+async def test_expedite_closes_the_open_batch_without_waiting_for_latency() -> None:
+    write = Writes()
+    sink = sink_for(write, max_batch_latency=30.0)
+    async with asyncio.TaskGroup() as tg:
+        await sink.start(tg)
+        sink.expedite()  # nothing open: nothing happens
+        sink.offer(msgs(0, 10), ignore)
+        started = time.monotonic()
+        sink.expedite()
+        await write.wait_entered()
+        assert time.monotonic() - started < 5.0
+        await sink.aclose()
+    assert write.rows == [10]
+
+
+async def test_expedite_while_writing_closes_the_batch_once_the_writer_is_free() -> None:
+    write = Writes()
+    write.gate.clear()
+    sink = sink_for(write, batch_rows=100, max_batch_latency=30.0)
+    async with asyncio.TaskGroup() as tg:
+        await sink.start(tg)
+        sink.offer(msgs(0, 100), ignore)  # full: written (held by the gate)
+        await write.wait_entered()
+        sink.offer(msgs(100, 10), ignore)
+        sink.expedite()
+        sink.offer(msgs(110, 5), ignore)  # the open batch still takes chunks meanwhile
+        assert sink.want_more()
+        write.gate.set()
+        await write.wait_entered()  # the second batch starts at once, not after 30 s
+        await sink.aclose()
+    assert write.rows == [100, 15]
+
+
+# ---------------------------------------------------------------------------- the consumer
+
+
+class FakeSink:
+    """Records what the consumer tells it; acknowledges on demand."""
+
+    def __init__(self) -> None:
+        self.offers: list[tuple[list[MessageExt], Callable[[bool], None]]] = []
+        self.limits: list[tuple[int | None, int | None]] = []
+        self.expedited = 0
+        self.more = True
+
+    def offer(self, batch: list[MessageExt], ack: Callable[[bool], None]) -> None:
+        self.offers.append((batch, ack))
+
+    def set_flow_limit(self, rows: int | None, bytes_: int | None = None) -> None:
+        self.limits.append((rows, bytes_))
+
+    def expedite(self) -> None:
+        self.expedited += 1
+
+    def want_more(self) -> bool:
+        return self.more
+
+
+@pytest.fixture
+def consumer() -> Iterator[PushConsumer]:
+    c = PushConsumer("G_sink_unit", namesrv="127.0.0.1:9876", pull_threshold_for_queue=100,
+                     consume_concurrently_max_span=80)
+    c.pull_service = PullService(c)
+    c.offset_store = _MemoryTable()  # type: ignore[assignment]
+    c._owner = TaskOwner("test")
+    yield c
+
+
+def attach(consumer: PushConsumer, queues: int = 4) -> tuple[FakeSink, dict[int, MessageQueue]]:
+    sink = FakeSink()
+    consumer.subscribe("orders", sink=sink)  # type: ignore[arg-type]
+    mqs = {}
+    for q in range(queues):
+        mq = MessageQueue("orders", "broker-a", q)
+        consumer.process_queues[mq] = ProcessQueue()
+        mqs[q] = mq
+    return sink, mqs
+
+
+def pull(consumer: PushConsumer, mq: MessageQueue, batch: list[MessageExt]) -> None:
+    pq = consumer.process_queues[mq]
+    first = pq.put_messages(batch)
+    consumer.dispatch(batch, pq, mq, first)
+
+
+async def test_consumer_tells_the_sink_its_flow_limit_and_commits_on_ack(
+        consumer: PushConsumer) -> None:
+    sink, mqs = attach(consumer, queues=4)
+    pull(consumer, mqs[0], msgs(0, 32))
+    # 4 queues x (min(100 cached, 80 span) + 1) messages, 4 x 100 MiB
+    assert sink.limits == [(4 * 81, 4 * 100 * MiB)]
+    pull(consumer, mqs[0], msgs(32, 32))
+    assert sink.limits == [(4 * 81, 4 * 100 * MiB)] * 2
+    _, ack = sink.offers[0]
+    assert consumer.offset_store.read_memory(mqs[0]) < 0
+    ack(True)  # committed synchronously: nothing to await, nothing lost on stop
+    assert consumer.offset_store.read_memory(mqs[0]) == 32
+    sink.offers[1][1](True)
+    assert consumer.offset_store.read_memory(mqs[0]) == 64
+    assert consumer.process_queues[mqs[0]].msg_count == 0
+
+
+async def test_queue_over_its_threshold_expedites_the_sink(consumer: PushConsumer) -> None:
+    sink, mqs = attach(consumer, queues=2)
+    pull(consumer, mqs[1], msgs(0, 64, queue_id=1))
+    assert sink.expedited == 0
+    pull(consumer, mqs[1], msgs(64, 32, queue_id=1))  # span 95 > 80: this queue stops pulling
+    assert sink.expedited == 1
+
+
+async def test_pulls_pause_while_the_sink_is_behind(consumer: PushConsumer) -> None:
+    sink, _ = attach(consumer)
+    assert consumer.sink_backpressure_delay("orders") == 0.0
+    sink.more = False
+    assert consumer.sink_backpressure_delay("orders") == consumer.options.pull_time_delay_when_flow_control
+    assert consumer.sink_backpressure_delay(consumer.retry_topic) == 0.0
+    assert consumer.sink_backpressure_delay("other") == 0.0
+
+
+async def test_failed_chunk_is_sent_back_and_what_the_broker_refused_is_offered_again(
+        consumer: PushConsumer, monkeypatch: pytest.MonkeyPatch) -> None:
+    sink, mqs = attach(consumer, queues=1)
+    monkeypatch.setattr(consume_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
+    sent: list[int] = []
+
+    async def send_back(msg: MessageExt, delay_level: int) -> bool:
+        if msg.queue_offset in (3, 5):
+            return False  # the broker did not take these back
+        sent.append(msg.queue_offset)
+        return True
+
+    monkeypatch.setattr(consumer, "send_message_back", send_back)
+    pull(consumer, mqs[0], msgs(0, 8))
+    _, ack = sink.offers[0]
+    ack(False)
+    await asyncio.wait_for(_offered(sink, 2), 5)
+    assert sorted(sent) == [0, 1, 2, 4, 6, 7]
+    again, ack_again = sink.offers[1]
+    assert [m.queue_offset for m in again] == [3, 5]
+    # The offset stops at the first message still held: 3.
+    assert consumer.offset_store.read_memory(mqs[0]) == 3
+    ack_again(True)
+    assert consumer.offset_store.read_memory(mqs[0]) == 8
+    await consumer._owner.aclose()  # type: ignore[union-attr]
+
+
+async def _offered(sink: FakeSink, n: int) -> None:
+    while len(sink.offers) < n:
+        await asyncio.sleep(0.005)
