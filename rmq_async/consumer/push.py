@@ -580,24 +580,118 @@ class PushConsumer:
         # Rows keep the coordinates of the queue they were read from (a redelivered message
         # keeps %RETRY%<group> as its topic and carries RETRY_TOPIC), so that
         # (topic, broker_name, queue_id, queue_offset) stays a unique, idempotent row key.
+        #
+        # The messages stay cached in ``pq`` until the sink acknowledges them, so the pull flow
+        # control bounds what the sink holds; the sink learns that bound (its batches close at
+        # half of it) and is told to close its open batch early when this queue stops pulling.
+        from rmq_async.sinks import SinkClosedError
+
+        if mq.topic != self.retry_topic:
+            self._tell_sink_flow_limit(sink, mq.topic)
 
         def ack(ok: bool) -> None:
-            self._owner_spawn(self._sink_acked(msgs, pq, mq, ok), "sink-ack")
+            if ok:
+                self._commit_sink_chunk(msgs, pq, mq)
+                return
+            try:
+                self._owner_spawn(self._sink_acked(sink, msgs, pq, mq, ok), "sink-failed")
+            except RuntimeError:  # the consumer is stopping: nothing commits, all is redelivered
+                log.warning("sink.failed_chunk_left_uncommitted", queue=str(mq), count=len(msgs),
+                            first_offset=msgs[0].queue_offset if msgs else -1)
 
-        sink.offer(msgs, ack)
+        try:
+            sink.offer(msgs, ack)
+        except SinkClosedError:
+            # Only while stopping: the messages stay cached, their offsets never move.
+            log.warning("sink.offer_after_close", queue=str(mq), count=len(msgs))
+            return
+        if self._sink_queue_blocked(pq, mq):
+            sink.expedite()
 
-    async def _sink_acked(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
-                          ok: bool) -> None:
-        from rmq_async.consumer.consume import ConsumeRequest
-        from rmq_async.consumer.results import ConsumeContext, ConsumeResult
+    def _tell_sink_flow_limit(self, sink: SparkSink, topic: str) -> None:
+        """Report to ``sink`` what the flow control lets it hold for ``topic`` on this client."""
+        o = self.options
+        queues = sum(1 for q, p in self.process_queues.items() if q.topic == topic and not p.dropped)
+        if queues == 0:
+            return
+        ps = self.pull_service
+        count = ps.queue_count_threshold.get(topic, o.pull_threshold_for_queue)
+        size_mib = ps.queue_size_threshold_mib.get(topic, o.pull_threshold_size_for_queue)
+        # A queue pulls while it caches at most `count` messages spanning at most `max_span`
+        # offsets, so each queue can always hold this many messages of the sink's batches.
+        per_queue = min(count, o.consume_concurrently_max_span) + 1
+        sink.set_flow_limit(queues * per_queue, queues * size_mib * 1024 * 1024)
 
-        result = ConsumeResult.SUCCESS if ok else ConsumeResult.RECONSUME_LATER
-        await self.consume_service.process_result(
-            ConsumeRequest(msgs, pq, mq), result, ConsumeContext(message_queue=mq), 0.0
-        )
+    def _sink_queue_blocked(self, pq: ProcessQueue, mq: MessageQueue) -> bool:
+        """The pull flow control holds this queue until some of its messages are acknowledged."""
+        o = self.options
+        ps = self.pull_service
+        count = ps.queue_count_threshold.get(mq.topic, o.pull_threshold_for_queue)
+        size_mib = ps.queue_size_threshold_mib.get(mq.topic, o.pull_threshold_size_for_queue)
+        return (pq.msg_count > count or pq.msg_size > size_mib * 1024 * 1024
+                or pq.max_span > o.consume_concurrently_max_span)
+
+    def _commit_sink_chunk(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
+                           *, stored: bool = True) -> None:
+        """``msgs`` are stored (or handed back): forget them, move the in-memory offset."""
+        if stored:
+            self.stats.record_consume(self._origin_topic(mq.topic, msgs), len(msgs), 0, 0.0)
+        if pq.dropped:
+            # Rebalance took the queue away meanwhile: this result commits nothing.
+            return
+        offset = pq.remove_messages(msgs)
+        if offset >= 0 and not pq.dropped:
+            self.offset_store.update(mq, offset, increase_only=True)
+
+    async def _sink_acked(self, sink: SparkSink, msgs: list[MessageExt], pq: ProcessQueue,
+                          mq: MessageQueue, ok: bool) -> None:
+        """The sink's verdict on a chunk. A failed chunk is handed back to the broker.
+
+        Clustering: each failed message is sent back (CONSUMER_SEND_MSG_BACK) and redelivered
+        through ``%RETRY%<group>``; once handed back it no longer holds the offset. A message the
+        broker did not take back (and, broadcasting, every failed message) stays cached, so the
+        offset cannot pass it, and is offered to the sink again after a pause: a sink's data is
+        never dropped.
+        """
+        from rmq_async.consumer.consume import SEND_BACK_FAILED_RETRY_DELAY
+
+        if ok:
+            self._commit_sink_chunk(msgs, pq, mq)
+            return
+        self.stats.record_consume(self._origin_topic(mq.topic, msgs), 0, len(msgs), 0.0)
+        if pq.dropped or not msgs:
+            return
+        not_sent = msgs
+        if self.options.message_model == MessageModel.CLUSTERING:
+            sent_flags: list[bool] = []
+            for start in range(0, len(msgs), 32):
+                part = msgs[start:start + 32]
+                sent_flags += await asyncio.gather(*(self.send_message_back(m, 0) for m in part))
+            not_sent = [m for m, sent in zip(msgs, sent_flags, strict=True) if not sent]
+            if len(not_sent) < len(msgs):
+                keep = {id(m) for m in not_sent}
+                self._commit_sink_chunk([m for m in msgs if id(m) not in keep], pq, mq,
+                                        stored=False)
+            log.info("sink.chunk_sent_back", queue=str(mq), count=len(msgs) - len(not_sent),
+                     not_sent=len(not_sent))
+        if not not_sent:
+            return
+        log.warning("sink.chunk_retried_locally", queue=str(mq), count=len(not_sent),
+                    delay=SEND_BACK_FAILED_RETRY_DELAY)
+        await asyncio.sleep(SEND_BACK_FAILED_RETRY_DELAY)
+        if not pq.dropped and not self.stopping:
+            self._offer_to_sink(sink, not_sent, pq, mq)
 
     def sink_backpressure_delay(self, topic: str) -> float:
-        return 0.0
+        """Pause pulling ``topic`` while its sink has a closed batch waiting for the writer.
+
+        The retry queue is bounded by its own thresholds and is shared by all subscriptions
+        of the group, so a slow sink does not hold it.
+        """
+        sub = self._subs.get(topic)
+        if sub is None or sub.sink is None or sub.sink.want_more():
+            return 0.0
+        return self.options.pull_time_delay_when_flow_control
 
     async def orderly_pull_gate(self, req: PullRequest) -> float:
         return await self.orderly_service.pull_gate(req)
