@@ -1,0 +1,548 @@
+"""RocketMQ -> PushConsumer -> SparkSink -> Parquet against the real broker and local PySpark.
+
+What is checked: exact round trips of every column, retries of a failing write, redelivery of a
+batch whose retries ran out, committed offsets that never pass an unwritten batch (a consumer
+process SIGKILLed after a failed write, and after a successful write before its offsets were
+persisted, then restarted), bounded memory under a slow write, and batch sizes that follow the
+consumer's flow control instead of waiting for ``max_batch_latency``.
+
+The crash tests run the consumer as a subprocess (``tests/broker/spark_consumer_proc.py``) so
+that it can be killed with SIGKILL; the others run it in the test's own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+pytest.importorskip("pyspark", reason="needs the spark extra")
+
+from rmq_async import Message, MessageQueue, Producer, PushConsumer
+from rmq_async.devbroker import LocalRocketMQ
+from rmq_async.sinks.spark import BatchInfo, SparkSink, parquet_writer
+from tests.helpers import AdminClient, unique, wait_until
+from tests.spark.session import local_spark
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+
+pytestmark = [pytest.mark.broker, pytest.mark.spark]
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = ["topic", "broker_name", "queue_id", "queue_offset"]
+#: Properties the client or broker adds to what the producer set.
+SYSTEM_PROPERTIES = {"UNIQ_KEY", "WAIT", "MIN_OFFSET", "MAX_OFFSET", "CLUSTER", "MSG_REGION", "TRACE_ON"}
+_WORDS = ["created", "paid", "shipped", "größe", "注文", "заказ", "🚚", "a-b", "x" * 40]
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[SparkSession]:
+    session = local_spark()
+    yield session
+    session.stop()
+
+
+# ---------------------------------------------------------------------------- producing
+
+
+def mixed_messages(topic: str, n: int, *, seed: int = 11) -> list[Message]:
+    """Bodies of 0 B to 4 KiB, optional tags, 0-3 keys, unicode user properties; ``seq`` = index."""
+    rng = random.Random(seed)
+    msgs = []
+    for i in range(n):
+        size = rng.choice([0, 1, 17, 100, 300, 1024, 4096])
+        props = {"seq": str(i)}
+        if i % 3 == 0:
+            props["origin"] = rng.choice(_WORDS)
+        if i % 7 == 0:
+            props[f"p-{rng.choice(_WORDS)}"] = rng.choice(_WORDS) * 3
+        msgs.append(Message(
+            topic,
+            rng.randbytes(size),
+            tags=rng.choice([*_WORDS, None]),
+            keys=[f"{rng.choice(_WORDS)}-{i}" for _ in range(rng.randrange(4))],
+            properties=props,
+        ))
+    return msgs
+
+
+def small_messages(topic: str, n: int, *, size: int = 100) -> list[Message]:
+    pad = b"." * size
+    return [Message(topic, (f"{i:09d}".encode() + pad)[:size], tags="t", keys=[f"k{i}"],
+                    properties={"seq": str(i)}) for i in range(n)]
+
+
+async def produce_tracked(namesrv: str, msgs: Sequence[Message], *, batch: int = 128,
+                          in_flight: int = 4, queue: MessageQueue | None = None,
+                          ) -> list[tuple[int, int]]:
+    """Batch-send ``msgs``; returns ``(queue_id, queue_offset)`` of each, in order."""
+    placed: list[tuple[int, int]] = [(-1, -1)] * len(msgs)
+    async with Producer(unique("PG_spark"), namesrv) as producer:
+        sem = asyncio.Semaphore(in_flight)
+
+        async def send(start: int) -> None:
+            chunk = list(msgs[start:start + batch])
+            async with sem:
+                r = await producer.send_batch(chunk, queue=queue)
+            for i in range(len(chunk)):
+                placed[start + i] = (r.queue_id, r.queue_offset + i)
+
+        async with asyncio.TaskGroup() as tg:
+            for start in range(0, len(msgs), batch):
+                tg.create_task(send(start))
+    assert len(set(placed)) == len(msgs)
+    return placed
+
+
+# ---------------------------------------------------------------------------- reading back
+
+
+def read_table(spark: SparkSession, path: Path, columns: Sequence[str] | None = None) -> pa.Table:
+    df = spark.read.parquet(str(path))
+    if columns is not None:
+        df = df.select(*columns)
+    return df.toArrow()
+
+
+def key_counts(table: pa.Table) -> collections.Counter[tuple[str, int, int]]:
+    """How often each (topic, queue_id, queue_offset) occurs (one broker in these tests)."""
+    return collections.Counter(zip(table.column("topic").to_pylist(),
+                                   table.column("queue_id").to_pylist(),
+                                   table.column("queue_offset").to_pylist(), strict=True))
+
+
+def seq_of(props: Any) -> int:
+    return int(dict(props)["seq"])
+
+
+def consumer_for(namesrv: str, group: str, **opts: Any) -> PushConsumer:
+    opts.setdefault("consume_from_where", "CONSUME_FROM_FIRST_OFFSET")
+    opts.setdefault("persist_offset_interval", 1.0)
+    return PushConsumer(group, namesrv=namesrv, **opts)
+
+
+async def offsets(namesrv: str, group: str, topic: str) -> tuple[dict[int, int], dict[int, int]]:
+    """Committed and max offsets per queue id."""
+    async with AdminClient(namesrv) as admin:
+        committed = await admin.committed_offsets(group, topic)
+        maxes = await admin.max_offsets(topic)
+    return ({mq.queue_id: o for mq, o in committed.items()},
+            {mq.queue_id: o for mq, o in maxes.items()})
+
+
+async def consume_until(consumer: PushConsumer, sink: SparkSink, rows: int, timeout: float) -> float:
+    """Run ``consumer`` until ``sink`` has written ``rows`` rows; returns the seconds it took."""
+    started = time.monotonic()
+    async with consumer:
+        await wait_until(lambda: sink.statistics().rows_written >= rows, timeout,
+                         what=f"{rows} rows written")
+    return time.monotonic() - started
+
+
+# ---------------------------------------------------------------------------- consumer process
+
+
+@dataclass
+class ConsumerProcess:
+    """The subprocess consumer of ``spark_consumer_proc``, read event by event."""
+
+    proc: asyncio.subprocess.Process
+    stderr_path: Path
+    events: list[dict[str, Any]]
+
+    async def next_event(self, predicate: Callable[[dict[str, Any]], bool],
+                         timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        async with asyncio.timeout(timeout):
+            while True:
+                line = await self.proc.stdout.readline()
+                if not line:
+                    await self.proc.wait()
+                    raise AssertionError(f"consumer process exited ({self.proc.returncode}):\n"
+                                         f"{self.stderr_tail()}")
+                event: dict[str, Any] = json.loads(line)
+                self.events.append(event)
+                if predicate(event):
+                    return event
+
+    def stderr_tail(self, n: int = 4000) -> str:
+        return self.stderr_path.read_text(errors="replace")[-n:]
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()  # SIGKILL
+        await self.proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def consumer_process(cfg: dict[str, Any], workdir: Path) -> AsyncIterator[ConsumerProcess]:
+    err = workdir / f"{unique('consumer')}.err"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with err.open("wb") as err_file:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.broker.spark_consumer_proc", json.dumps(cfg),
+            cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=err_file,
+        )
+    cp = ConsumerProcess(proc, err, [])
+    try:
+        yield cp
+    finally:
+        await cp.kill()
+
+
+def batch_ranges(event: dict[str, Any]) -> dict[int, tuple[int, int]]:
+    """queue_id -> (first, last) offset of a batch reported by the consumer process."""
+    return {qid: (lo, hi) for _topic, _broker, qid, lo, hi in event["ranges"]}
+
+
+# ---------------------------------------------------------------------------- the tests
+
+
+async def test_100k_mixed_messages_land_in_parquet_exactly(
+        rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
+    topic = unique("T_spark100k")
+    await rocketmq.create_topic(topic, queues=8)
+    msgs = mixed_messages(topic, 100_000)
+    placed = await produce_tracked(rocketmq.namesrv_addr, msgs)
+    group = unique("G_spark100k")
+    out = tmp_path / "rows.parquet"
+    sink = SparkSink(spark, parquet_writer(str(out)), batch_rows=20_000, max_batch_latency=2.0)
+    consumer = consumer_for(rocketmq.namesrv_addr, group, pull_threshold_for_queue=5000,
+                            consume_concurrently_max_span=5000)
+    consumer.subscribe(topic, sink=sink)
+    seconds = await consume_until(consumer, sink, len(msgs), 240)
+    print(f"\n100k mixed messages: {len(msgs) / seconds:,.0f} rows/s end to end "
+          f"({sink.statistics().batches_written} batches, Spark {sink.statistics().write_seconds:.1f} s)")
+
+    table = read_table(spark, out)
+    assert table.num_rows == len(msgs)
+    cols = {name: table.column(name).to_pylist() for name in table.column_names}
+    seen: set[int] = set()
+    for i in range(table.num_rows):
+        props = dict(cols["properties"][i])
+        seq = int(props["seq"])
+        assert seq not in seen, f"message {seq} twice"
+        seen.add(seq)
+        sent = msgs[seq]
+        assert cols["topic"][i] == topic
+        assert cols["broker_name"][i] == rocketmq.broker_name
+        assert (cols["queue_id"][i], cols["queue_offset"][i]) == placed[seq]
+        assert cols["body"][i] == sent.body, seq
+        assert cols["tags"][i] == sent.tags
+        assert cols["keys"][i] == (sent.keys or [])
+        expected_props = sent.all_properties()
+        assert {k: v for k, v in props.items() if k in expected_props} == expected_props
+        assert set(props) - set(expected_props) == SYSTEM_PROPERTIES, seq
+        assert cols["msg_id"][i] == props["UNIQ_KEY"]
+        assert len(cols["offset_msg_id"][i]) == 32
+        assert cols["reconsume_times"][i] == 0
+        assert cols["born_timestamp"][i] <= cols["store_timestamp"][i]
+        assert cols["born_host"][i].rsplit(":", 1)[1].isdigit()
+        assert cols["store_host"][i].endswith(f":{rocketmq.broker_port}")
+    assert seen == set(range(len(msgs)))
+    assert len(set(cols["offset_msg_id"])) == len(msgs)
+
+    committed, maxes = await offsets(rocketmq.namesrv_addr, group, topic)
+    assert committed == maxes
+
+
+async def test_default_flow_control_never_waits_for_the_batch_latency(
+        rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
+    # batch_rows (50,000 by default) is far above what the default thresholds let in
+    # (8 queues x 1000): batches must close at half of that, not after max_batch_latency.
+    topic = unique("T_spark_defaults")
+    await rocketmq.create_topic(topic, queues=8)
+    placed = await produce_tracked(rocketmq.namesrv_addr, small_messages(topic, 20_000))
+    out = tmp_path / "rows.parquet"
+    latency = 120.0
+    sink = SparkSink(spark, parquet_writer(str(out)), max_batch_latency=latency)
+    consumer = consumer_for(rocketmq.namesrv_addr, unique("G_spark_defaults"))
+    consumer.subscribe(topic, sink=sink)
+    # Four full batches well within one latency period; the tail is flushed by stop().
+    seconds = await consume_until(consumer, sink, 16_000, latency * 0.75)
+    assert seconds < latency
+    assert sink.effective_batch_rows == 8 * 1001 // 2
+    counts = key_counts(read_table(spark, out, ["topic", "queue_id", "queue_offset"]))
+    assert len(counts) >= 16_000 and max(counts.values()) == 1
+    assert set(counts) <= {(topic, q, o) for q, o in placed}
+
+
+async def test_one_busy_queue_closes_batches_when_it_stops_pulling(
+        rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
+    # Every message in queue 3: that queue stops pulling at 1000 cached messages, far below
+    # the sink's batch size for 8 queues (4004); the open batch must be closed right then
+    # instead of after max_batch_latency.
+    topic = unique("T_spark_skew")
+    await rocketmq.create_topic(topic, queues=8)
+    async with AdminClient(rocketmq.namesrv_addr) as admin:
+        mq = next(q for q in await admin.queues(topic) if q.queue_id == 3)
+    placed = await produce_tracked(rocketmq.namesrv_addr, small_messages(topic, 6000), queue=mq)
+    out = tmp_path / "rows.parquet"
+    sizes: list[int] = []
+    write = parquet_writer(str(out))
+
+    def recording_write(df: DataFrame, info: BatchInfo) -> None:
+        write(df, info)
+        sizes.append(info.row_count)
+
+    latency = 60.0
+    sink = SparkSink(spark, recording_write, max_batch_latency=latency)
+    group = unique("G_spark_skew")
+    consumer = consumer_for(rocketmq.namesrv_addr, group)
+    consumer.subscribe(topic, sink=sink)
+    # Four batches well within one latency period; the tail is flushed by stop().
+    seconds = await consume_until(consumer, sink, 4000, latency * 0.75)
+    assert seconds < latency
+    assert max(sizes) <= 1000 + 32
+    counts = key_counts(read_table(spark, out, ["topic", "queue_id", "queue_offset"]))
+    assert len(counts) == sum(sizes) and max(counts.values()) == 1
+    # What was written is a prefix of the queue, and exactly that is committed.
+    assert set(counts) == {(topic, 3, o) for o in range(len(counts))}
+    assert {(topic, q, o) for q, o in placed} >= set(counts)
+    committed, _ = await offsets(rocketmq.namesrv_addr, group, topic)
+    assert committed[3] == len(counts)
+
+
+def failing_on_call(write: Callable[[DataFrame, BatchInfo], None], call: int,
+                    failed: list[BatchInfo]) -> Callable[[DataFrame, BatchInfo], None]:
+    """``write``, except that its ``call``-th call raises (after recording the batch)."""
+    calls = 0
+
+    def wrapped(df: DataFrame, info: BatchInfo) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == call:
+            failed.append(info)
+            raise OSError(f"injected failure on call {calls}")
+        write(df, info)
+
+    return wrapped
+
+
+async def test_write_failing_once_is_retried_without_gaps_or_duplicates(
+        rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
+    topic = unique("T_spark_retry")
+    await rocketmq.create_topic(topic, queues=8)
+    placed = await produce_tracked(rocketmq.namesrv_addr, small_messages(topic, 10_000))
+    group = unique("G_spark_retry")
+    out = tmp_path / "rows.parquet"
+    failed: list[BatchInfo] = []
+    sink = SparkSink(spark, failing_on_call(parquet_writer(str(out)), 2, failed),
+                     batch_rows=2000, write_retries=2, retry_backoff=0.2)
+    consumer = consumer_for(rocketmq.namesrv_addr, group)
+    consumer.subscribe(topic, sink=sink)
+    await consume_until(consumer, sink, len(placed), 120)
+
+    assert [info.batch_id for info in failed] == [2]
+    stats = sink.statistics()
+    assert (stats.batches_given_up, stats.rows_written) == (0, len(placed))
+    counts = key_counts(read_table(spark, out, ["topic", "queue_id", "queue_offset"]))
+    assert max(counts.values()) == 1
+    assert set(counts) == {(topic, q, o) for q, o in placed}
+    committed, maxes = await offsets(rocketmq.namesrv_addr, group, topic)
+    assert committed == maxes
+
+
+async def test_batch_out_of_retries_is_redelivered_into_a_later_batch(
+        rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
+    topic = unique("T_spark_redeliver")
+    await rocketmq.create_topic(topic, queues=8)
+    msgs = small_messages(topic, 10_000)
+    placed = await produce_tracked(rocketmq.namesrv_addr, msgs)
+    group = unique("G_spark_redeliver")
+    out = tmp_path / "rows.parquet"
+    store = parquet_writer(str(out))
+    failed: list[BatchInfo] = []
+    failed_rows: list[tuple[int, str, str]] = []
+    calls = 0
+
+    def write(df: DataFrame, info: BatchInfo) -> None:
+        from pyspark.sql import functions as sf
+
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # remember what the failing call held
+            failed.append(info)
+            failed_rows.extend((seq_of(r.properties), r.msg_id, r.offset_msg_id) for r in
+                               df.select("properties", "msg_id", "offset_msg_id").collect())
+            raise OSError("injected failure on the second call")
+        store(df.withColumn("batch_id", sf.lit(info.batch_id)), info)
+
+    sink = SparkSink(spark, write, batch_rows=2000, write_retries=0)
+    consumer = consumer_for(rocketmq.namesrv_addr, group)
+    consumer.subscribe(topic, sink=sink)
+    # Everything is written once: the failed batch's rows come back through %RETRY%<group>.
+    await consume_until(consumer, sink, len(msgs), 120)
+
+    stats = sink.statistics()
+    assert stats.batches_given_up == 1 and stats.rows_given_up == len(failed_rows) > 0
+    assert [info.batch_id for info in failed] == [2]
+    table = read_table(spark, out)
+    assert table.num_rows == len(msgs)
+    rows = table.select(["topic", "queue_id", "queue_offset", "msg_id", "properties",
+                         "reconsume_times", "batch_id"]).to_pylist()
+    by_seq = {seq_of(r["properties"]): r for r in rows}
+    assert set(by_seq) == set(range(len(msgs)))  # every message once, none twice
+    retry_topic = f"%RETRY%{group}"
+    for seq, msg_id, offset_msg_id in failed_rows:
+        r = by_seq[seq]
+        props = dict(r["properties"])
+        assert r["topic"] == retry_topic and props["RETRY_TOPIC"] == topic
+        assert r["msg_id"] == msg_id and props["ORIGIN_MESSAGE_ID"] == offset_msg_id
+        assert r["reconsume_times"] == 1
+        assert r["batch_id"] > 2
+    failed_seqs = {seq for seq, _, _ in failed_rows}
+    for seq, r in by_seq.items():
+        if seq not in failed_seqs:
+            assert (r["topic"], r["queue_id"], r["queue_offset"]) == (topic, *placed[seq])
+    committed, maxes = await offsets(rocketmq.namesrv_addr, group, topic)
+    assert committed == maxes
+
+
+async def test_offsets_never_pass_a_failed_batch_across_a_kill(
+        rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
+    topic = unique("T_spark_failkill")
+    await rocketmq.create_topic(topic, queues=8)
+    placed = await produce_tracked(rocketmq.namesrv_addr, small_messages(topic, 6000))
+    group = unique("G_spark_failkill")
+    out = tmp_path / "rows.parquet"
+    cfg = {
+        "namesrv": rocketmq.namesrv_addr, "topic": topic, "group": group, "out": str(out),
+        "batch_rows": 1000, "fail_from_batch": 2, "write_retries": 20, "retry_backoff": 0.5,
+        "consumer": {"persist_offset_interval": 0.5},
+    }
+    async with consumer_process(cfg, tmp_path) as proc:
+        first = await proc.next_event(lambda e: e["event"] == "written", 120)
+        failed = await proc.next_event(lambda e: e["event"] == "write_failed", 60)
+        assert (first["batch_id"], failed["batch_id"]) == (1, 2)
+        # The batch keeps failing (retries with backoff) while the offsets are persisted
+        # every 0.5 s; kill the process in the middle of that.
+        await proc.next_event(lambda e: e["event"] == "write_failed", 30)
+        await proc.next_event(lambda e: e["event"] == "write_failed", 30)
+        await proc.kill()
+    committed, maxes = await offsets(rocketmq.namesrv_addr, group, topic)
+    written = batch_ranges(first)
+    not_written = batch_ranges(failed)
+    for qid, (lo, _hi) in not_written.items():
+        assert committed[qid] <= lo, (qid, committed[qid], lo)
+    for qid, (_lo, hi) in written.items():
+        assert committed[qid] >= hi + 1, (qid, committed[qid], hi)  # batch 1 was committed
+
+    # Restart (in this process) with a write that works: the rest arrives, nothing twice.
+    run1 = key_counts(read_table(spark, out, ["topic", "queue_id", "queue_offset"]))
+    remaining = sum(maxes[q] - max(committed[q], 0) for q in maxes)
+    sink = SparkSink(spark, parquet_writer(str(out)), batch_rows=2000)
+    consumer = consumer_for(rocketmq.namesrv_addr, group)
+    consumer.subscribe(topic, sink=sink)
+    await consume_until(consumer, sink, remaining, 120)
+    counts = key_counts(read_table(spark, out, ["topic", "queue_id", "queue_offset"]))
+    assert set(counts) == {(topic, q, o) for q, o in placed}
+    duplicated = {k for k, n in counts.items() if n > 1}
+    assert duplicated == {k for k in run1 if k[2] >= committed[k[1]]} == set()
+
+
+async def test_kill_between_write_and_offset_persist_duplicates_only_that_window(
+        rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
+    topic = unique("T_spark_kill9")
+    await rocketmq.create_topic(topic, queues=8)
+    placed = await produce_tracked(rocketmq.namesrv_addr, small_messages(topic, 8000))
+    group = unique("G_spark_kill9")
+    out = tmp_path / "rows.parquet"
+    cfg = {
+        "namesrv": rocketmq.namesrv_addr, "topic": topic, "group": group, "out": str(out),
+        "batch_rows": 1000, "hold_after_batch": 3, "consumer": {"persist_offset_interval": 1.0},
+    }
+    async with consumer_process(cfg, tmp_path) as proc:
+        # Batch 3 is in the Parquet folder, and the process holds before acknowledging it.
+        third = await proc.next_event(lambda e: e["event"] == "written" and e["batch_id"] == 3, 120)
+        await proc.kill()
+    committed, maxes = await offsets(rocketmq.namesrv_addr, group, topic)
+    for qid, (lo, _hi) in batch_ranges(third).items():
+        assert committed[qid] <= lo, "offsets passed a batch that was never acknowledged"
+    run1 = key_counts(read_table(spark, out, ["topic", "queue_id", "queue_offset"]))
+    window = {k for k in run1 if k[2] >= committed[k[1]]}
+    assert len(window) >= third["rows"]  # at least batch 3 is written and not committed
+
+    remaining = sum(maxes[q] - max(committed[q], 0) for q in maxes)
+    sink = SparkSink(spark, parquet_writer(str(out)), batch_rows=2000)
+    consumer = consumer_for(rocketmq.namesrv_addr, group)
+    consumer.subscribe(topic, sink=sink)
+    await consume_until(consumer, sink, remaining, 120)
+
+    table = read_table(spark, out, KEY)
+    counts = key_counts(table)
+    sent = {(topic, q, o) for q, o in placed}
+    assert set(counts) == sent  # every message at least once
+    assert {k for k, n in counts.items() if n > 1} == window  # duplicates: exactly that window
+    assert max(counts.values()) == 2
+    dedup = spark.read.parquet(str(out)).dropDuplicates(KEY)
+    assert dedup.count() == len(sent)
+    assert set(key_counts(dedup.select("topic", "queue_id", "queue_offset").toArrow())) == sent
+
+
+async def cached_bytes_per_message(namesrv: str, topic: str, sample: int = 4000) -> float:
+    """Python heap bytes one pulled message of ``topic`` takes, measured on a sample."""
+    import tracemalloc
+
+    async with AdminClient(namesrv) as admin:
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            msgs = await admin.read_all(topic, max_per_queue=sample // 8)
+            after = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+    return (after - before) / len(msgs)
+
+
+async def test_slow_write_keeps_memory_bounded_over_500k_messages(
+        rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
+    topic = unique("T_spark_slow")
+    await rocketmq.create_topic(topic, queues=8)
+    total = 500_000
+    placed = await produce_tracked(rocketmq.namesrv_addr, small_messages(topic, total),
+                                   batch=512, in_flight=4)
+    per_message = await cached_bytes_per_message(rocketmq.namesrv_addr, topic)
+    out = tmp_path / "rows.parquet"
+    per_queue = 6250  # 8 queues: at most ~50,000 messages held, batches of 25,000
+    cfg = {
+        "namesrv": rocketmq.namesrv_addr, "topic": topic, "group": unique("G_spark_slow"),
+        "out": str(out), "batch_rows": 1_000_000, "max_batch_latency": 5.0, "write_sleep": 2.0,
+        "expect_rows": total,
+        "consumer": {"pull_threshold_for_queue": per_queue,
+                     "consume_concurrently_max_span": per_queue},
+    }
+    started = time.monotonic()
+    async with consumer_process(cfg, tmp_path) as proc:
+        done = await proc.next_event(lambda e: e["event"] == "done", 300)
+        assert await proc.proc.wait() == 0, proc.stderr_tail()
+    seconds = time.monotonic() - started
+    growth_mib = (done["peak_rss_kib"] - done["baseline_rss_kib"]) / 1024
+    all_cached_mib = total * per_message / 2**20
+    print(f"\n500k messages, 2 s per write: {seconds:.0f} s, {done['batches']} batches of "
+          f"{done['effective_batch_rows']}, peak RSS {done['peak_rss_kib'] / 1024:.0f} MiB "
+          f"(+{growth_mib:.0f} MiB over the started consumer; all 500k messages cached would be "
+          f"{all_cached_mib:.0f} MiB at {per_message:.0f} B each), {done}")
+    capacity = 8 * (per_queue + 32)
+    assert done["effective_batch_rows"] == 8 * (per_queue + 1) // 2
+    assert done["rows_written"] == total
+    assert done["max_cached"] <= capacity and done["max_backlog"] <= capacity
+    # What the process grew by is a fraction of what holding the 500,000 waiting messages
+    # would take (it holds at most a tenth of them, plus one batch in Arrow form).
+    assert growth_mib < all_cached_mib / 3, done
+    counts = key_counts(read_table(spark, out, ["topic", "queue_id", "queue_offset"]))
+    assert len(counts) == total and max(counts.values()) == 1
+    assert set(counts) == {(topic, q, o) for q, o in placed}
