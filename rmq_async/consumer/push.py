@@ -111,6 +111,7 @@ class PushConsumer:
         self.rebalancer = Rebalancer(self)
         self._request_handler = BrokerRequestHandler(self)
         self._sub_version_override: dict[str, int] = {}
+        self._persist_lock = asyncio.Lock()
         self.start_timestamp = 0
 
     # ------------------------------------------------------------------ subscriptions
@@ -341,7 +342,8 @@ class PushConsumer:
                 log.warning("consumer.stop_timeout", group=self.group, timeout=timeout)
             await self.consume_service.aclose()
             await self.orderly_service.aclose()
-            await owner.aclose()
+            async with self._persist_lock:  # no persist round left half sent
+                await owner.aclose()
             for sub in self._subs.values():
                 if sub.sink is not None:
                     with contextlib.suppress(Exception):
@@ -371,13 +373,18 @@ class PushConsumer:
                 await self.orderly_service.unlock(mq)
 
     async def _persist_loop(self) -> None:
+        # Each round waits for the broker's answers (Java sends them oneway). A oneway update
+        # can be applied by the broker after a later one, since its request threads run in
+        # parallel, and so move a committed offset backwards; ``stop()`` takes the lock so no
+        # round is half sent when the final offsets go out.
         interval = self.options.persist_offset_interval
         while True:
             await asyncio.sleep(interval)
-            try:
-                await self.offset_store.persist_all(set(self.process_queues), oneway=True)
-            except Exception as exc:
-                log.warning("offset.persist_round_failed", error=str(exc))
+            async with self._persist_lock:
+                try:
+                    await self.offset_store.persist_all(set(self.process_queues), oneway=False)
+                except Exception as exc:
+                    log.warning("offset.persist_round_failed", error=str(exc))
 
     # ------------------------------------------------------------------ heartbeat
 
