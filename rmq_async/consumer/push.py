@@ -38,7 +38,7 @@ from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.bodies import ConsumerData, HeartbeatData
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.filter import SubscriptionData, build_subscription
-from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, MessageExt, MessageQueue
 from rmq_async.remoting.connection import Connection
 from rmq_async.remoting.errors import RemotingError
 
@@ -566,19 +566,32 @@ class PushConsumer:
 
         ``first``: the ProcessQueue had no consume turn pending (orderly scheduling).
         """
-        sub = self._subs.get(self._origin_topic(mq.topic, msgs))
+        if self.is_orderly(mq.topic):
+            # The orderly service takes the messages from the ProcessQueue in offset order.
+            self.orderly_service.submit(pq, mq, first)
+            return
+        if mq.topic != self.retry_topic:
+            self._dispatch_to(mq.topic, msgs, pq, mq)
+            return
+        # One pull of %RETRY%<group> can carry messages of several subscribed topics: each
+        # goes to the listener or sink of the topic it was first sent to.
+        by_origin: dict[str, list[MessageExt]] = {}
+        for m in msgs:
+            by_origin.setdefault(m.properties.get(PROPERTY_RETRY_TOPIC, mq.topic), []).append(m)
+        for origin, part in by_origin.items():
+            self._dispatch_to(origin, part, pq, mq)
+
+    def _dispatch_to(self, origin: str, msgs: list[MessageExt], pq: ProcessQueue,
+                     mq: MessageQueue) -> None:
+        sub = self._subs.get(origin)
         if sub is not None and sub.sink is not None:
             self._offer_to_sink(sub.sink, msgs, pq, mq)
-            return
-        if self.is_orderly(mq.topic):
-            self.orderly_service.submit(pq, mq, first)
             return
         self.consume_service.submit(msgs, pq, mq)
 
     def _origin_topic(self, topic: str, msgs: list[MessageExt]) -> str:
+        """The subscribed topic a chunk belongs to (``dispatch`` keeps chunks single-origin)."""
         if topic == self.retry_topic and msgs:
-            from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC
-
             return msgs[0].properties.get(PROPERTY_RETRY_TOPIC, topic)
         return topic
 
