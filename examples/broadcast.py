@@ -27,8 +27,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from rmq_async import ConsumeResult, Message, MessageExt, MessageQueue, Producer, PushConsumer
-from rmq_async.protocol.filter import java_string_hash
+from rmq_async import ConsumeResult, Message, MessageExt, Producer, PushConsumer
+from rmq_async.producer import select_by_key
 
 
 class CacheNode:
@@ -68,36 +68,13 @@ class CacheNode:
 
 async def ensure_topic(namesrv: str, topic: str, queues: int) -> None:
     """Create ``topic`` on every master broker of the cluster unless it already has a route."""
-    from rmq_async import NoRouteError
     from rmq_async.client.instance import ClientInstance
 
     admin = ClientInstance(namesrv, "127.0.0.1@example-admin")
     try:
-        try:
-            await admin.update_route(topic)
-            return
-        except NoRouteError:
-            pass
-        cluster = await admin.api.get_cluster_info(admin.namesrv_addrs[0])
-        for broker in cluster.broker_addr_table.values():
-            addr = broker.master_addr
-            if addr is not None:
-                await admin.api.create_topic(addr, topic, read_queues=queues,
-                                             write_queues=queues)
-        async with asyncio.timeout(30):  # the broker registers the route with the name server
-            while True:
-                try:
-                    await admin.update_route(topic)
-                    return
-                except NoRouteError:
-                    await asyncio.sleep(0.2)
+        await admin.ensure_topic(topic, queues)
     finally:
         await admin.close()
-
-
-def queue_of_key(queues: list[MessageQueue], msg: Message) -> MessageQueue:
-    key = msg.keys if isinstance(msg.keys, str) else (msg.keys or [""])[0]
-    return queues[abs(java_string_hash(key)) % len(queues)]
 
 
 async def send(namesrv: str, topic: str, run_id: str, changes: list[tuple[str, str]]) -> None:
@@ -105,7 +82,7 @@ async def send(namesrv: str, topic: str, run_id: str, changes: list[tuple[str, s
         for key, value in changes:
             # All changes of one setting go to one queue, so every node applies them in order.
             await producer.send(Message(topic, f"{run_id} {key}={value}".encode(),
-                                        tags="setting", keys=[key]), selector=queue_of_key)
+                                        tags="setting", keys=[key]), selector=select_by_key)
 
 
 async def run(namesrv: str, topic: str, group: str, offsets: Path, seconds: float) -> bool:

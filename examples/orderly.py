@@ -23,43 +23,19 @@ import contextlib
 import signal
 import uuid
 
-from rmq_async import ConsumeResult, Message, MessageExt, MessageQueue, Producer, PushConsumer
-from rmq_async.protocol.filter import java_string_hash
+from rmq_async import ConsumeResult, Message, MessageExt, Producer, PushConsumer
+from rmq_async.producer import select_by_key
 
 STEPS = ["created", "paid", "shipped", "delivered"]
 
 
-def queue_of_order(queues: list[MessageQueue], msg: Message) -> MessageQueue:
-    """Queue selector: all events of an order (its key) go to the same queue."""
-    order_id = msg.keys if isinstance(msg.keys, str) else (msg.keys or [""])[0]
-    return queues[abs(java_string_hash(order_id)) % len(queues)]
-
-
 async def ensure_topic(namesrv: str, topic: str, queues: int) -> None:
     """Create ``topic`` on every master broker of the cluster unless it already has a route."""
-    from rmq_async import NoRouteError
     from rmq_async.client.instance import ClientInstance
 
     admin = ClientInstance(namesrv, "127.0.0.1@example-admin")
     try:
-        try:
-            await admin.update_route(topic)
-            return
-        except NoRouteError:
-            pass
-        cluster = await admin.api.get_cluster_info(admin.namesrv_addrs[0])
-        for broker in cluster.broker_addr_table.values():
-            addr = broker.master_addr
-            if addr is not None:
-                await admin.api.create_topic(addr, topic, read_queues=queues,
-                                             write_queues=queues)
-        async with asyncio.timeout(30):  # the broker registers the route with the name server
-            while True:
-                try:
-                    await admin.update_route(topic)
-                    return
-                except NoRouteError:
-                    await asyncio.sleep(0.2)
+        await admin.ensure_topic(topic, queues)
     finally:
         await admin.close()
 
@@ -107,7 +83,7 @@ async def run(namesrv: str, topic: str, group: str, orders: int, seconds: float)
                 order_id = f"{run_id}-order-{n:04d}"
                 await producer.send(Message(topic, f"{order_id}:{step}".encode(),
                                             tags="order", keys=[order_id]),
-                                    selector=queue_of_order)
+                                    selector=select_by_key)
     async with consumer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), seconds)

@@ -22,6 +22,7 @@ from rmq_async.client.api import SendResult
 from rmq_async.client.errors import MQBrokerError, MQClientError
 from rmq_async.client.instance import ClientInstance
 from rmq_async.protocol.codes import MessageSysFlag
+from rmq_async.protocol.filter import java_string_hash
 from rmq_async.protocol.message import UniqKeyGenerator, encode_batch, encode_properties
 from rmq_async.protocol.types import (
     PROPERTY_UNIQ_KEY,
@@ -34,6 +35,16 @@ from rmq_async.remoting.errors import RemotingError
 log = structlog.get_logger(__name__)
 
 QueueSelector = Callable[[list[MessageQueue], Message], MessageQueue]
+
+
+def select_by_key(queues: list[MessageQueue], msg: Message) -> MessageQueue:
+    """Queue selector keeping every message with the same (first) key on one queue.
+
+    Pass it as ``send(msg, selector=select_by_key)`` for ordered messages: the queue is the
+    Java ``String.hashCode`` of the key, in absolute value, modulo the number of queues.
+    """
+    key = msg.keys if isinstance(msg.keys, str) else (msg.keys or [""])[0]
+    return queues[abs(java_string_hash(key)) % len(queues)]
 
 
 @dataclass(slots=True)

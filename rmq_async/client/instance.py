@@ -154,6 +154,27 @@ class ClientInstance:
             out.extend(entry.addrs.values())
         return sorted(set(out))
 
+    async def ensure_topic(self, topic: str, queues: int, *, timeout: float = 30.0) -> None:
+        """Create ``topic`` on every master broker of the cluster unless it already has a route,
+        then wait until the name servers serve its route."""
+        try:
+            await self.update_route(topic)
+            return
+        except NoRouteError:
+            pass
+        cluster = await self.api.get_cluster_info(self.namesrv_addrs[self._namesrv_index])
+        for broker in cluster.broker_addr_table.values():
+            addr = broker.master_addr
+            if addr is not None:
+                await self.api.create_topic(addr, topic, read_queues=queues, write_queues=queues)
+        async with asyncio.timeout(timeout):  # the broker registers the route with the name server
+            while True:
+                try:
+                    await self.update_route(topic)
+                    return
+                except NoRouteError:
+                    await asyncio.sleep(0.2)
+
     # ------------------------------------------------------------------ periodic work
 
     async def refresh_routes(self) -> None:
