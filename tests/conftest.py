@@ -1,6 +1,6 @@
 """Test-suite wiring: the real local RocketMQ fixtures (``rocketmq``, ``topic``)."""
 
-pytest_plugins = ["rmq_async.devbroker.pytest_plugin"]
+pytest_plugins = ["rmq_async.devbroker.pytest_plugin", "tests.hang_report"]
 
 import logging  # noqa: E402
 

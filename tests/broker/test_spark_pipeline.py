@@ -508,6 +508,7 @@ async def cached_bytes_per_message(namesrv: str, topic: str, sample: int = 4000)
     return (after - before) / len(msgs)
 
 
+@pytest.mark.timeout(600)  # 500k messages through a deliberately slow writer
 async def test_slow_write_keeps_memory_bounded_over_500k_messages(
         rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
     topic = unique("T_spark_slow")
