@@ -207,12 +207,20 @@ class ClientInstance:
     async def route_refresh_loop(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            await self.refresh_routes()
+            try:
+                await self.refresh_routes()
+            except Exception as exc:  # a round must never end the loop
+                log.error("route.refresh_round_failed", error=f"{type(exc).__name__}: {exc}",
+                          exc_info=exc)
 
     async def heartbeat_loop(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            await self.send_heartbeats()
+            try:
+                await self.send_heartbeats()
+            except Exception as exc:  # a round must never end the loop
+                log.error("heartbeat.round_failed", error=f"{type(exc).__name__}: {exc}",
+                          exc_info=exc)
 
     async def unregister(self, producer_group: str | None, consumer_group: str | None) -> None:
         for addr in self.all_broker_addrs():

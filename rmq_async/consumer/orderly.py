@@ -112,10 +112,22 @@ class OrderlyConsumeService:
             self._idle.clear()
             try:
                 await self._run_turn(turn.mq, turn.pq)
+            except Exception as exc:
+                # A bug must not cost the consumer a worker, nor the queue its turn (it would
+                # stay marked as consuming and never be scheduled again).
+                log.error("orderly.turn_failed", queue=str(turn.mq),
+                          error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+                self._retry_turn_later(turn.mq, turn.pq)
             finally:
                 self._active -= 1
                 if self._active == 0:
                     self._idle.set()
+
+    def _retry_turn_later(self, mq: MessageQueue, pq: ProcessQueue) -> None:
+        if pq.dropped or self._consumer.stopping:
+            return
+        pq.rollback()  # whatever the failed turn had taken is consumed again, in order
+        self.submit_later(pq, mq, self._opts.suspend_current_queue_time_millis / 1000.0)
 
     async def _run_turn(self, mq: MessageQueue, pq: ProcessQueue) -> None:
         """Consume one queue for a while, one batch after the other, in offset order."""

@@ -44,7 +44,7 @@ class Rebalancer:
 
     async def run(self) -> None:
         interval = self._consumer.options.rebalance_interval
-        while True:
+        while not self._consumer.stopping:
             self._wakeup.clear()
             try:
                 await self.rebalance_once()
@@ -55,8 +55,14 @@ class Rebalancer:
                 self._last_round_balanced = False
             # 5.x behaviour: an unbalanced round (a broker call failed) retries after 1 s.
             wait = interval if self._last_round_balanced else min(1.0, interval)
+            # Not ``asyncio.wait_for``: on Python 3.11 it returns normally when the task is
+            # cancelled in the same loop iteration as the event is set (a broker's
+            # NOTIFY_CONSUMER_IDS_CHANGED arriving while stop() cancels this task), and the
+            # swallowed cancellation left this loop running forever. ``asyncio.timeout``
+            # delivers the cancellation to this task itself, so it is never lost.
             try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout=wait)
+                async with asyncio.timeout(wait):
+                    await self._wakeup.wait()
             except TimeoutError:
                 pass
 

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Hashable
+from collections.abc import Coroutine, Hashable, Iterable
 from typing import Any
 
 import structlog
 
+from rmq_async.diagnostics import format_task
+
 log = structlog.get_logger(__name__)
+
+#: A cancelled task that has not ended after this long is cancelled again (and logged once).
+RECANCEL_INTERVAL = 1.0
+
+#: Tasks that still refuse to end after this long are given up on, loudly (``task.abandoned``),
+#: so that closing never hangs.
+ABANDON_AFTER = 60.0
 
 
 class TaskOwner:
@@ -19,6 +28,13 @@ class TaskOwner:
     every task still running and waits for all of them, so after it returns nothing this owner
     started is left running. Keyed tasks (``spawn(..., key=mq)``) can be cancelled one by one,
     which the pull service uses for one task per assigned queue.
+
+    Waiting for a cancelled task is bounded: a task that swallows its cancellation (Python
+    3.11's ``asyncio.wait_for`` does so when its inner future completes in the same loop
+    iteration) is cancelled again every :data:`RECANCEL_INTERVAL` seconds with a
+    ``task.ignored_cancel`` warning naming where it waits, and one that still runs after
+    :data:`ABANDON_AFTER` seconds is reported as ``task.abandoned`` instead of hanging the
+    caller.
     """
 
     def __init__(self, name: str) -> None:
@@ -56,10 +72,10 @@ class TaskOwner:
         task = self._keyed.pop(key, None)
         if task is None or task.done():
             return
-        task.cancel()
         if task is asyncio.current_task():
+            task.cancel()
             return
-        await asyncio.gather(task, return_exceptions=True)
+        await self._cancel_and_wait([task], ABANDON_AFTER)
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -68,14 +84,40 @@ class TaskOwner:
     def tasks(self) -> set[asyncio.Task[Any]]:
         return set(self._tasks)
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, abandon_after: float = ABANDON_AFTER) -> None:
         self._closed = True
         current = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + abandon_after
         while True:
             tasks = [t for t in self._tasks if t is not current and not t.done()]
             if not tasks:
                 break
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if not await self._cancel_and_wait(tasks, deadline - loop.time()):
+                break
         self._keyed.clear()
+
+    async def _cancel_and_wait(self, tasks: Iterable[asyncio.Task[Any]], limit: float) -> bool:
+        """Cancel ``tasks`` and wait until they end, cancelling again those that swallow it.
+
+        Returns ``False`` when some were still running after ``limit`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        pending = set(tasks)
+        warned: set[asyncio.Task[Any]] = set()
+        while pending:
+            for t in pending:
+                t.cancel()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                for t in pending:
+                    log.error("task.abandoned", owner=self.name, task=t.get_name(),
+                              seconds=limit, stack=format_task(t))
+                return False
+            _, pending = await asyncio.wait(pending, timeout=min(RECANCEL_INTERVAL, remaining))
+            for t in pending - warned:
+                warned.add(t)
+                log.warning("task.ignored_cancel", owner=self.name, task=t.get_name(),
+                            stack=format_task(t))
+        return True

@@ -295,7 +295,8 @@ class JavaProcess:
                 raise DevBrokerError(self._explain(f"printed no {regex.pattern!r} in {timeout}s"))
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                async with asyncio.timeout(remaining):  # not wait_for: see Rebalancer.run
+                    await self._changed.wait()
 
     def _explain(self, what: str) -> str:
         out = "\n".join(self.lines[-40:])
@@ -315,7 +316,8 @@ class JavaProcess:
                 if proc.returncode is not None:
                     break
                 try:
-                    await asyncio.wait_for(asyncio.shield(proc.wait()), self.stop_grace)
+                    async with asyncio.timeout(self.stop_grace):
+                        await asyncio.shield(proc.wait())
                 except TimeoutError:
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(sig)

@@ -45,6 +45,10 @@ RpcHook = Callable[[RemotingCommand], None]
 
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
 
+#: Longest wait for a paused transport to drain before a write without its own deadline (a
+#: oneway request, an answer to the peer) fails with :class:`RemotingTimeout`.
+DEFAULT_WRITE_TIMEOUT = 3.0
+
 
 class Connection(asyncio.Protocol):
     """A multiplexed request/response channel to one address."""
@@ -212,16 +216,24 @@ class Connection(asyncio.Protocol):
             return
         try:
             await self._write(response.encode_parts())
-        except ConnectionClosed:
-            pass
+        except (ConnectionClosed, RemotingTimeout) as exc:
+            log.warning("remoting.answer_not_sent", addr=self.addr, code=cmd.code, error=str(exc))
 
     # ------------------------------------------------------------------ sending
 
-    async def _write(self, parts: list[bytes]) -> None:
+    async def _write(self, parts: list[bytes], timeout: float = DEFAULT_WRITE_TIMEOUT) -> None:
+        """Write a frame; while the transport is paused (the peer does not read), wait for it
+        to drain at most ``timeout`` seconds, then give up with :class:`RemotingTimeout`."""
         if self._closed or self._transport is None:
             raise self._closed_error()
         if not self._can_write.is_set():
-            await self._can_write.wait()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._can_write.wait()
+            except TimeoutError:
+                raise RemotingTimeout(
+                    f"{self.addr} did not read what was sent within {timeout:.3f}s", addr=self.addr
+                ) from None
             if self._closed:
                 raise self._closed_error()
         self._transport.writelines(parts)
@@ -243,7 +255,9 @@ class Connection(asyncio.Protocol):
         self._pending[cmd.opaque] = fut
         timer = loop.call_later(timeout, self._expire, cmd.opaque, timeout)
         try:
-            await self._write(cmd.encode_parts())
+            # The write shares the request's deadline: a peer that stopped reading must not
+            # hold the caller past it (the timer only fails the response future).
+            await self._write(cmd.encode_parts(), timeout)
             return await fut
         finally:
             timer.cancel()

@@ -253,3 +253,21 @@ async def test_connect_error_is_typed() -> None:
     await server.wait_closed()
     with pytest.raises(RemotingConnectError):
         await Connection.open(f"127.0.0.1:{port}", connect_timeout=1)
+
+
+async def test_request_to_a_peer_that_stopped_reading_times_out() -> None:
+    # The transport is paused (its buffer is full because the peer reads nothing): the request
+    # must still end at its deadline, not wait for the buffer to drain forever.
+    async with Peer(silent) as peer:
+        conn = await Connection.open(peer.addr)
+        try:
+            conn.pause_writing()
+            started = time.monotonic()
+            with pytest.raises(RemotingTimeout):
+                await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=0.3)
+            assert time.monotonic() - started < 2
+            assert conn.pending_count == 0
+            with pytest.raises(RemotingTimeout):  # a oneway send is bounded too
+                await conn._write([b"x"], 0.2)
+        finally:
+            await conn.close()
