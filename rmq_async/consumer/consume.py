@@ -170,7 +170,7 @@ class ConcurrentConsumeService:
         ctx = ConsumeContext(message_queue=req.mq)
         now_ms = str(int(time.time() * 1000))
         for m in msgs:
-            m.properties[PROPERTY_CONSUME_START_TIME] = now_ms
+            m.put_property(PROPERTY_CONSUME_START_TIME, now_ms)
         started = time.monotonic()
         result: ConsumeResult
         if listener is None:

@@ -147,7 +147,7 @@ class ProcessQueue:
         self.msg_count += added
         self.msg_size += size
         if last is not None:
-            max_offset = last.properties.get(PROPERTY_MAX_OFFSET)
+            max_offset = last.get_property(PROPERTY_MAX_OFFSET)
             if max_offset is not None:
                 try:
                     behind = int(max_offset) - last.queue_offset
@@ -240,7 +240,7 @@ class ProcessQueue:
             msg = msgs_map.get(offset)
             if msg is None:
                 continue
-            started = msg.properties.get(PROPERTY_CONSUME_START_TIME)
+            started = msg.get_property(PROPERTY_CONSUME_START_TIME)
             if not started:
                 break
             try:

@@ -221,14 +221,12 @@ class PullService:
             if sub.tags_set:
                 msgs = [m for m in msgs if tag_matches(sub, m.tags)]
             if msgs:
-                min_s = str(result.min_offset)
-                max_s = str(result.max_offset)
+                offsets = {PROPERTY_MIN_OFFSET: str(result.min_offset),
+                           PROPERTY_MAX_OFFSET: str(result.max_offset)}
                 bname = mq.broker_name
                 for m in msgs:
                     m.broker_name = bname
-                    props = m.properties
-                    props[PROPERTY_MIN_OFFSET] = min_s
-                    props[PROPERTY_MAX_OFFSET] = max_s
+                    m.put_properties(offsets)  # does not parse the message's properties
                 first = req.pq.put_messages(msgs)
                 c.dispatch(msgs, req.pq, mq, first)
             return opts.pull_interval

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # Property keys the client reads or writes (Java MessageConst names in comments).
@@ -67,12 +68,133 @@ def java_string_sort_key(text: str) -> bytes:
     return _java_order_key(text)
 
 
+def _parse_raw_properties(raw: bytes) -> dict[str, str]:
+    """Stored properties bytes to a dict, with Java's rules (see ``message.decode_properties``).
+
+    :mod:`rmq_async.protocol.message` replaces this with the compiled parser when it is active.
+    """
+    out: dict[str, str] = {}
+    for segment in raw.decode("utf-8", "replace").split("\x02"):
+        name, _, value = segment.partition("\x01")
+        if name and value:
+            out[name] = value
+    return out
+
+
+_properties_parser: Callable[[bytes], dict[str, str]] = _parse_raw_properties
+
+
+def set_properties_parser(parser: Callable[[bytes], dict[str, str]]) -> None:
+    """Install the function that turns raw stored properties into a dict (used by the codec)."""
+    global _properties_parser
+    _properties_parser = parser
+
+
+class _FieldNames:
+    # Declaring these two names as slots here keeps the dataclass below from creating slots of
+    # its own for them, so the properties of _LazyFields are what the names resolve to. The two
+    # slots themselves stay unused.
+    __slots__ = ("offset_msg_id", "properties")
+
+
+class _LazyFields(_FieldNames):
+    """Storage of the fields that a decoded message computes only when they are first read.
+
+    A decoder leaves ``_props`` ``None`` and keeps the raw properties bytes of the record in
+    ``_props_raw``; properties set before the first read wait in ``_props_pending`` and are
+    applied after parsing (so the result equals parsing first and setting afterwards). The
+    offset message id is formatted from the store host's hex prefix and the commit-log offset
+    the record carried.
+    """
+
+    __slots__ = ("_oid", "_oid_host", "_oid_offset", "_props", "_props_pending", "_props_raw")
+
+    _props: dict[str, str] | None
+    _props_raw: bytes | None
+    _props_pending: dict[str, str] | None
+    _oid: str | None
+    _oid_host: str
+    _oid_offset: int
+
+    @property
+    def properties(self) -> dict[str, str]:
+        props = self._props
+        if props is None:
+            props = self._parse_properties()
+        return props
+
+    @properties.setter
+    def properties(self, value: dict[str, str]) -> None:
+        self._props = value
+        self._props_raw = None
+        self._props_pending = None
+
+    def _parse_properties(self) -> dict[str, str]:
+        raw = self._props_raw
+        props = _properties_parser(raw) if raw else {}
+        pending = self._props_pending
+        if pending:
+            props.update(pending)
+        self._props = props
+        self._props_raw = None
+        self._props_pending = None
+        return props
+
+    @property
+    def offset_msg_id(self) -> str:
+        oid = self._oid
+        if oid is None:
+            oid = self._oid = f"{self._oid_host}{self._oid_offset & 0xFFFFFFFFFFFFFFFF:016X}"
+        return oid
+
+    @offset_msg_id.setter
+    def offset_msg_id(self, value: str) -> None:
+        self._oid = value
+
+    def get_property(self, name: str, default: str | None = None) -> str | None:
+        props = self._props
+        if props is None:
+            pending = self._props_pending
+            if pending is not None and name in pending:
+                return pending[name]
+            props = self._parse_properties()
+        return props.get(name, default)
+
+    def put_property(self, name: str, value: str) -> None:
+        """``properties[name] = value``, without parsing properties nobody has read yet."""
+        props = self._props
+        if props is not None:
+            props[name] = value
+            return
+        pending = self._props_pending
+        if pending is None:
+            self._props_pending = {name: value}
+        else:
+            pending[name] = value
+
+    def put_properties(self, values: Mapping[str, str]) -> None:
+        """``properties.update(values)``, without parsing properties nobody has read yet."""
+        props = self._props
+        if props is not None:
+            props.update(values)
+            return
+        pending = self._props_pending
+        if pending is None:
+            self._props_pending = dict(values)
+        else:
+            pending.update(values)
+
+
 @dataclass(slots=True, eq=False)
-class MessageExt:
+class MessageExt(_LazyFields):
     """A stored message as read back from the broker (Java ``MessageExt``).
 
     Every field of the stored-record layout is kept. ``msg_id`` is the client id (UNIQ_KEY)
     when the producer set one, else ``offset_msg_id`` (Java ``MessageClientExt#getMsgId``).
+
+    Decoded messages parse ``properties`` and format ``offset_msg_id`` on first access (a
+    listener that reads only the body never pays for them); both behave as plain fields.
+    ``put_property`` / ``put_properties`` / ``get_property`` do not force the parse.
     """
 
     topic: str
@@ -109,9 +231,6 @@ class MessageExt:
             return []
         return [k for k in raw.split(KEY_SEPARATOR) if k]
 
-    def get_property(self, name: str, default: str | None = None) -> str | None:
-        return self.properties.get(name, default)
-
     @property
     def message_queue(self) -> MessageQueue:
         return MessageQueue(self.topic, self.broker_name, self.queue_id)
@@ -122,6 +241,14 @@ class MessageExt:
             f"queue_offset={self.queue_offset}, msg_id={self.msg_id!r}, tags={self.tags!r}, "
             f"body_len={len(self.body)}, reconsume_times={self.reconsume_times})"
         )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The fields, with lazy ones computed: a pickle does not depend on the decoder.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
 
 
 @dataclass(slots=True)
