@@ -15,7 +15,7 @@ from rmq_async.remoting.connection import (
     RequestHandler,
     RpcHook,
 )
-from rmq_async.remoting.errors import ConnectionClosed
+from rmq_async.remoting.errors import ConnectionClosed, RemotingTimeout
 
 log = structlog.get_logger(__name__)
 
@@ -37,8 +37,10 @@ class RemotingClient:
         rpc_hook: RpcHook | None = None,
         request_handler: RequestHandler | None = None,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        close_on_timeout: bool = True,
     ) -> None:
         self.connect_timeout = connect_timeout
+        self.close_on_timeout = close_on_timeout
         self.ssl = ssl
         self.rpc_hook = rpc_hook
         self.request_handler = request_handler
@@ -76,9 +78,24 @@ class RemotingClient:
             return conn
 
     async def invoke(self, addr: str, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
-        """Send a request and return the peer's response (any response code)."""
+        """Send a request and return the peer's response (any response code).
+
+        A request that times out closes its connection (Java's ``clientCloseSocketIfTimeout``,
+        on by default): a peer that went silent, or a half-open socket whose other end is gone,
+        would otherwise keep every later request waiting for its full timeout. Other requests
+        on it fail at once with :class:`ConnectionClosed`, and the next call reconnects.
+        """
         conn = await self.connection(addr)
-        response = await conn.request(cmd, timeout)
+        try:
+            response = await conn.request(cmd, timeout)
+        except RemotingTimeout:
+            if self.close_on_timeout and not conn.closed:
+                log.warning("remoting.closed_after_timeout", addr=addr, code=cmd.code,
+                            timeout=timeout)
+                if self._connections.get(addr) is conn:
+                    del self._connections[addr]
+                await conn.close()
+            raise
         if response.code == ResponseCode.GO_AWAY:
             # A 5.x server that is shutting down: reconnect and send once more.
             log.info("remoting.go_away", addr=addr)

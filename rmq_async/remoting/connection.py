@@ -119,7 +119,9 @@ class Connection(asyncio.Protocol):
     async def close(self) -> None:
         """Close the connection, fail pending requests and end the handler tasks."""
         self._shutdown(None)
-        tasks = list(self._handler_tasks)
+        # A handler that closes its own connection must not wait for itself.
+        current = asyncio.current_task()
+        tasks = [t for t in self._handler_tasks if t is not current]
         for task in tasks:
             task.cancel()
         if tasks:

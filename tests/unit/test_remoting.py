@@ -271,3 +271,30 @@ async def test_request_to_a_peer_that_stopped_reading_times_out() -> None:
                 await conn._write([b"x"], 0.2)
         finally:
             await conn.close()
+
+
+async def test_a_timed_out_request_replaces_its_connection() -> None:
+    # A peer that went silent (half-open): the first timeout closes the connection, the
+    # requests still waiting on it fail at once, and the next call connects anew.
+    answering = False
+
+    async def sometimes(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
+        if answering:
+            await echo(cmd, writer)
+
+    async with Peer(sometimes) as peer:
+        client = RemotingClient()
+        try:
+            waiting = asyncio.ensure_future(client.invoke(
+                peer.addr, RemotingCommand.request(RequestCode.PULL_MESSAGE), 30))
+            with pytest.raises(RemotingTimeout):
+                await client.invoke(peer.addr, RemotingCommand.request(RequestCode.HEART_BEAT), 0.2)
+            with pytest.raises(ConnectionClosed):
+                async with asyncio.timeout(2):
+                    await waiting
+            answering = True
+            r = await client.invoke(peer.addr, RemotingCommand.request(RequestCode.HEART_BEAT), 5)
+            assert r.code == ResponseCode.SUCCESS
+            assert peer.connections == 2
+        finally:
+            await client.close()
