@@ -5,9 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit test-broker lint demo broker-up broker-down broker-status bench bench-quick clean
+.PHONY: setup test test-unit test-unit-pure test-broker lint demo broker-up broker-down broker-status bench bench-quick clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py rmq_async/protocol/_cmessage.pyx
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev,spark,bench]'
@@ -18,9 +18,14 @@ setup: $(STAMP)
 
 test: setup
 	$(PY) -m pytest -ra -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-unit-pure
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -ra -p no:cacheprovider -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
+
+# The unit tests again on the pure-Python decoder (the fallback where the extension is missing).
+test-unit-pure: $(STAMP)
+	RMQ_ASYNC_NO_EXTENSIONS=1 $(PY) -m pytest -ra -p no:cacheprovider -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check rmq_async tests benchmarks examples
@@ -46,3 +51,4 @@ bench-quick: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -f rmq_async/protocol/_cmessage.c rmq_async/protocol/*.so

@@ -23,9 +23,11 @@ import secrets
 import struct
 import time
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any
+
+import structlog
 
 from .codes import (
     COMPRESSION_LZ4,
@@ -39,10 +41,11 @@ from .codes import (
     MSG_STOREHOST_V6_FLAG,
 )
 from .errors import ProtocolError
-from .types import Message, MessageExt
+from .types import Message, MessageExt, _LazyFields, set_properties_parser
 
 __all__ = [
     "DEFAULT_MAX_BODY_SIZE",
+    "IMPLEMENTATION",
     "MAGIC_V1",
     "MAGIC_V2",
     "NAME_VALUE_SEPARATOR",
@@ -125,6 +128,10 @@ def decode_properties(text: str) -> dict[str, str]:
     A pair survives only with a non-empty name and a non-empty value; the value may contain
     ``\\x01``; later duplicates win.
     """
+    return _decode_properties_impl(text)
+
+
+def _py_decode_properties(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for segment in text.split(PROPERTY_SEPARATOR):
         name, _, value = segment.partition(NAME_VALUE_SEPARATOR)
@@ -267,6 +274,9 @@ def _decompress(body: bytes, sys_flag: int, limit: int) -> bytes:
     raise ProtocolError(f"unknown compression type {ctype}")
 
 
+_new_message = MessageExt.__new__
+
+
 def _unwrap_batch(outer: MessageExt, out: list[MessageExt]) -> None:
     """Split an inner-batch record into its messages (as Java's ``decodeMessage`` does)."""
     data = outer.body
@@ -289,31 +299,31 @@ def _unwrap_batch(outer: MessageExt, out: list[MessageExt]) -> None:
         p += 2
         if props_len < 0 or p + props_len != end:
             raise ProtocolError(f"bad inner batch properties length {props_len}")
-        properties = (
-            decode_properties(data[p:end].decode("utf-8", "replace")) if props_len else {}
-        )
-        out.append(
-            MessageExt(
-                outer.topic,
-                body,
-                outer.queue_id,
-                outer.queue_offset + index,
-                flag,
-                outer.sys_flag,
-                properties,
-                0,
-                0,
-                outer.commit_log_offset,
-                outer.born_timestamp,
-                outer.born_host,
-                outer.store_timestamp,
-                outer.store_host,
-                0,
-                0,
-                outer.offset_msg_id,
-                outer.broker_name,
-            )
-        )
+        msg = _new_message(MessageExt)
+        lazy: _LazyFields = msg  # mypy does not count inherited slots of slots dataclasses
+        msg.topic = outer.topic
+        msg.body = body
+        msg.queue_id = outer.queue_id
+        msg.queue_offset = outer.queue_offset + index
+        msg.flag = flag
+        msg.sys_flag = outer.sys_flag
+        lazy._props = None
+        lazy._props_raw = data[p:end]
+        lazy._props_pending = None
+        msg.store_size = 0
+        msg.body_crc = 0
+        msg.commit_log_offset = outer.commit_log_offset
+        msg.born_timestamp = outer.born_timestamp
+        msg.born_host = outer.born_host
+        msg.store_timestamp = outer.store_timestamp
+        msg.store_host = outer.store_host
+        msg.reconsume_times = 0
+        msg.prepared_transaction_offset = 0
+        lazy._oid = outer._oid
+        lazy._oid_host = outer._oid_host
+        lazy._oid_offset = outer._oid_offset
+        msg.broker_name = outer.broker_name
+        out.append(msg)
         pos = end
         index += 1
 
@@ -330,6 +340,9 @@ def _decode_records(
     pos = 0
     fixed_v4 = _FIXED_V4.unpack_from
     fixed_v4_size = _FIXED_V4.size
+    new = _new_message
+    cls = MessageExt
+    append = out.append
     while pos < n and len(out) < limit:
         remaining = n - pos
         if remaining < _MIN_RECORD:
@@ -421,31 +434,35 @@ def _decode_records(
             raise ProtocolError(
                 f"bad properties length {props_len} (record has {end - p} bytes left)"
             )
-        properties = (
-            decode_properties(data[p:end].decode("utf-8", "replace")) if props_len else {}
-        )
         if decompress and sys_flag & MSG_COMPRESSED_FLAG:
             body = _decompress(body, sys_flag, max_body_size)
             sys_flag &= ~MSG_COMPRESSED_FLAG
-        msg = MessageExt(
-            topic,
-            body,
-            queue_id,
-            queue_offset,
-            flag,
-            sys_flag,
-            properties,
-            total,
-            crc,
-            commit_offset,
-            born_ts,
-            born[0],
-            store_ts,
-            store[0],
-            reconsume,
-            prepared,
-            f"{store[1]}{commit_offset & 0xFFFFFFFFFFFFFFFF:016X}",
-        )
+        # Properties and the offset message id are kept raw: MessageExt parses / formats them
+        # when they are first read.
+        msg = new(cls)
+        lazy: _LazyFields = msg  # mypy does not count inherited slots of slots dataclasses
+        msg.topic = topic
+        msg.body = body
+        msg.queue_id = queue_id
+        msg.queue_offset = queue_offset
+        msg.flag = flag
+        msg.sys_flag = sys_flag
+        lazy._props = None
+        lazy._props_raw = data[p:end]
+        lazy._props_pending = None
+        msg.store_size = total
+        msg.body_crc = crc
+        msg.commit_log_offset = commit_offset
+        msg.born_timestamp = born_ts
+        msg.born_host = born[0]
+        msg.store_timestamp = store_ts
+        msg.store_host = store[0]
+        msg.reconsume_times = reconsume
+        msg.prepared_transaction_offset = prepared
+        lazy._oid = None
+        lazy._oid_host = store[1]
+        lazy._oid_offset = commit_offset
+        msg.broker_name = ""
         if (
             unwrap_batch
             and (sys_flag & (MSG_INNER_BATCH_FLAG | MSG_NEED_UNWRAP_FLAG))
@@ -453,7 +470,7 @@ def _decode_records(
         ):
             _unwrap_batch(msg, out)
         else:
-            out.append(msg)
+            append(msg)
         pos = end
 
 
@@ -472,14 +489,10 @@ def decode_messages(
 
     Compressed bodies are inflated (ZLIB always; LZ4 / ZSTD when ``lz4`` / ``zstandard`` are
     importable) and their COMPRESSED flag cleared; inner batches are split into their messages.
-    ``broker_name`` is left empty: the caller knows which queue it pulled.
+    ``broker_name`` is left empty: the caller knows which queue it pulled. Properties and the
+    offset message id are parsed / formatted when first read.
     """
-    out: list[MessageExt] = []
-    try:
-        _decode_records(_as_bytes(data), out, decompress, unwrap_batch, max_body_size, 1 << 62)
-    except (struct.error, IndexError) as exc:  # defensive: every length is checked first
-        raise ProtocolError(f"malformed message record: {exc}") from None
-    return out
+    return _decode_messages(_records, data, decompress, unwrap_batch, max_body_size)
 
 
 def decode_message(
@@ -492,6 +505,33 @@ def decode_message(
 
     An inner batch is returned as its outer record, not split.
     """
+    return _decode_message(_records, data, decompress, max_body_size)
+
+
+_RecordLoop = Callable[[bytes, list[MessageExt], bool, bool, int, int], None]
+
+
+def _decode_messages(
+    records: _RecordLoop,
+    data: bytes | bytearray | memoryview,
+    decompress: bool,
+    unwrap_batch: bool,
+    max_body_size: int,
+) -> list[MessageExt]:
+    out: list[MessageExt] = []
+    try:
+        records(_as_bytes(data), out, decompress, unwrap_batch, max_body_size, 1 << 62)
+    except (struct.error, IndexError) as exc:  # defensive: every length is checked first
+        raise ProtocolError(f"malformed message record: {exc}") from None
+    return out
+
+
+def _decode_message(
+    records: _RecordLoop,
+    data: bytes | bytearray | memoryview,
+    decompress: bool,
+    max_body_size: int,
+) -> MessageExt:
     raw = _as_bytes(data)
     out: list[MessageExt] = []
     if len(raw) >= 4:
@@ -499,7 +539,7 @@ def decode_message(
         if total != len(raw):
             raise ProtocolError(f"record size {total} does not match {len(raw)} bytes given")
     try:
-        _decode_records(raw, out, decompress, False, max_body_size, 1)
+        records(raw, out, decompress, False, max_body_size, 1)
     except (struct.error, IndexError) as exc:
         raise ProtocolError(f"malformed message record: {exc}") from None
     if not out:
@@ -602,3 +642,39 @@ def encode_batch(messages: Iterable[Message]) -> bytes:
     KEYS).
     """
     return b"".join(_encode_batch_item(m.body, m.flag, m.all_properties()) for m in messages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementation: the compiled twin (rmq_async/protocol/_cmessage.pyx) when it can be imported
+# and RMQ_ASYNC_NO_EXTENSIONS is not set, else the pure-Python functions above.
+
+NO_EXTENSIONS_ENV = "RMQ_ASYNC_NO_EXTENSIONS"
+
+IMPLEMENTATION: str
+"""``"compiled"`` or ``"python"``: which decoder this process uses (fixed at import)."""
+
+_records: _RecordLoop = _decode_records
+_decode_properties_impl: Callable[[str], dict[str, str]] = _py_decode_properties
+
+
+def _use_compiled() -> bool:
+    global _records, _decode_properties_impl
+    if os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0"):
+        return False
+    try:
+        import rmq_async.protocol._cmessage as _cmessage
+    except ImportError as exc:
+        structlog.get_logger(__name__).warning(
+            "rmq_async.extensions_unavailable",
+            detail="the compiled message decoder is not available; using the pure-Python one",
+            reason=str(exc),
+        )
+        return False
+    _cmessage.install(_decompress, _host6)
+    _records = _cmessage.decode_records
+    _decode_properties_impl = _cmessage.decode_properties
+    set_properties_parser(_cmessage.parse_raw_properties)
+    return True
+
+
+IMPLEMENTATION = "compiled" if _use_compiled() else "python"
