@@ -475,7 +475,7 @@ def _decode_records(
 
 
 def _as_bytes(data: bytes | bytearray | memoryview) -> bytes:
-    return data if isinstance(data, bytes) else bytes(data)
+    return data if type(data) is bytes else bytes(data)
 
 
 def decode_messages(

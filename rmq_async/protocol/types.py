@@ -104,7 +104,7 @@ class _LazyFields(_FieldNames):
     ``_props_raw``; properties set before the first read wait in ``_props_pending`` and are
     applied after parsing (so the result equals parsing first and setting afterwards). The
     offset message id is formatted from the store host's hex prefix and the commit-log offset
-    the record carried.
+    the record carried (``_oid_host`` is ``None`` once a value was assigned).
     """
 
     __slots__ = ("_oid", "_oid_host", "_oid_offset", "_props", "_props_pending", "_props_raw")
@@ -113,15 +113,17 @@ class _LazyFields(_FieldNames):
     _props_raw: bytes | None
     _props_pending: dict[str, str] | None
     _oid: str | None
-    _oid_host: str
+    _oid_host: str | None
     _oid_offset: int
 
     @property
     def properties(self) -> dict[str, str]:
         props = self._props
-        if props is None:
-            props = self._parse_properties()
-        return props
+        if props is not None:
+            return props
+        if self._props_raw is None:  # None was assigned: keep it, as a plain field would
+            return props  # type: ignore[return-value]
+        return self._parse_properties()
 
     @properties.setter
     def properties(self, value: dict[str, str]) -> None:
@@ -143,13 +145,14 @@ class _LazyFields(_FieldNames):
     @property
     def offset_msg_id(self) -> str:
         oid = self._oid
-        if oid is None:
+        if oid is None and self._oid_host is not None:
             oid = self._oid = f"{self._oid_host}{self._oid_offset & 0xFFFFFFFFFFFFFFFF:016X}"
-        return oid
+        return oid  # type: ignore[return-value]  # None only if None was assigned
 
     @offset_msg_id.setter
     def offset_msg_id(self, value: str) -> None:
         self._oid = value
+        self._oid_host = None
 
     def get_property(self, name: str, default: str | None = None) -> str | None:
         props = self._props

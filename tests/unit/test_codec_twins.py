@@ -77,7 +77,8 @@ def _outcome(fn: Callable[[], list[MessageExt]],
     return ("ok", [_state(m, parse) for m in msgs])
 
 
-def check_twins(data: bytes, *, decompress: bool = True, unwrap_batch: bool = True,
+def check_twins(data: bytes | bytearray | memoryview, *, decompress: bool = True,
+                unwrap_batch: bool = True,
                 max_body_size: int = message.DEFAULT_MAX_BODY_SIZE) -> tuple[str, Any]:
     """Decode ``data`` with both loops (all messages, and as one record); require equal results."""
     py_loop, c_loop = _loops()
@@ -347,6 +348,26 @@ def test_lazy_fields_behave_as_plain_fields() -> None:
     copy = dataclasses.replace(m, topic="T2")
     assert (copy.topic, copy.properties, copy.offset_msg_id) == ("T2", {"UNIQ_KEY": "U"}, "O")
     assert dataclasses.asdict(m)["properties"] == {"UNIQ_KEY": "U"}
+
+
+def test_assigning_none_reads_back_none() -> None:
+    # Not what the types say, but what a plain field did.
+    [m] = message.decode_messages(encode_stored_message(
+        MessageExt(topic="T", body=b"", born_host="1.1.1.1:1", store_host="2.2.2.2:2")))
+    m.properties = None  # type: ignore[assignment]
+    m.offset_msg_id = None  # type: ignore[assignment]
+    assert m.properties is None and m.offset_msg_id is None
+
+
+@needs_compiled
+def test_bytes_like_inputs_decode_alike() -> None:
+    class Bytes(bytes):
+        pass
+
+    rec = _sample_records()[0]
+    for data in (Bytes(rec), bytearray(rec), memoryview(rec)):
+        assert check_twins(data)[0] == "ok"
+        assert message.decode_messages(data)[0].body == b"body" * 5
 
 
 def test_decoded_message_pickles_and_compares_by_identity() -> None:
