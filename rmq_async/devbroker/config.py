@@ -174,6 +174,9 @@ def jvm_command(java: Path | str, *, lib_dir: Path, main_class: str, args: Seque
         "-XX:-OmitStackTraceInFastThrow",
         "-Djava.net.preferIPv4Stack=true",
         f"-Duser.home={user_home}",
+        # Temporary files (the broker's self-signed TLS certificate among them) stay in the run
+        # folder instead of piling up in the system's temp folder.
+        f"-Djava.io.tmpdir={jvm_tmpdir(Path(user_home))}",
         f"-Drmq.logback.configurationFile={logback}",
         *extra,
         "-cp", ":".join([*(str(d) for d in class_dirs), f"{lib_dir}/*"]),
@@ -181,3 +184,10 @@ def jvm_command(java: Path | str, *, lib_dir: Path, main_class: str, args: Seque
         *args,
     ]
     return cmd
+
+
+def jvm_tmpdir(user_home: Path) -> Path:
+    """The ``java.io.tmpdir`` of a JVM whose home is ``user_home`` (created here)."""
+    tmp = user_home / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return tmp

@@ -31,6 +31,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from .config import jvm_tmpdir
 from .errors import DevBrokerError
 from .maven import cache_root, find_tool
 from .procs import pdeathsig_preexec
@@ -142,7 +143,8 @@ def java_command(main_class: str, args: Sequence[str], cp: Sequence[Path | str] 
         raise ValueError(f"not a Java class name: {main_class!r}")
     cp_text = cp if isinstance(cp, str) else os.pathsep.join(str(c) for c in cp)
     return [str(find_tool("java")), *JAVA_CLIENT_FLAGS, *jvm_flags,
-            f"-Duser.home={user_home}", "-cp", cp_text, main_class, *args]
+            f"-Duser.home={user_home}", f"-Djava.io.tmpdir={jvm_tmpdir(user_home)}",
+            "-cp", cp_text, main_class, *args]
 
 
 def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:

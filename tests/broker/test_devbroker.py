@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -126,9 +127,16 @@ async def test_broker_stop_start_keeps_port_and_store(rocketmq: LocalRocketMQ,
             await rocketmq.start()
 
 
+def _system_temp_files() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.is_file()}
+
+
 async def test_own_instance_cleans_up(tmp_path: Path) -> None:
+    temp_before = _system_temp_files()
     async with LocalRocketMQ(broker_config={"brokerName": "broker-own"}) as rmq:
         workdir = rmq.workdir
+        # The broker's self-signed TLS certificate lands in the run folder, not in /tmp.
+        assert list((workdir / "tmp").glob("keyutil_*.crt"))
         pids = dict(rmq.pids)
         assert set(pids) == {"namesrv", "broker", "admin"}
         assert all(str(workdir) in pid_cmdline(p) for p in pids.values())
@@ -140,6 +148,8 @@ async def test_own_instance_cleans_up(tmp_path: Path) -> None:
         assert f"haListenPort={rmq.broker_port + 1}\n" in conf
     assert not any(pid_alive(p) for p in pids.values())
     assert not workdir.exists()
+    left = {n for n in _system_temp_files() - temp_before if n.startswith("keyutil_")}
+    assert not left, f"files left in the system temp folder: {sorted(left)}"
 
 
 async def test_start_failure_quotes_the_logs() -> None:
