@@ -233,6 +233,55 @@ cdef dict _parse_text(str text):
     return out
 
 
+cdef object _find_in_text(str text, str name):
+    # The value parse would give ``name`` (the last pair with that name and a non-empty value),
+    # or None; no dict and no substring other than the result are built.
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    cdef Py_ssize_t name_len = PyUnicode_GET_LENGTH(name)
+    cdef int kind = PyUnicode_KIND(text)
+    cdef void *data = PyUnicode_DATA(text)
+    cdef int name_kind = PyUnicode_KIND(name)
+    cdef void *name_data = PyUnicode_DATA(name)
+    cdef Py_ssize_t i, j, start = 0, sep = -1, found_start = -1, found_end = -1
+    cdef Py_UCS4 ch
+    cdef bint same
+    if name_len == 0:
+        return None
+    for i in range(n + 1):
+        if i < n:
+            ch = PyUnicode_READ(kind, data, i)
+            if ch == 1:
+                if sep < 0:
+                    sep = i
+                continue
+            if ch != 2:
+                continue
+        if sep - start == name_len and i > sep + 1:
+            if kind == name_kind:
+                same = memcmp(<char *> data + start * kind, name_data, name_len * kind) == 0
+            else:
+                same = True
+                for j in range(name_len):
+                    if PyUnicode_READ(kind, data, start + j) != \
+                            PyUnicode_READ(name_kind, name_data, j):
+                        same = False
+                        break
+            if same:
+                found_start = sep + 1
+                found_end = i
+        start = i + 1
+        sep = -1
+    if found_start < 0:
+        return None
+    return PyUnicode_Substring(text, found_start, found_end)
+
+
+def find_raw_property(bytes raw not None, str name not None):
+    """``parse_raw_properties(raw).get(name)`` without building the dict."""
+    return _find_in_text(PyUnicode_DecodeUTF8(PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw),
+                                              b"replace"), name)
+
+
 def decode_properties(str text not None):
     """Compiled :func:`rmq_async.protocol.message.decode_properties`."""
     return _parse_text(text)

@@ -673,7 +673,7 @@ def _use_compiled() -> bool:
     _cmessage.install(_decompress, _host6)
     _records = _cmessage.decode_records
     _decode_properties_impl = _cmessage.decode_properties
-    set_properties_parser(_cmessage.parse_raw_properties)
+    set_properties_parser(_cmessage.parse_raw_properties, _cmessage.find_raw_property)
     return True
 
 

@@ -82,12 +82,21 @@ def _parse_raw_properties(raw: bytes) -> dict[str, str]:
 
 
 _properties_parser: Callable[[bytes], dict[str, str]] = _parse_raw_properties
+# Finds one property in raw stored properties without parsing them all (None: parse instead).
+_property_finder: Callable[[bytes, str], str | None] | None = None
 
 
-def set_properties_parser(parser: Callable[[bytes], dict[str, str]]) -> None:
-    """Install the function that turns raw stored properties into a dict (used by the codec)."""
-    global _properties_parser
+def set_properties_parser(
+    parser: Callable[[bytes], dict[str, str]],
+    finder: Callable[[bytes, str], str | None] | None = None,
+) -> None:
+    """Install the functions that read raw stored properties (used by the codec).
+
+    ``finder(raw, name)`` must equal ``parser(raw).get(name)``.
+    """
+    global _properties_parser, _property_finder
     _properties_parser = parser
+    _property_finder = finder
 
 
 class _FieldNames:
@@ -155,11 +164,16 @@ class _LazyFields(_FieldNames):
         self._oid_host = None
 
     def get_property(self, name: str, default: str | None = None) -> str | None:
+        """``properties.get(name, default)``; reading one property does not parse them all."""
         props = self._props
         if props is None:
             pending = self._props_pending
             if pending is not None and name in pending:
                 return pending[name]
+            raw = self._props_raw
+            if raw is not None and _property_finder is not None:
+                value = _property_finder(raw, name)
+                return default if value is None else value
             props = self._parse_properties()
         return props.get(name, default)
 
@@ -221,15 +235,15 @@ class MessageExt(_LazyFields):
 
     @property
     def msg_id(self) -> str:
-        return self.properties.get(PROPERTY_UNIQ_KEY) or self.offset_msg_id
+        return self.get_property(PROPERTY_UNIQ_KEY) or self.offset_msg_id
 
     @property
     def tags(self) -> str | None:
-        return self.properties.get(PROPERTY_TAGS)
+        return self.get_property(PROPERTY_TAGS)
 
     @property
     def keys(self) -> list[str]:
-        raw = self.properties.get(PROPERTY_KEYS)
+        raw = self.get_property(PROPERTY_KEYS)
         if not raw:
             return []
         return [k for k in raw.split(KEY_SEPARATOR) if k]

@@ -321,7 +321,34 @@ def test_parse_raw_properties_alike(parts: list[bytes]) -> None:
     assert py == message._py_decode_properties(raw.decode("utf-8", "replace"))
 
 
+@needs_compiled
+@TWINS
+@given(st.lists(st.sampled_from([b"\x01", b"\x02", b"a", b"TAGS", b"\xc3\xa9", b"\xc3", b"\xff",
+                                 b"\xf0\x9d\x84\x9e", b"\xef\xbf\xbd"]), max_size=30),
+       st.sampled_from(["a", "aa", "TAGS", "é", "\ufffd", "𝄞", "a\ufffd", "", "\x01"]))
+def test_find_raw_property_matches_parse(parts: list[bytes], name: str) -> None:
+    assert _cmessage is not None
+    raw = b"".join(parts)
+    assert _cmessage.find_raw_property(raw, name) == types._parse_raw_properties(raw).get(name)
+
+
 # ------------------------------------------------------------------------------ lazy fields
+
+
+@needs_compiled
+def test_compiled_accessors_read_single_properties_without_parsing() -> None:
+    assert _cmessage is not None
+    msg = MessageExt(topic="T", body=b"b", born_host="1.2.3.4:5", store_host="10.0.0.1:1",
+                     properties={"TAGS": "x", "KEYS": "a b", "UNIQ_KEY": "U"})
+    [m] = message._decode_messages(_loops()[1], encode_stored_message(msg), True, True, 1 << 20)
+    saved = (types._properties_parser, types._property_finder)
+    types.set_properties_parser(_cmessage.parse_raw_properties, _cmessage.find_raw_property)
+    try:
+        assert (m.tags, m.keys, m.msg_id, m.get_property("nope", "d")) == ("x", ["a", "b"], "U", "d")
+        assert m._props is None
+        assert m.properties == msg.properties
+    finally:
+        types.set_properties_parser(*saved)
 
 
 def test_lazy_fields_behave_as_plain_fields() -> None:
