@@ -375,7 +375,7 @@ def decode_records(bytes data not None, list out not None, bint decompress, bint
     cdef const unsigned char *buf = <const unsigned char *> PyBytes_AS_STRING(data)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
     cdef Py_ssize_t pos = 0, remaining, end, p
-    cdef int32_t total, magic, sys_flag, body_len, port, topic_len
+    cdef int32_t total, magic, sys_flag, body_len, topic_len
     cdef int64_t store_ts
     cdef int topic_len_size
     cdef int16_t props_len
