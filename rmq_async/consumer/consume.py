@@ -1,8 +1,8 @@
-"""Concurrent consumption: worker tasks run the listener on batches taken from an asyncio.Queue.
+"""Concurrent consumption: worker tasks run the listener on pulled chunks taken from an asyncio.Queue.
 
-Pulled messages are split into requests of ``consume_message_batch_max_size`` and queued; each
-of the ``consume_concurrency`` workers takes one request at a time and calls the listener. The
-result decides what happens to every message of the batch:
+Each pulled chunk is queued as one request; each of the ``consume_concurrency`` workers takes
+one chunk at a time and calls the listener on it in batches of ``consume_message_batch_max_size``.
+The result of each call decides what happens to every message of its batch:
 
 * acknowledged (SUCCESS up to ``ack_index``): removed from the ProcessQueue;
 * failed, clustering: sent back to the broker (CONSUMER_SEND_MSG_BACK), which redelivers it
@@ -11,7 +11,8 @@ result decides what happens to every message of the batch:
   locally after 5 s;
 * failed, broadcasting: logged with its id and dropped (as the Java client does).
 
-Removing messages from the ProcessQueue yields the lowest offset still cached; that becomes the
+Once every batch of the chunk had its call, the chunk is settled at once: removing its messages
+from the ProcessQueue yields the lowest offset still cached; that becomes the
 queue's in-memory consume offset, unless the queue was dropped by a rebalance meanwhile, in
 which case the result commits nothing.
 """
@@ -97,6 +98,16 @@ def reset_retry_topic(msgs: list[MessageExt], retry_topic: str) -> None:
 
 
 class ConcurrentConsumeService:
+    """Runs the listener on pulled chunks with ``consume_concurrency`` worker tasks.
+
+    The unit of work is the chunk one pull delivered (one :class:`ConsumeRequest`, one queue
+    hop). A worker calls the listener on it in slices of ``consume_message_batch_max_size``,
+    one after the other, then settles the whole chunk at once: one ProcessQueue removal, one
+    offset update and one stats update, however many listener calls it took. Concurrency comes
+    from the workers taking further chunks (of the same queue or others) meanwhile; a slow
+    listener fills the ProcessQueues and the pull flow control holds the pulls back as usual.
+    """
+
     def __init__(self, consumer: PushConsumer) -> None:
         self._consumer = consumer
         self._opts = consumer.options
@@ -117,12 +128,9 @@ class ConcurrentConsumeService:
         return self._queue.qsize()
 
     def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue) -> None:
-        size = self._opts.consume_message_batch_max_size
-        if len(msgs) <= size:
+        """Queue one pulled chunk (all of one queue and one subscribed topic)."""
+        if msgs:
             self._queue.put_nowait(ConsumeRequest(msgs, pq, mq))
-            return
-        for i in range(0, len(msgs), size):
-            self._queue.put_nowait(ConsumeRequest(msgs[i:i + size], pq, mq))
 
     def submit_later(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
                      delay: float) -> None:
@@ -157,6 +165,13 @@ class ConcurrentConsumeService:
             self._idle.clear()
             try:
                 await self._consume(req)
+            except Exception as exc:
+                # A bug must not cost the consumer a worker. The chunk's messages are still
+                # cached (nothing was removed), so they are consumed again after a pause.
+                log.error("consume.chunk_failed", queue=str(req.mq), count=len(req.msgs),
+                          error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+                if not req.pq.dropped and not self._draining:
+                    self.submit_later(req.msgs, req.pq, req.mq, SEND_BACK_FAILED_RETRY_DELAY)
             finally:
                 self._in_flight -= 1
                 if self._in_flight == 0:
@@ -165,68 +180,89 @@ class ConcurrentConsumeService:
     async def _consume(self, req: ConsumeRequest) -> None:
         c = self._consumer
         msgs = req.msgs
-        reset_retry_topic(msgs, c.retry_topic)
-        listener = c.listener_for(msgs[0].topic)
-        ctx = ConsumeContext(message_queue=req.mq)
+        pq = req.pq
+        mq = req.mq
+        if mq.topic == c.retry_topic:
+            reset_retry_topic(msgs, c.retry_topic)
+        topic = msgs[0].topic
+        adapter = c.listener_for(topic)
         now_ms = str(int(time.time() * 1000))
         for m in msgs:
             m.put_property(PROPERTY_CONSUME_START_TIME, now_ms)
-        started = time.monotonic()
-        result: ConsumeResult
-        if listener is None:
-            log.warning("consume.no_listener", topic=msgs[0].topic, queue=str(req.mq))
-            result = ConsumeResult.RECONSUME_LATER
-        else:
-            try:
-                raw = await listener(msgs, ctx)
-                result = _as_concurrent_result(raw)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("consume.listener_raised", topic=msgs[0].topic, queue=str(req.mq),
-                            offsets=[m.queue_offset for m in msgs],
-                            msg_ids=[m.msg_id for m in msgs[:8]],
-                            error=f"{type(exc).__name__}: {exc}")
-                result = ConsumeResult.RECONSUME_LATER
-        elapsed = time.monotonic() - started
-        req.pq.last_consume_timestamp = time.monotonic()
-        await self.process_result(req, result, ctx, elapsed)
-
-    async def process_result(self, req: ConsumeRequest, result: ConsumeResult,
-                             ctx: ConsumeContext, elapsed: float) -> None:
-        c = self._consumer
-        msgs = req.msgs
         n = len(msgs)
-        if result is ConsumeResult.SUCCESS:
-            ack = n - 1 if ctx.ack_index is None or ctx.ack_index >= n else ctx.ack_index
+        size = self._opts.consume_message_batch_max_size
+        ctx = ConsumeContext(message_queue=mq)
+        # Failed messages with the delay level their call asked for.
+        failed: list[tuple[MessageExt, int]] = []
+        done = 0  # messages handed to the listener (acknowledged or failed)
+        calls = 0
+        started = time.monotonic()
+        if adapter is None:
+            log.warning("consume.no_listener", topic=topic, queue=str(mq))
+            failed = [(m, 0) for m in msgs]
+            done = n
         else:
-            ack = -1
-        ok = ack + 1
-        failed = msgs[ok:]
-        topic = msgs[0].topic
-        c.stats.record_consume(topic, ok, len(failed), elapsed)
-        if req.pq.dropped:
+            # The direct form skips a coroutine layer per call for ``async def f(msgs)``.
+            direct = adapter.fn if adapter.is_async and not adapter.wants_context else None
+            while done < n:
+                if calls and (self._draining or pq.dropped):
+                    break  # no new listener call; the rest stays cached, unacknowledged
+                batch = msgs[done:done + size] if (done or n > size) else msgs
+                ctx.ack_index = None
+                ctx.delay_level_when_next_consume = 0
+                calls += 1
+                try:
+                    raw = await (direct(batch) if direct is not None else adapter(batch, ctx))
+                    result = _as_concurrent_result(raw)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("consume.listener_raised", topic=topic, queue=str(mq),
+                                offsets=[m.queue_offset for m in batch],
+                                msg_ids=[m.msg_id for m in batch[:8]],
+                                error=f"{type(exc).__name__}: {exc}")
+                    result = ConsumeResult.RECONSUME_LATER
+                k = len(batch)
+                ok = ctx.acked_count(k, result)
+                if ok < k:
+                    level = ctx.delay_level_when_next_consume
+                    failed.extend((m, level) for m in batch[ok:])
+                done += k
+        elapsed = time.monotonic() - started
+        pq.last_consume_timestamp = time.monotonic()
+        await self._settle(req, msgs[:done] if done < n else msgs, failed, elapsed, calls)
+
+    async def _settle(self, req: ConsumeRequest, handled: list[MessageExt],
+                      failed: list[tuple[MessageExt, int]], elapsed: float, calls: int) -> None:
+        """One removal, one offset update and one stats update for the handled messages."""
+        c = self._consumer
+        pq = req.pq
+        c.stats.record_consume(handled[0].topic if handled else req.mq.topic,
+                               len(handled) - len(failed), len(failed), elapsed, calls=calls)
+        if pq.dropped:
             # Rebalance took the queue away meanwhile: this result commits nothing.
-            log.debug("consume.result_for_dropped_queue", queue=str(req.mq), count=n)
+            log.debug("consume.result_for_dropped_queue", queue=str(req.mq), count=len(handled))
             return
-        to_remove = msgs
+        to_remove = handled
         if failed:
             if self._opts.message_model == MessageModel.BROADCASTING:
                 log.warning("consume.broadcast_failed_dropped", queue=str(req.mq),
-                            msg_ids=[m.msg_id for m in failed],
-                            offsets=[m.queue_offset for m in failed])
+                            msg_ids=[m.msg_id for m, _ in failed],
+                            offsets=[m.queue_offset for m, _ in failed])
             else:
                 not_sent: list[MessageExt] = []
-                for m in failed:
-                    if not await c.send_message_back(m, ctx.delay_level_when_next_consume):
+                for m, level in failed:
+                    if not await c.send_message_back(m, level):
                         m.reconsume_times += 1
                         not_sent.append(m)
                 if not_sent:
                     keep = {id(m) for m in not_sent}
-                    to_remove = [m for m in msgs if id(m) not in keep]
-                    self.submit_later(not_sent, req.pq, req.mq, SEND_BACK_FAILED_RETRY_DELAY)
-        offset = req.pq.remove_messages(to_remove)
-        if offset >= 0 and not req.pq.dropped:
+                    to_remove = [m for m in handled if id(m) not in keep]
+                    self.submit_later(not_sent, pq, req.mq, SEND_BACK_FAILED_RETRY_DELAY)
+        if not to_remove:
+            return
+        offset = pq.remove_messages(to_remove)
+        if offset >= 0 and not pq.dropped:
             c.offset_store.update(req.mq, offset, increase_only=True)
 
     # ------------------------------------------------------------------ consume timeout

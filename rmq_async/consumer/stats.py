@@ -121,11 +121,13 @@ class ConsumerStats:
         ts.pull_rt.add(now, rt * 1000.0)
         ts.pull_tps.add(now, float(msgs))
 
-    def record_consume(self, topic: str, ok: int, failed: int, rt: float) -> None:
-        """A listener call that acknowledged ``ok`` and failed ``failed`` messages in ``rt`` s."""
+    def record_consume(self, topic: str, ok: int, failed: int, rt: float, *,
+                       calls: int = 1) -> None:
+        """``calls`` listener calls that acknowledged ``ok`` and failed ``failed`` messages in
+        ``rt`` seconds together (the consume RT is kept per call)."""
         now = self._clock()
         ts = self._topic(topic, now)
-        ts.consume_rt.add(now, rt * 1000.0)
+        ts.consume_rt.add(now, rt * 1000.0, max(calls, 1))
         if ok:
             ts.consume_ok.add(now, float(ok))
         if failed:

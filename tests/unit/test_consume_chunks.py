@@ -1,0 +1,147 @@
+"""The concurrent service settles each pulled chunk once, whatever the listener batch size."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rmq_async.consumer.consume import ConcurrentConsumeService, ListenerAdapter
+from rmq_async.consumer.options import ConsumerOptions
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.results import ConsumeContext, ConsumeResult
+from rmq_async.consumer.stats import ConsumerStats
+from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
+
+MQ = MessageQueue("T", "broker-a", 0)
+
+
+class CountingProcessQueue(ProcessQueue):
+    removals = 0
+
+    def remove_messages(self, msgs: Any) -> int:
+        self.removals += 1
+        return super().remove_messages(msgs)
+
+
+class Harness:
+    def __init__(self, listener: Callable[..., Any], **opts: Any) -> None:
+        self.options = ConsumerOptions.from_kwargs("G", consume_concurrency=2, **opts)
+        self.stats = ConsumerStats()
+        self.updates: list[int] = []
+        self.sent_back: list[tuple[int, int]] = []
+        self.send_back_ok = True
+        self.adapter = ListenerAdapter(listener)
+        consumer = SimpleNamespace(
+            group="G", options=self.options, stats=self.stats, retry_topic="%RETRY%G",
+            offset_store=SimpleNamespace(update=lambda mq, off, increase_only: self.updates.append(off)),
+            listener_for=lambda topic: self.adapter,
+            send_message_back=self._send_back,
+        )
+        self.service = ConcurrentConsumeService(consumer)  # type: ignore[arg-type]
+        self.pq = CountingProcessQueue()
+        self.recorded = 0
+        real_record = self.stats.record_consume
+
+        def counting_record(*a: Any, **kw: Any) -> None:
+            self.recorded += 1
+            real_record(*a, **kw)
+
+        self.stats.record_consume = counting_record  # type: ignore[method-assign]
+
+    async def _send_back(self, msg: MessageExt, level: int) -> bool:
+        if self.send_back_ok:
+            self.sent_back.append((msg.queue_offset, level))
+        return self.send_back_ok
+
+    @property
+    def removals(self) -> int:
+        return self.pq.removals
+
+    async def run_chunk(self, n: int, first: int = 0) -> list[MessageExt]:
+        msgs = [MessageExt("T", f"m{i}".encode(), 0, i) for i in range(first, first + n)]
+        self.pq.put_messages(msgs)
+        self.service.start()
+        try:
+            self.service.submit(msgs, self.pq, MQ)
+            async with asyncio.timeout(5):
+                while self.service.queued or self.removals == 0:
+                    await asyncio.sleep(0.005)
+                await self.service.wait_idle()
+        finally:
+            await self.service.aclose()
+        return msgs
+
+
+async def test_one_removal_offset_update_and_stats_update_per_chunk() -> None:
+    calls: list[list[int]] = []
+
+    async def listener(msgs: list[MessageExt]) -> ConsumeResult:
+        calls.append([m.queue_offset for m in msgs])
+        assert msgs[0].get_property(PROPERTY_CONSUME_START_TIME)
+        return ConsumeResult.SUCCESS
+
+    h = Harness(listener)  # consume_message_batch_max_size=1, the default
+    await h.run_chunk(32)
+    assert calls == [[i] for i in range(32)]  # one call per message, in offset order
+    assert (h.removals, h.updates, h.recorded) == (1, [32], 1)
+    snap = h.stats.snapshot("T")
+    assert snap["consumeOKTPS"] > 0 and snap["consumeFailedTPS"] == 0
+
+
+async def test_failures_and_ack_index_per_call_then_one_settlement() -> None:
+    async def listener(msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeResult:
+        first = msgs[0].queue_offset
+        if first == 4:
+            ctx.ack_index = 1       # 4, 5 acknowledged; 6, 7 failed
+            return ConsumeResult.SUCCESS
+        if first == 8:
+            ctx.delay_level_when_next_consume = 5
+            raise RuntimeError("batch 8..11 fails")
+        return ConsumeResult.SUCCESS
+
+    h = Harness(listener, consume_message_batch_max_size=4)
+    await h.run_chunk(16)
+    # The delay level a call set applies to its failed messages, even when it raised.
+    assert h.sent_back == [(6, 0), (7, 0), (8, 5), (9, 5), (10, 5), (11, 5)]
+    # Sent back counts as done: the whole chunk is removed at once and the offset moves past it.
+    assert (h.removals, h.updates, h.recorded) == (1, [16], 1)
+
+
+async def test_a_failed_send_back_keeps_the_offset_below_the_message() -> None:
+    async def listener(msgs: list[MessageExt]) -> ConsumeResult | None:
+        return None if msgs[0].queue_offset == 3 else ConsumeResult.SUCCESS
+
+    h = Harness(listener)
+    h.send_back_ok = False
+    await h.run_chunk(8)
+    assert h.updates == [3]  # lowest unacknowledged offset
+    assert h.pq.msg_count == 1
+
+
+async def test_a_bug_in_settling_does_not_lose_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+
+    async def listener(msgs: list[MessageExt]) -> ConsumeResult:
+        seen.append(msgs[0].queue_offset)
+        return ConsumeResult.SUCCESS
+
+    h = Harness(listener)
+    boom = True
+    real = h.service._settle
+
+    async def settle(*a: Any, **kw: Any) -> None:
+        nonlocal boom
+        if boom:
+            boom = False
+            raise KeyError("bug")
+        await real(*a, **kw)
+
+    monkeypatch.setattr(h.service, "_settle", settle)
+    monkeypatch.setattr("rmq_async.consumer.consume.SEND_BACK_FAILED_RETRY_DELAY", 0.01)
+    await h.run_chunk(2)
+    assert seen == [0, 1, 0, 1]  # the chunk was consumed again
+    assert h.updates == [2]
