@@ -18,17 +18,20 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from rmq_async.client.api import PullStatus
+from rmq_async.client.api import PullResult, PullStatus
 from rmq_async.client.errors import MQBrokerError, MQClientError
+from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.codes import ResponseCode
 from rmq_async.protocol.filter import tag_matches
 from rmq_async.protocol.message import ProtocolError
+from rmq_async.protocol.salvage import decode_messages_salvaging
 from rmq_async.protocol.types import (
     PROPERTY_MAX_OFFSET,
     PROPERTY_MIN_OFFSET,
+    MessageExt,
     MessageQueue,
 )
 from rmq_async.remoting.errors import RemotingError
@@ -75,6 +78,8 @@ class PullService:
         self.flow_span = _RateLimitedCounter("pull.flow_control.span")
         self.flow_broker = _RateLimitedCounter("pull.flow_control.broker_busy", every=100)
         self.pulls = 0
+        #: Queues whose last pull the broker refused with NO_PERMISSION.
+        self.refused: set[MessageQueue] = set()
         # Per-queue thresholds, recomputed from the topic thresholds on rebalance.
         self.queue_count_threshold: dict[str, int] = {}
         self.queue_size_threshold_mib: dict[str, int] = {}
@@ -169,8 +174,46 @@ class PullService:
             if wait > 0:
                 await asyncio.sleep(wait)
 
+    def _decode(self, req: PullRequest, result: PullResult) -> tuple[list[MessageExt], int]:
+        """The messages of a FOUND answer and the offset to pull next.
+
+        A record that cannot be decoded is skipped, loudly: the messages before it are
+        delivered, it is reported (``consumer.corrupt_record`` with its queue and offset, and
+        a :class:`ConsumerError` to the ``on_error`` handlers), and the next pull starts right
+        after it, so the records behind it are pulled again and delivered. (The Java client
+        drops the bad record and everything after it in the same answer without a word.)
+        Retrying the same bytes could only fail again and stall the queue for good.
+        """
+        try:
+            return result.decode(), result.next_begin_offset
+        except ProtocolError:
+            pass
+        msgs, bad = decode_messages_salvaging(result.body)
+        assert bad is not None  # the whole body did not decode, so some record did not
+        delta = result.offset_delta or 0
+        if delta:
+            for m in msgs:
+                m.queue_offset += delta
+        low = msgs[-1].queue_offset + 1 if msgs else req.next_offset
+        bad_offset = low
+        if bad.queue_offset is not None and low <= bad.queue_offset + delta < result.next_begin_offset:
+            bad_offset = bad.queue_offset + delta
+        self._consumer.report_error(ConsumerError(
+            ConsumerErrorKind.CORRUPT_RECORD, req.mq.topic, req.mq, bad_offset,
+            f"{bad.error}; skipped, {len(msgs)} message(s) before it delivered, "
+            f"pulling again from offset {bad_offset + 1}"))
+        return msgs, bad_offset + 1
+
     def _error_delay(self, req: PullRequest, exc: MQBrokerError) -> float:
         opts = self._opts
+        if exc.code == ResponseCode.NO_PERMISSION:
+            # Reported once when it starts and once when it ends, not on every retry.
+            if req.mq not in self.refused:
+                self.refused.add(req.mq)
+                self._consumer.report_error(ConsumerError(
+                    ConsumerErrorKind.PERMISSION_DENIED, req.mq.topic, req.mq, req.next_offset,
+                    f"the broker refuses to serve this queue: {exc.remark}"))
+            return opts.pull_time_delay_when_exception
         if exc.code == ResponseCode.FLOW_CONTROL:
             self.flow_broker.hit(queue=str(req.mq), code=exc.code)
             return opts.pull_time_delay_when_broker_flow_control
@@ -211,13 +254,17 @@ class PullService:
         )
         self.pulls += 1
         elapsed = time.monotonic() - started
+        if mq in self.refused:
+            self.refused.discard(mq)
+            c.report_error(ConsumerError(ConsumerErrorKind.PERMISSION_RESTORED, mq.topic, mq,
+                                         req.next_offset, "the broker serves this queue again"))
         if req.pq.dropped:
             return 0.0
         status = result.status
         if status is PullStatus.FOUND:
-            msgs = result.decode()
+            msgs, next_offset = self._decode(req, result)
             c.stats.record_pull(mq.topic, len(msgs), elapsed)
-            req.next_offset = result.next_begin_offset
+            req.next_offset = next_offset
             if sub.tags_set:
                 msgs = [m for m in msgs if tag_matches(sub, m.tags)]
             if msgs:

@@ -17,6 +17,7 @@ from rmq_async.client.errors import MQBrokerError, MQClientError, NoRouteError
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.admin import BrokerRequestHandler, raise_if_refused
 from rmq_async.consumer.consume import ConcurrentConsumeService, ListenerAdapter
+from rmq_async.consumer.events import ConsumerError, ErrorHandler, ErrorReporter
 from rmq_async.consumer.offset_store import (
     OFFSET_NOT_FOUND,
     BrokerOffsetStore,
@@ -113,6 +114,7 @@ class PushConsumer:
         self._sub_version_override: dict[str, int] = {}
         self._persist_lock = asyncio.Lock()
         self.start_timestamp = 0
+        self.errors = ErrorReporter()
 
     # ------------------------------------------------------------------ subscriptions
 
@@ -296,6 +298,7 @@ class PushConsumer:
                 await self._owner.aclose()
                 await self.instance.close()
                 raise
+            self.errors.owner = self._owner
             self.consume_service.start()
             self.orderly_service.start()
             o = self.options
@@ -344,6 +347,7 @@ class PushConsumer:
             await self.orderly_service.aclose()
             async with self._persist_lock:  # no persist round left half sent
                 await owner.aclose()
+            self.errors.owner = None
             for sub in self._subs.values():
                 if sub.sink is not None:
                     with contextlib.suppress(Exception):
@@ -744,9 +748,22 @@ class PushConsumer:
         For each topic: ``pullRT`` / ``consumeRT`` (average milliseconds per pull / listener
         call over the last minute), ``pullTPS`` / ``consumeOKTPS`` / ``consumeFailedTPS``
         (messages per second over the last minute) and ``consumeFailedMsgs`` (failed messages
-        in the last hour) — the figures ``mqadmin consumerStatus`` shows.
+        in the last hour) — the figures ``mqadmin consumerStatus`` shows — and ``errors``:
+        the :class:`~rmq_async.consumer.events.ConsumerError` events reported for the topic
+        since start, by kind.
         """
-        return {topic: self.stats.snapshot(topic) for topic in self.subscribed_topics()}
+        return {topic: {**self.stats.snapshot(topic), "errors": self.errors.topic_counts(topic)}
+                for topic in self.subscribed_topics()}
+
+    def on_error(self, handler: ErrorHandler) -> ErrorHandler:
+        """Register ``handler`` (a function or ``async def``, usable as a decorator) for the
+        problems the consumer works around without stopping: a corrupt record skipped, a
+        queue the broker refuses. It receives a :class:`ConsumerError`."""
+        self.errors.handlers.append(handler)
+        return handler
+
+    def report_error(self, event: ConsumerError) -> None:
+        self.errors.report(event)
 
     def running_tasks(self) -> int:
         n = 0

@@ -1,0 +1,126 @@
+"""A corrupt record never stalls its queue: what precedes it is delivered, it is reported, skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+
+from rmq_async.client.api import PullResult, PullStatus
+from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
+from rmq_async.consumer.options import ConsumerOptions
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.pull import PullRequest, PullService
+from rmq_async.protocol.message import encode_stored_message
+from rmq_async.protocol.salvage import decode_messages_salvaging
+from rmq_async.protocol.types import MessageExt, MessageQueue
+
+MQ = MessageQueue("T", "broker-a", 3)
+
+
+def _records(first: int, n: int) -> list[bytes]:
+    return [encode_stored_message(MessageExt(
+        "T", f"body-{first + i}".encode(), queue_id=3, queue_offset=first + i,
+        properties={"KEYS": f"k{first + i}"}, born_host="127.0.0.1:1", store_host="127.0.0.1:2"))
+        for i in range(n)]
+
+
+def _service() -> tuple[PullService, list[ConsumerError]]:
+    reported: list[ConsumerError] = []
+    consumer = SimpleNamespace(group="G", options=ConsumerOptions.from_kwargs("G"),
+                               report_error=reported.append)
+    return PullService(consumer), reported  # type: ignore[arg-type]
+
+
+def _corrupt_magic(record: bytes) -> bytes:
+    return record[:4] + b"\x00\x00\x00\x00" + record[8:]
+
+
+def _corrupt_body(record: bytes) -> bytes:
+    # Mark the record compressed with a body that is not zlib: it cannot be inflated.
+    flag_at = 4 + 4 + 4 + 4 + 4 + 8 + 8
+    sys_flag = int.from_bytes(record[flag_at:flag_at + 4], "big") | 0x1
+    return record[:flag_at] + sys_flag.to_bytes(4, "big") + record[flag_at + 4:]
+
+
+@pytest.mark.parametrize("spoil", [_corrupt_magic, _corrupt_body], ids=["magic", "inflate"])
+def test_third_record_corrupt_delivers_two_reports_third_and_moves_past_it(
+        spoil: Callable[[bytes], bytes]) -> None:
+    recs = _records(100, 5)
+    recs[2] = spoil(recs[2])
+    body = b"".join(recs)
+    service, reported = _service()
+    req = PullRequest(MQ, ProcessQueue(), 100)
+    result = PullResult(PullStatus.FOUND, 105, 0, 105, 0, body)
+    msgs, next_offset = service._decode(req, result)
+    assert [m.queue_offset for m in msgs] == [100, 101]
+    assert [m.body for m in msgs] == [b"body-100", b"body-101"]
+    assert next_offset == 103  # the records behind the bad one are pulled again
+    assert len(reported) == 1
+    event = reported[0]
+    assert (event.kind, event.queue, event.offset) == (ConsumerErrorKind.CORRUPT_RECORD, MQ, 102)
+    # The next pull answer starts after it and is whole.
+    again = PullResult(PullStatus.FOUND, 105, 0, 105, 0, b"".join(recs[3:]))
+    msgs, next_offset = service._decode(PullRequest(MQ, ProcessQueue(), 103), again)
+    assert [m.queue_offset for m in msgs] == [103, 104] and next_offset == 105
+    assert len(reported) == 1
+
+
+def test_unreadable_size_falls_back_to_the_offset_after_the_last_good_record() -> None:
+    recs = _records(7, 3)
+    body = recs[0] + b"\xff\xff" + b"".join(recs[1:])  # garbage where record 8 begins
+    service, reported = _service()
+    msgs, next_offset = service._decode(PullRequest(MQ, ProcessQueue(), 7),
+                                        PullResult(PullStatus.FOUND, 10, 0, 10, 0, body))
+    assert [m.queue_offset for m in msgs] == [7]
+    assert reported[0].offset == 8 and next_offset == 9
+
+
+def test_salvage_of_a_whole_body_is_the_plain_decode() -> None:
+    body = b"".join(_records(0, 4))
+    msgs, bad = decode_messages_salvaging(body)
+    assert bad is None and [m.queue_offset for m in msgs] == [0, 1, 2, 3]
+    _, bad = decode_messages_salvaging(body[:-3])
+    assert bad is not None and bad.position == sum(len(r) for r in _records(0, 3))
+
+
+def test_permission_refused_is_reported_once_per_episode() -> None:
+    from rmq_async.client.errors import MQBrokerError
+    from rmq_async.protocol.codes import ResponseCode
+
+    service, reported = _service()
+    req = PullRequest(MQ, ProcessQueue(), 5)
+    refused = MQBrokerError(ResponseCode.NO_PERMISSION, "the topic is not readable")
+    for _ in range(3):
+        assert service._error_delay(req, refused) > 0
+    assert [(e.kind, e.offset) for e in reported] == [(ConsumerErrorKind.PERMISSION_DENIED, 5)]
+    assert service.refused == {MQ}
+
+
+async def test_error_handlers_sync_and_async_and_counts() -> None:
+    import asyncio
+
+    from rmq_async.consumer.events import ErrorReporter
+    from rmq_async.consumer.tasks import TaskOwner
+
+    reporter = ErrorReporter()
+    owner = TaskOwner("consumer[G]")
+    reporter.owner = owner
+    seen: list[str] = []
+    done = asyncio.Event()
+
+    def broken(event: ConsumerError) -> None:
+        raise ValueError("a handler bug does not stop the others")
+
+    async def notify(event: ConsumerError) -> None:
+        seen.append(f"async {event.kind}")
+        done.set()
+
+    reporter.handlers += [broken, lambda e: seen.append(f"sync {e.offset}"), notify]
+    reporter.report(ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MQ, 9, "bad magic"))
+    async with asyncio.timeout(5):
+        await done.wait()
+    await owner.aclose()
+    assert seen == ["sync 9", "async corrupt_record"]
+    assert reporter.topic_counts("T") == {"corrupt_record": 1}
