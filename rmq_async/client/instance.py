@@ -21,7 +21,7 @@ from rmq_async.protocol.bodies import (
 )
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.client import RemotingClient
-from rmq_async.remoting.connection import RequestHandler, RpcHook
+from rmq_async.remoting.connection import Connection, RequestHandler, RpcHook
 from rmq_async.remoting.errors import RemotingError
 
 log = structlog.get_logger(__name__)
@@ -42,6 +42,23 @@ class _BrokerAddrs:
         if master is not None:
             return master
         return next(iter(self.addrs.values()), None)
+
+
+class _AnnouncingRemoting(RemotingClient):
+    """A :class:`RemotingClient` that calls ``on_connect(addr)`` once per new connection
+    (Java's ``ChannelEventListener.onChannelActive``)."""
+
+    def __init__(self, *, on_connect: Callable[[str], None], **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._on_connect = on_connect
+        self._announced: dict[str, Connection] = {}
+
+    async def connection(self, addr: str) -> Connection:
+        conn = await super().connection(addr)
+        if self._announced.get(addr) is not conn:
+            self._announced[addr] = conn
+            self._on_connect(addr)
+        return conn
 
 
 class ClientInstance:
@@ -68,10 +85,11 @@ class ClientInstance:
         self.namesrv_addrs = parse_namesrv(namesrv)
         self.client_id = client_id
         self.heartbeat_source = heartbeat_source
-        self.remoting = RemotingClient(
+        self.remoting: RemotingClient = _AnnouncingRemoting(
             connect_timeout=connect_timeout, ssl=ssl, rpc_hook=rpc_hook,
-            request_handler=request_handler,
+            request_handler=request_handler, on_connect=self._connected,
         )
+        self._connect_heartbeats: set[asyncio.Task[None]] = set()
         self.api = MQClientAPI(self.remoting, timeout=api_timeout)
         self.routes: dict[str, TopicRouteData] = {}
         self.brokers: dict[str, _BrokerAddrs] = {}
@@ -204,6 +222,28 @@ class ClientInstance:
                 self.broker_versions[addr] = res
         return status
 
+    def _connected(self, addr: str) -> None:
+        """A new connection to a broker: send it a heartbeat right away, as Java's client does
+        (``enableHeartbeatChannelEventListener``). A broker forgets a client whose connection
+        closed; without this, a consumer that reconnected after a timeout, a reset or a broker
+        restart would have its pulls refused ("the consumer's group info not exist") until the
+        next periodic heartbeat, up to ``heartbeat_interval`` later."""
+        if self.heartbeat_source is None or self.remoting.closed:
+            return
+        if addr not in self.all_broker_addrs():
+            return  # a name server
+        task = asyncio.get_running_loop().create_task(self._heartbeat_one(addr),
+                                                      name=f"heartbeat-on-connect {addr}")
+        self._connect_heartbeats.add(task)
+        task.add_done_callback(self._connect_heartbeats.discard)
+
+    async def _heartbeat_one(self, addr: str) -> None:
+        assert self.heartbeat_source is not None
+        try:
+            self.broker_versions[addr] = await self.api.heartbeat(addr, self.heartbeat_source())
+        except Exception as exc:  # the periodic heartbeat tries again
+            log.warning("heartbeat.on_connect_failed", broker=addr, error=str(exc))
+
     async def route_refresh_loop(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
@@ -228,7 +268,11 @@ class ClientInstance:
                 await self.api.unregister_client(addr, self.client_id, producer_group, consumer_group)
 
     async def close(self) -> None:
+        for task in list(self._connect_heartbeats):
+            task.cancel()
         await self.remoting.close()
+        if self._connect_heartbeats:
+            await asyncio.gather(*self._connect_heartbeats, return_exceptions=True)
 
 
 def parse_namesrv(namesrv: str | list[str]) -> list[str]:

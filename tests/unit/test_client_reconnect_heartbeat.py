@@ -1,0 +1,103 @@
+"""A client instance sends a heartbeat on every new broker connection (Java's
+onChannelActive), so a broker that forgot the client with its old connection knows it again
+before the next pull, not up to ``heartbeat_interval`` later."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from rmq_async.client.instance import ClientInstance, _BrokerAddrs
+from rmq_async.protocol.bodies import HeartbeatData
+from rmq_async.protocol.codes import RequestCode, ResponseCode
+from rmq_async.protocol.command import FrameDecoder, RemotingCommand
+
+
+class FakeBroker:
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        decoder = FrameDecoder()
+        try:
+            while data := await reader.read(65536):
+                for cmd in decoder.feed(data):
+                    self.codes.append(cmd.code)
+                    if not cmd.is_oneway:
+                        writer.write(cmd.response_to(ResponseCode.SUCCESS).encode())
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    def heartbeats(self) -> int:
+        return self.codes.count(RequestCode.HEART_BEAT)
+
+
+@contextlib.asynccontextmanager
+async def fake_broker() -> AsyncIterator[tuple[FakeBroker, str]]:
+    broker = FakeBroker()
+    server = await asyncio.start_server(broker.handle, "127.0.0.1", 0)
+    try:
+        yield broker, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def _wait(predicate: object, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_heartbeat_on_every_new_broker_connection() -> None:
+    async with fake_broker() as (broker, addr):
+        instance = ClientInstance("127.0.0.1:1", "cid@test",
+                                  heartbeat_source=lambda: HeartbeatData(client_id="cid@test"))
+        instance.brokers["b"] = _BrokerAddrs("c", {0: addr})
+        try:
+            ping = RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": "T"})
+            await instance.remoting.invoke(addr, ping, 3)
+            await _wait(lambda: broker.heartbeats() == 1)
+            # More requests on the same connection: no more heartbeats.
+            for _ in range(3):
+                await instance.remoting.invoke(
+                    addr, RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {}), 3)
+            await asyncio.sleep(0.05)
+            assert broker.heartbeats() == 1
+            # The broker drops the connection; the next request reconnects and re-registers.
+            broker.writers[-1].transport.abort()
+            await _wait(lambda: not instance.remoting.addresses)
+            await instance.remoting.invoke(
+                addr, RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {}), 3)
+            await _wait(lambda: broker.heartbeats() == 2)
+        finally:
+            await instance.close()
+
+
+async def test_no_heartbeat_to_name_servers_or_without_a_source() -> None:
+    async with fake_broker() as (server, addr):
+        # An address that is no broker of any route (a name server): nothing sent.
+        instance = ClientInstance(addr, "cid@test",
+                                  heartbeat_source=lambda: HeartbeatData(client_id="cid@test"))
+        try:
+            await instance.remoting.invoke(
+                addr, RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {}), 3)
+            await asyncio.sleep(0.05)
+            assert server.heartbeats() == 0
+        finally:
+            await instance.close()
+        # A producer-less, consumer-less instance (no heartbeat source): nothing sent.
+        bare = ClientInstance(addr, "cid@bare")
+        bare.brokers["b"] = _BrokerAddrs("c", {0: addr})
+        try:
+            await bare.remoting.invoke(
+                addr, RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {}), 3)
+            await asyncio.sleep(0.05)
+            assert server.heartbeats() == 0
+        finally:
+            await bare.close()
