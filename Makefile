@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit test-unit-pure test-broker lint demo broker-up broker-down broker-status bench bench-quick clean
+.PHONY: setup test test-unit test-unit-pure test-broker lint demo broker-up broker-down broker-status bench bench-quick clean chaos
 
 $(STAMP): pyproject.toml setup.py rmq_async/protocol/_cmessage.pyx
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test-unit: $(STAMP)
 # The unit tests again on the pure-Python decoder (the fallback where the extension is missing).
 test-unit-pure: $(STAMP)
 	RMQ_ASYNC_NO_EXTENSIONS=1 $(PY) -m pytest -ra -p no:cacheprovider -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
+
+# The chaos suite (tests/chaos) at full sizes: 100,000-message broker kill, 50,000-message
+# retry storm, 200,000 messages of rebalance churn for 60 s. make test runs it at small sizes.
+chaos: setup
+	RMQ_CHAOS_FULL=1 $(PY) -m pytest -ra -p no:cacheprovider --durations=25 tests/chaos $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check rmq_async tests benchmarks examples
