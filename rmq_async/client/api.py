@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from rmq_async.client.errors import NoRouteError, broker_error
 from rmq_async.protocol import headers as h
@@ -20,7 +23,7 @@ from rmq_async.protocol.codes import (
     RequestCode,
     ResponseCode,
 )
-from rmq_async.protocol.command import RemotingCommand
+from rmq_async.protocol.command import FrameTemplate, RemotingCommand, next_opaque
 from rmq_async.protocol.filter import SubscriptionData
 from rmq_async.protocol.message import decode_messages
 from rmq_async.protocol.types import MessageExt, MessageQueue
@@ -42,6 +45,12 @@ _PULL_STATUS = {
     ResponseCode.PULL_RETRY_IMMEDIATELY: PullStatus.NO_MATCHED_MSG,
     ResponseCode.PULL_OFFSET_MOVED: PullStatus.OFFSET_ILLEGAL,
 }
+_PULL_TEMPLATES_MAX = 4096
+# Values no real pull carries, marking where a pull template's changing numbers go.
+_HOLE_QUEUE_OFFSET = -7777777777777777771
+_HOLE_COMMIT_OFFSET = -7777777777777777772
+_HOLE_SYS_FLAG = -777777773
+_PULL_STATUS_BY_CODE: dict[int, PullStatus] = {int(k): v for k, v in _PULL_STATUS.items()}
 
 
 @dataclass(slots=True)
@@ -75,10 +84,44 @@ class SendResult:
     transaction_id: str | None = None
 
 
+class PendingPull:
+    """A PULL_MESSAGE in flight: :meth:`result` waits for the answer, :meth:`cancel` drops it."""
+
+    __slots__ = ("addr", "future", "queue_offset", "sent_at")
+
+    def __init__(self, addr: str, queue_offset: int,
+                 future: asyncio.Future[RemotingCommand]) -> None:
+        self.addr = addr
+        self.queue_offset = queue_offset
+        self.future = future
+        self.sent_at = time.monotonic()
+
+    def cancel(self) -> None:
+        self.future.cancel()
+
+    async def result(self) -> PullResult:
+        resp = await self.future
+        code = resp.code
+        status = _PULL_STATUS_BY_CODE.get(code)
+        if status is None:
+            raise broker_error(code, resp.remark, addr=self.addr, request="PULL_MESSAGE")
+        rh = h.PullMessageResponseHeader.from_ext_fields(resp.ext_fields or {})
+        return PullResult(
+            status=status,
+            next_begin_offset=rh.next_begin_offset,
+            min_offset=rh.min_offset,
+            max_offset=rh.max_offset,
+            suggest_which_broker_id=rh.suggest_which_broker_id,
+            body=resp.body if code == ResponseCode.SUCCESS else b"",
+            offset_delta=rh.offset_delta,
+        )
+
+
 class MQClientAPI:
     """One method per broker / name-server request. Errors become :class:`MQBrokerError`."""
 
     def __init__(self, remoting: RemotingClient, *, timeout: float = 3.0) -> None:
+        self._pull_templates: dict[tuple[Any, ...], FrameTemplate | None] = {}
         self.remoting = remoting
         self.timeout = timeout
 
@@ -203,6 +246,28 @@ class MQClientAPI:
         ``subscription`` (an expression or SubscriptionData) is sent with the SUBSCRIPTION flag,
         so the broker does not need a heartbeat-registered subscription.
         """
+        pending = await self.start_pull(
+            addr, group=group, mq=mq, queue_offset=queue_offset, max_msg_nums=max_msg_nums,
+            commit_offset=commit_offset, suspend_timeout=suspend_timeout, timeout=timeout,
+            subscription=subscription, sub_version=sub_version, expression_type=expression_type)
+        return await pending.result()
+
+    async def start_pull(
+        self,
+        addr: str,
+        *,
+        group: str,
+        mq: MessageQueue,
+        queue_offset: int,
+        max_msg_nums: int = 32,
+        commit_offset: int = -1,
+        suspend_timeout: float = 15.0,
+        timeout: float = 30.0,
+        subscription: SubscriptionData | str | None = None,
+        sub_version: int = 0,
+        expression_type: str = "TAG",
+    ) -> PendingPull:
+        """Send a PULL_MESSAGE (as :meth:`pull_message`) and return it in flight."""
         sys_flag = 0
         if commit_offset > 0:
             sys_flag |= PullSysFlag.FLAG_COMMIT_OFFSET
@@ -217,34 +282,50 @@ class MQClientAPI:
                 sub_version = subscription.sub_version
             else:
                 expression = subscription
-        ext = h.PullMessageRequestHeader(
-            consumer_group=group,
-            topic=mq.topic,
-            queue_id=mq.queue_id,
-            queue_offset=queue_offset,
-            max_msg_nums=max_msg_nums,
-            sys_flag=sys_flag,
-            commit_offset=max(commit_offset, 0),
-            suspend_timeout_millis=int(suspend_timeout * 1000),
-            subscription=expression,
-            sub_version=sub_version,
-            expression_type=expression_type,
-            bname=mq.broker_name,
-        ).to_ext_fields()
-        resp = await self._call(
-            addr, RequestCode.PULL_MESSAGE, ext, timeout=timeout,
-            ok=tuple(_PULL_STATUS), name="PULL_MESSAGE",
-        )
-        rh = h.PullMessageResponseHeader.from_ext_fields(resp.ext_fields or {})
-        return PullResult(
-            status=_PULL_STATUS[ResponseCode(resp.code)],
-            next_begin_offset=rh.next_begin_offset,
-            min_offset=rh.min_offset,
-            max_offset=rh.max_offset,
-            suggest_which_broker_id=rh.suggest_which_broker_id,
-            body=resp.body if resp.code == ResponseCode.SUCCESS else b"",
-            offset_delta=rh.offset_delta,
-        )
+        suspend_ms = int(suspend_timeout * 1000)
+        commit = max(commit_offset, 0)
+
+        def header(queue_offset: Any, sys_flag: Any, commit: Any) -> h.PullMessageRequestHeader:
+            return h.PullMessageRequestHeader(
+                consumer_group=group,
+                topic=mq.topic,
+                queue_id=mq.queue_id,
+                queue_offset=queue_offset,
+                max_msg_nums=max_msg_nums,
+                sys_flag=sys_flag,
+                commit_offset=commit,
+                suspend_timeout_millis=suspend_ms,
+                subscription=expression,
+                sub_version=sub_version,
+                expression_type=expression_type,
+                bname=mq.broker_name,
+            )
+
+        def make_cmd() -> RemotingCommand:
+            return RemotingCommand.request(
+                RequestCode.PULL_MESSAGE,
+                ext_fields=header(queue_offset, sys_flag, commit).to_ext_fields())
+
+        # The same pull goes out again and again with a new offset: its frame is encoded once
+        # per queue and subscription, and only the changing numbers are written per pull.
+        key = (mq, group, max_msg_nums, suspend_ms, expression, sub_version, expression_type)
+        template = self._pull_templates.get(key)
+        if template is None and key not in self._pull_templates:
+            if len(self._pull_templates) >= _PULL_TEMPLATES_MAX:
+                self._pull_templates.clear()
+            template = self._pull_templates[key] = FrameTemplate.build(
+                RemotingCommand.request(RequestCode.PULL_MESSAGE, ext_fields=header(
+                    _HOLE_QUEUE_OFFSET, _HOLE_SYS_FLAG, _HOLE_COMMIT_OFFSET).to_ext_fields()),
+                {"queue_offset": str(_HOLE_QUEUE_OFFSET), "sys_flag": str(_HOLE_SYS_FLAG),
+                 "commit_offset": str(_HOLE_COMMIT_OFFSET)})
+        frame = None
+        if template is not None:
+            opaque = next_opaque()
+            frame = (opaque, template.render(opaque, {
+                "queue_offset": queue_offset, "sys_flag": sys_flag, "commit_offset": commit}))
+        future = await self.remoting.start_invoke(addr, make_cmd, timeout, frame=frame)
+        return PendingPull(addr, queue_offset, future)
+
 
     # ------------------------------------------------------------------ failures, locks
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
+from collections.abc import Callable
 
 import structlog
 
@@ -103,6 +104,43 @@ class RemotingClient:
             conn = await self.connection(addr)
             response = await conn.request(cmd, timeout)
         return response
+
+    async def start_invoke(self, addr: str, make_cmd: Callable[[], RemotingCommand],
+                           timeout: float, *, frame: tuple[int, bytes] | None = None,
+                           ) -> asyncio.Future[RemotingCommand]:
+        """Send a request and return the future of its response without awaiting it.
+
+        Pipelining form of :meth:`invoke` with the same close-on-timeout rule; a GO_AWAY
+        answer closes the connection too, but is not sent again: the caller sees its code.
+        ``frame`` (opaque, bytes) is the request already encoded; ``make_cmd`` builds it when
+        the connection cannot take the encoded form.
+        """
+        conn = await self.connection(addr)
+        fut = conn.start_frame(*frame, timeout) if frame is not None else None
+        if fut is None:
+            cmd = make_cmd()
+            fut = conn.start_request(cmd, timeout)
+            if fut is None:  # the transport is paused: wait for it in a request of our own
+                return asyncio.ensure_future(self.invoke(addr, cmd, timeout))
+
+        def after(f: asyncio.Future[RemotingCommand]) -> None:
+            if f.cancelled():
+                return
+            exc = f.exception()
+            if exc is None:
+                if f.result().code != ResponseCode.GO_AWAY:
+                    return
+                log.info("remoting.go_away", addr=addr)
+            elif not (self.close_on_timeout and isinstance(exc, RemotingTimeout)):
+                return
+            elif not conn.closed:
+                log.warning("remoting.closed_after_timeout", addr=addr, timeout=timeout)
+            if self._connections.get(addr) is conn:
+                del self._connections[addr]
+            conn.abort()
+
+        fut.add_done_callback(after)
+        return fut
 
     async def invoke_oneway(self, addr: str, cmd: RemotingCommand) -> None:
         conn = await self.connection(addr)

@@ -72,6 +72,9 @@ class Connection(asyncio.Protocol):
         self._close_exc: BaseException | None = None
         self._closed_event = asyncio.Event()
         self._can_write = asyncio.Event()
+        # Frames written during one loop iteration, sent together at its end (one syscall for
+        # the pulls of several queues answered in the same read).
+        self._out: list[bytes] | None = None
         self._can_write.set()
         self.last_activity = asyncio.get_running_loop().time()
 
@@ -140,6 +143,9 @@ class Connection(asyncio.Protocol):
             if exc is not None:
                 self._transport.abort()
             else:
+                out, self._out = self._out, None
+                if out:  # frames written just before a graceful close still go out
+                    self._transport.writelines(out)
                 self._transport.close()
         reason = "connection closed" if exc is None else f"connection closed: {exc}"
         pending, self._pending = self._pending, {}
@@ -238,7 +244,7 @@ class Connection(asyncio.Protocol):
                 ) from None
             if self._closed:
                 raise self._closed_error()
-        self._transport.writelines(parts)
+        self._send_soon(parts)
 
     def _closed_error(self) -> ConnectionClosed:
         err = ConnectionClosed(f"connection to {self.addr} is closed", addr=self.addr)
@@ -264,6 +270,69 @@ class Connection(asyncio.Protocol):
         finally:
             timer.cancel()
             self._pending.pop(cmd.opaque, None)
+
+    def start_request(self, cmd: RemotingCommand,
+                      timeout: float) -> asyncio.Future[RemotingCommand] | None:
+        """Send ``cmd`` now and return the future of its response, without awaiting it.
+
+        The same request as :meth:`request` (same timeout, same failure on close), for callers
+        that keep a request in flight while they do other work (the pull loop sends its next
+        pull before it decodes the answer it just got). Cancelling the future forgets the
+        request. Returns ``None`` while the transport is paused: the caller then uses
+        :meth:`request`, which waits for it to drain.
+        """
+        if self._closed:
+            raise self._closed_error()
+        if self._transport is None or not self._can_write.is_set():
+            return None
+        if self._rpc_hook is not None:
+            self._rpc_hook(cmd)
+        opaque = cmd.opaque = next_opaque()
+        return self._start(opaque, cmd.encode_parts(), timeout)
+
+    def start_frame(self, opaque: int, frame: bytes,
+                    timeout: float) -> asyncio.Future[RemotingCommand] | None:
+        """:meth:`start_request` for a request already encoded with ``opaque`` (a
+        :class:`~rmq_async.protocol.command.FrameTemplate`). ``None`` when it cannot be sent
+        as is: the transport is paused, or requests must be signed (an RPC hook is set)."""
+        if self._closed:
+            raise self._closed_error()
+        if self._transport is None or not self._can_write.is_set() or self._rpc_hook is not None:
+            return None
+        return self._start(opaque, [frame], timeout)
+
+    def _start(self, opaque: int, parts: list[bytes],
+               timeout: float) -> asyncio.Future[RemotingCommand]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[RemotingCommand] = loop.create_future()
+        self._pending[opaque] = fut
+        timer = loop.call_later(timeout, self._expire, opaque, timeout)
+        pending = self._pending
+
+        def forget(_: asyncio.Future[RemotingCommand]) -> None:
+            timer.cancel()
+            pending.pop(opaque, None)
+
+        fut.add_done_callback(forget)
+        self._send_soon(parts)
+        return fut
+
+    def _send_soon(self, parts: list[bytes]) -> None:
+        out = self._out
+        if out is None:
+            self._out = list(parts)
+            asyncio.get_running_loop().call_soon(self._flush)
+        else:
+            out.extend(parts)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, None
+        if out and not self._closed and self._transport is not None:
+            self._transport.writelines(out)
+
+    def abort(self) -> None:
+        """Close at once, without waiting (pending requests fail with ConnectionClosed)."""
+        self._shutdown(None)
 
     def _expire(self, opaque: int, timeout: float) -> None:
         fut = self._pending.pop(opaque, None)
