@@ -23,7 +23,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -50,11 +50,19 @@ Listener = Callable[..., Any]
 SEND_BACK_FAILED_RETRY_DELAY = 5.0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class ConsumeRequest:
+    """A pulled chunk, and how far its consumption got (read by the expired-message cleaner)."""
+
     msgs: list[MessageExt]
     pq: ProcessQueue
     mq: MessageQueue
+    started_ms: int = 0
+    done: int = 0
+    """Leading messages handed to the listener and answered (acknowledged or in ``failed``)."""
+    failed: list[tuple[MessageExt, int]] = field(default_factory=list)
+    settled: int = 0
+    """Leading messages the cleaner already removed from the ProcessQueue (a stuck chunk)."""
 
 
 class ListenerAdapter:
@@ -117,6 +125,7 @@ class ConcurrentConsumeService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
+        self._inflight: set[ConsumeRequest] = set()
 
     def start(self) -> None:
         for i in range(self._opts.consume_concurrency):
@@ -173,6 +182,7 @@ class ConcurrentConsumeService:
                 if not req.pq.dropped and not self._draining:
                     self.submit_later(req.msgs, req.pq, req.mq, SEND_BACK_FAILED_RETRY_DELAY)
             finally:
+                self._inflight.discard(req)
                 self._in_flight -= 1
                 if self._in_flight == 0:
                     self._idle.set()
@@ -186,21 +196,46 @@ class ConcurrentConsumeService:
             reset_retry_topic(msgs, c.retry_topic)
         topic = msgs[0].topic
         adapter = c.listener_for(topic)
-        now_ms = str(int(time.time() * 1000))
+        started_ms = int(time.time() * 1000)
+        now_ms = str(started_ms)
         for m in msgs:
             m.put_property(PROPERTY_CONSUME_START_TIME, now_ms)
         n = len(msgs)
         size = self._opts.consume_message_batch_max_size
         ctx = ConsumeContext(message_queue=mq)
+        req.started_ms = started_ms
+        self._inflight.add(req)
         # Failed messages with the delay level their call asked for.
-        failed: list[tuple[MessageExt, int]] = []
+        failed = req.failed
         done = 0  # messages handed to the listener (acknowledged or failed)
         calls = 0
         started = time.monotonic()
         if adapter is None:
             log.warning("consume.no_listener", topic=topic, queue=str(mq))
-            failed = [(m, 0) for m in msgs]
+            failed.extend((m, 0) for m in msgs)
             done = n
+        elif size == 1 and adapter.is_async and not adapter.wants_context:
+            # The common case, one message per call of ``async def f(msgs)``: the listener is
+            # awaited directly (no adapter coroutine) and cannot touch a context.
+            fn = adapter.fn
+            success = ConsumeResult.SUCCESS
+            for m in msgs:
+                if calls and (self._draining or pq.dropped):
+                    break  # no new listener call; the rest stays cached, unacknowledged
+                calls += 1
+                try:
+                    raw = await fn([m])
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("consume.listener_raised", topic=topic, queue=str(mq),
+                                offsets=[m.queue_offset], msg_ids=[m.msg_id],
+                                error=f"{type(exc).__name__}: {exc}")
+                    raw = None
+                if raw is not success and _as_concurrent_result(raw) is not success:
+                    failed.append((m, 0))
+                done += 1
+                req.done = done
         else:
             # The direct form skips a coroutine layer per call for ``async def f(msgs)``.
             direct = adapter.fn if adapter.is_async and not adapter.wants_context else None
@@ -228,6 +263,7 @@ class ConcurrentConsumeService:
                     level = ctx.delay_level_when_next_consume
                     failed.extend((m, level) for m in batch[ok:])
                 done += k
+                req.done = done
         elapsed = time.monotonic() - started
         pq.last_consume_timestamp = time.monotonic()
         await self._settle(req, msgs[:done] if done < n else msgs, failed, elapsed, calls)
@@ -237,6 +273,10 @@ class ConcurrentConsumeService:
         """One removal, one offset update and one stats update for the handled messages."""
         c = self._consumer
         pq = req.pq
+        self._inflight.discard(req)
+        if req.settled and failed:
+            # The cleaner already sent back what it found expired: not twice.
+            failed = [(m, level) for m, level in failed if pq.contains(m)]
         c.stats.record_consume(handled[0].topic if handled else req.mq.topic,
                                len(handled) - len(failed), len(failed), elapsed, calls=calls)
         if pq.dropped:
@@ -274,12 +314,32 @@ class ConcurrentConsumeService:
             await self.clean_expired()
 
     async def clean_expired(self) -> None:
-        """Send back cached messages whose consumption started longer than consume_timeout ago."""
+        """Send back cached messages whose consumption started longer than consume_timeout ago.
+
+        A chunk stuck in a listener call that does not return has its messages answered
+        before that call removed first (they are acknowledged; only the settlement at the end
+        of the chunk was missing), so that only the stuck message and those behind it, which
+        no listener saw, go back to the broker, as in Java.
+        """
         c = self._consumer
         if self._opts.message_model != MessageModel.CLUSTERING:
             return
         now_ms = int(time.time() * 1000)
         timeout_ms = int(self._opts.consume_timeout_seconds * 1000)
+        for req in list(self._inflight):
+            pq = req.pq
+            done = req.done
+            if pq.dropped or done <= req.settled or now_ms - req.started_ms <= timeout_ms:
+                continue
+            failed_ids = {id(m) for m, _ in req.failed}
+            acked = [m for m in req.msgs[req.settled:done] if id(m) not in failed_ids]
+            req.settled = done
+            if acked:
+                offset = pq.remove_messages(acked)
+                if offset >= 0 and not pq.dropped:
+                    c.offset_store.update(req.mq, offset, increase_only=True)
+                log.info("consume.stuck_chunk_settled", queue=str(req.mq), count=len(acked),
+                         stuck_offset=req.msgs[done].queue_offset if done < len(req.msgs) else -1)
         for mq, pq in list(c.process_queues.items()):
             if c.is_orderly(mq.topic) or pq.dropped:
                 continue

@@ -165,7 +165,7 @@ class OrderlyConsumeService:
         ctx = ConsumeContext(message_queue=mq)
         now_ms = str(int(time.time() * 1000))
         for m in msgs:
-            m.properties[PROPERTY_CONSUME_START_TIME] = now_ms
+            m.put_property(PROPERTY_CONSUME_START_TIME, now_ms)
         began = time.monotonic()
         if listener is None:
             result = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT

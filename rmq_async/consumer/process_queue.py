@@ -134,16 +134,23 @@ class ProcessQueue:
         added = 0
         size = 0
         last: MessageExt | None = None
+        top = self.queue_offset_max
         for msg in msgs:
             last = msg
             offset = msg.queue_offset
             if offset in msgs_map or offset in consuming:
                 continue
-            self._insert(offset, msg)
+            offsets = self._offsets
+            if offsets and offset <= offsets[-1]:
+                self._insert(offset, msg)  # out of order (a message consumed again)
+            else:
+                msgs_map[offset] = msg
+                offsets.append(offset)
             added += 1
-            size += _body_size(msg)
-            if offset > self.queue_offset_max:
-                self.queue_offset_max = offset
+            size += len(msg.body)
+            if offset > top:
+                top = offset
+        self.queue_offset_max = top
         self.msg_count += added
         self.msg_size += size
         if last is not None:
@@ -213,7 +220,7 @@ class ProcessQueue:
             cached = msgs_map.pop(msg.queue_offset, None)
             if cached is not None:
                 removed += 1
-                size += _body_size(cached)
+                size += len(cached.body)
         if removed:
             self.msg_count -= removed
             self.msg_size = 0 if self.msg_count == 0 else self.msg_size - size

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from rmq_async.client.api import PullResult, PullStatus
+from rmq_async.client.api import PendingPull, PullResult, PullStatus
 from rmq_async.client.errors import MQBrokerError, MQClientError
 from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
 from rmq_async.consumer.options import MessageModel
@@ -151,28 +151,36 @@ class PullService:
         opts = self._opts
         if delay > 0:
             await asyncio.sleep(delay)
-        while not req.pq.dropped and not c.stopping:
-            wait = self._flow_control_delay(req)
-            if wait > 0:
-                await asyncio.sleep(wait)
-                continue
-            if c.is_orderly(req.mq.topic) and opts.message_model == MessageModel.CLUSTERING:
-                wait = await c.orderly_pull_gate(req)
+        # The next pull when it was sent before the last answer was processed (pipelining).
+        ahead: PendingPull | None = None
+        try:
+            while not req.pq.dropped and not c.stopping:
+                if ahead is None:
+                    wait = self._flow_control_delay(req)
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                        continue
+                    if c.is_orderly(req.mq.topic) and opts.message_model == MessageModel.CLUSTERING:
+                        wait = await c.orderly_pull_gate(req)
+                        if wait > 0:
+                            await asyncio.sleep(wait)
+                            continue
+                pending, ahead = ahead, None
+                try:
+                    wait, ahead = await self._pull_once(req, pending)
+                except asyncio.CancelledError:
+                    raise
+                except MQBrokerError as exc:
+                    wait = self._error_delay(req, exc)
+                except (MQClientError, RemotingError, ProtocolError) as exc:
+                    log.warning("pull.failed", queue=str(req.mq), offset=req.next_offset,
+                                error=f"{type(exc).__name__}: {exc}")
+                    wait = opts.pull_time_delay_when_exception
                 if wait > 0:
                     await asyncio.sleep(wait)
-                    continue
-            try:
-                wait = await self._pull_once(req)
-            except asyncio.CancelledError:
-                raise
-            except MQBrokerError as exc:
-                wait = self._error_delay(req, exc)
-            except (MQClientError, RemotingError, ProtocolError) as exc:
-                log.warning("pull.failed", queue=str(req.mq), offset=req.next_offset,
-                            error=f"{type(exc).__name__}: {exc}")
-                wait = opts.pull_time_delay_when_exception
-            if wait > 0:
-                await asyncio.sleep(wait)
+        finally:
+            if ahead is not None:
+                ahead.cancel()
 
     def _decode(self, req: PullRequest, result: PullResult) -> tuple[list[MessageExt], int]:
         """The messages of a FOUND answer and the offset to pull next.
@@ -225,25 +233,24 @@ class PullService:
                     code=exc.code, remark=exc.remark)
         return opts.pull_time_delay_when_exception
 
-    async def _pull_once(self, req: PullRequest) -> float:
-        """One PULL_MESSAGE; returns how long to wait before the next one."""
+    async def _send(self, req: PullRequest, offset: int) -> PendingPull | None:
+        """Send the PULL_MESSAGE of ``req`` from ``offset``; ``None`` if not subscribed."""
         c = self._consumer
         opts = self._opts
         mq = req.mq
         sub = c.subscription_data(mq.topic)
         if sub is None:
-            return opts.pull_time_delay_when_exception
+            return None
         commit_offset = -1
         if opts.message_model == MessageModel.CLUSTERING:
             commit_offset = c.offset_store.read_memory(mq)
         addr = await c.instance.find_broker_master(mq.broker_name, mq.topic)
-        started = time.monotonic()
-        req.pq.last_pull_timestamp = started
-        result = await c.instance.api.pull_message(
+        req.pq.last_pull_timestamp = time.monotonic()
+        return await c.instance.api.start_pull(
             addr,
             group=c.group,
             mq=mq,
-            queue_offset=req.next_offset,
+            queue_offset=offset,
             max_msg_nums=opts.pull_batch_size,
             commit_offset=commit_offset,
             suspend_timeout=opts.broker_suspend_max_time,
@@ -252,21 +259,50 @@ class PullService:
             sub_version=sub.sub_version,
             expression_type=sub.expression_type,
         )
+
+    def _may_pull_ahead(self, req: PullRequest) -> bool:
+        """Concurrent consumption with no pull interval, and the flow control lets it pull."""
+        c = self._consumer
+        return (self._opts.pull_interval <= 0 and not c.is_orderly(req.mq.topic)
+                and self._flow_control_delay(req) <= 0)
+
+    async def _pull_once(self, req: PullRequest,
+                         pending: PendingPull | None) -> tuple[float, PendingPull | None]:
+        """Complete one PULL_MESSAGE (sending it first unless ``pending`` already was).
+
+        Returns how long to wait before the next pull, and that next pull when it was already
+        sent: once a FOUND answer is decoded and cached, the queue's next pull is sent (if the
+        flow control allows it, counting the new chunk) *before* the chunk is dispatched, so
+        the broker works on it while the chunk is consumed.
+        """
+        c = self._consumer
+        opts = self._opts
+        mq = req.mq
+        if pending is None:
+            pending = await self._send(req, req.next_offset)
+            if pending is None:
+                return opts.pull_time_delay_when_exception, None
+        try:
+            result = await pending.result()
+        finally:
+            pending.cancel()  # a no-op once answered; forgets the request when interrupted
         self.pulls += 1
-        elapsed = time.monotonic() - started
+        elapsed = time.monotonic() - pending.sent_at
         if mq in self.refused:
             self.refused.discard(mq)
             c.report_error(ConsumerError(ConsumerErrorKind.PERMISSION_RESTORED, mq.topic, mq,
                                          req.next_offset, "the broker serves this queue again"))
         if req.pq.dropped:
-            return 0.0
+            return 0.0, None
         status = result.status
         if status is PullStatus.FOUND:
+            sub = c.subscription_data(mq.topic)
             msgs, next_offset = self._decode(req, result)
             c.stats.record_pull(mq.topic, len(msgs), elapsed)
             req.next_offset = next_offset
-            if sub.tags_set:
+            if sub is not None and sub.tags_set:
                 msgs = [m for m in msgs if tag_matches(sub, m.tags)]
+            first = False
             if msgs:
                 offsets = {PROPERTY_MIN_OFFSET: str(result.min_offset),
                            PROPERTY_MAX_OFFSET: str(result.max_offset)}
@@ -275,18 +311,32 @@ class PullService:
                     m.broker_name = bname
                     m.put_properties(offsets)  # does not parse the message's properties
                 first = req.pq.put_messages(msgs)
-                c.dispatch(msgs, req.pq, mq, first)
-            return opts.pull_interval
+            # The next pull goes out before this chunk is handed on, so the broker works on it
+            # while the chunk is consumed; the flow control sees the chunk already cached.
+            ahead: PendingPull | None = None
+            if sub is not None and self._may_pull_ahead(req):
+                try:
+                    ahead = await self._send(req, req.next_offset)
+                except (MQClientError, RemotingError) as exc:
+                    log.debug("pull.ahead_failed", queue=str(mq), error=str(exc))
+            if msgs and not req.pq.dropped:
+                try:
+                    c.dispatch(msgs, req.pq, mq, first)
+                except BaseException:
+                    if ahead is not None:
+                        ahead.cancel()
+                    raise
+            return opts.pull_interval, ahead
         if status in (PullStatus.NO_NEW_MSG, PullStatus.NO_MATCHED_MSG):
             req.next_offset = result.next_begin_offset
             if req.pq.msg_count == 0 and opts.message_model == MessageModel.CLUSTERING:
                 # Nothing cached: the consume offset can follow the pull offset ("correctTagsOffset").
                 c.offset_store.update(mq, req.next_offset, increase_only=True)
-            return 0.0
+            return 0.0, None
         # OFFSET_ILLEGAL: the broker moved our offset (out of range, or an admin reset).
         log.warning("pull.offset_illegal", queue=str(mq), offset=req.next_offset,
                     next_offset=result.next_begin_offset, min_offset=result.min_offset,
                     max_offset=result.max_offset)
         req.pq.dropped = True
         await c.fix_offset_and_recreate(mq, result.next_begin_offset)
-        return 0.0
+        return 0.0, None
