@@ -43,6 +43,8 @@ class Harness:
         )
         self.service = ConcurrentConsumeService(consumer)  # type: ignore[arg-type]
         self.pq = CountingProcessQueue()
+        consumer.process_queues = {MQ: self.pq}
+        consumer.is_orderly = lambda topic: False
         self.recorded = 0
         real_record = self.stats.record_consume
 
@@ -145,3 +147,33 @@ async def test_a_bug_in_settling_does_not_lose_the_worker(monkeypatch: pytest.Mo
     await h.run_chunk(2)
     assert seen == [0, 1, 0, 1]  # the chunk was consumed again
     assert h.updates == [2]
+
+
+async def test_a_stuck_call_sends_back_only_what_no_listener_answered() -> None:
+    never = asyncio.Event()
+    seen: list[int] = []
+
+    async def listener(msgs: list[MessageExt]) -> ConsumeResult:
+        seen.append(msgs[0].queue_offset)
+        if msgs[0].queue_offset == 2:
+            await never.wait()  # this call never returns
+        return ConsumeResult.SUCCESS
+
+    h = Harness(listener, consume_timeout=0.0002)  # minutes: 12 ms
+    msgs = [MessageExt("T", f"m{i}".encode(), 0, i) for i in range(5)]
+    h.pq.put_messages(msgs)
+    h.service.start()
+    try:
+        h.service.submit(msgs, h.pq, MQ)
+        async with asyncio.timeout(5):
+            while seen != [0, 1, 2]:
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        await h.service.clean_expired()
+    finally:
+        await h.service.aclose()
+    # 0 and 1 were answered: settled, not sent back; 2 (stuck) and 3, 4 (never handed to the
+    # listener) go back to the broker, and the offset moves past all of them.
+    assert [o for o, _ in h.sent_back] == [2, 3, 4]
+    assert h.pq.msg_count == 0
+    assert h.updates[-1] == 5
