@@ -1,17 +1,16 @@
-"""Fixtures for broker tests: Java reference programs and a private broker for destructive tests."""
+"""Fixtures for broker tests: the Java reference programs compiled against the broker jars."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.devbroker.java import compile_java, run_java
-from rmq_async.devbroker.pytest_plugin import SESSION_BROKER_CONFIG, run_blocking
+from rmq_async.devbroker.pytest_plugin import run_blocking
 
 JAVA_DIR = Path(__file__).resolve().parent.parent / "java"
 
@@ -37,14 +36,3 @@ def java_programs(rocketmq: LocalRocketMQ,
     sources = sorted(JAVA_DIR.glob("*.java"))
     classes = run_blocking(compile_java(sources, rocketmq.lib_dir, out_dir))
     yield JavaPrograms(classpath=f"{classes}:{rocketmq.lib_dir}/*", lib_dir=rocketmq.lib_dir)
-
-
-@pytest_asyncio.fixture
-async def rocketmq_private() -> AsyncIterator[LocalRocketMQ]:
-    """A broker of the test's own, for tests that kill or restart it."""
-    rmq = LocalRocketMQ(broker_config=SESSION_BROKER_CONFIG)
-    await rmq.start_all()
-    try:
-        yield rmq
-    finally:
-        await rmq.close()
