@@ -119,7 +119,11 @@ def _as_mq(value: Any, what: str) -> MessageQueue:
         # A key written as a string holding the object (WriteNonStringKeyAsString).
         value = tolerant_loads(value)
     if isinstance(value, tuple):
-        value = dict(value)
+        # An object key, frozen as (name, value) pairs; an array key is not a queue.
+        try:
+            value = dict(value)
+        except (TypeError, ValueError):
+            raise ProtocolError(f"{what}: expected a message queue") from None
     obj = _as_dict(value, what)
     return MessageQueue(
         _as_str(_field(obj, "topic", what), what),

@@ -127,7 +127,11 @@ def _parse(row: HeaderField, raw: str) -> Any:
         return raw.lower() == "true"
     if not _JAVA_INT.match(raw):
         raise ProtocolError(f"header field {row.java_name!r}: {raw[:40]!r} is not an integer")
-    value = int(raw)
+    # Leading zeros are allowed (as by Long.parseLong); what remains must fit int() and the type.
+    digits = raw.lstrip("+-").lstrip("0")
+    if len(digits) > 19:
+        raise ProtocolError(f"header field {row.java_name!r}: {raw[:40]!r}... out of {kind.value} range")
+    value = -int(digits or "0") if raw[0] == "-" else int(digits or "0")
     lo, hi = _INT_RANGE[kind]
     if not lo <= value <= hi:
         raise ProtocolError(f"header field {row.java_name!r}: {value} out of {kind.value} range")
