@@ -32,6 +32,12 @@ test-unit-pure: $(STAMP)
 chaos: setup
 	RMQ_CHAOS_FULL=1 $(PY) -m pytest -ra -p no:cacheprovider --durations=25 tests/chaos $(PYTEST_ARGS)
 
+# One million generated inputs through the frame, header, JSON body and stored-record decoders
+# (tests/fuzz/fuzz_decoders.py; make test runs 20,000 of them in tests/unit/test_fuzz_smoke.py).
+.PHONY: fuzz
+fuzz: $(STAMP)
+	$(PY) -m tests.fuzz.fuzz_decoders --inputs 1000000 --seed 0
+
 lint: $(STAMP)
 	$(PY) -m ruff check rmq_async tests benchmarks examples
 	$(PY) -m mypy

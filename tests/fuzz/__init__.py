@@ -1,0 +1,1 @@
+"""Fuzz drivers for the sans-IO protocol decoders (``make fuzz``)."""
