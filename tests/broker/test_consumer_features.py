@@ -10,6 +10,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -209,14 +210,33 @@ async def _java_first_offsets(java_programs, namesrv: str, topic: str, mode: str
                           java_programs.classpath) as java:
         await java.wait_for("READY", 60)
         await java.wait_for(re.compile(r"^ASSIGNED( \d+){4}$"), 60)
-        await asyncio.sleep(3.0)
-        lines = list(java.lines)
-    first: dict[int, int] = {}
-    for line in lines:
-        if line.startswith("MSG "):
-            _, q, off, _ = line.split(" ", 3)
-            first[int(q)] = min(first.get(int(q), 1 << 62), int(off))
-    return first
+
+        def first_offsets() -> dict[int, int]:
+            first: dict[int, int] = {}
+            for line in list(java.lines):
+                if line.startswith("MSG "):
+                    _, q, off, _ = line.split(" ", 3)
+                    first[int(q)] = min(first.get(int(q), 1 << 62), int(off))
+            return first
+
+        # Messages from every queue, or 3 quiet seconds at most 20 s in (a loaded machine
+        # slows the JVM down; a fixed pause made this flaky).
+        await _settle(lambda: len(first_offsets()), 4)
+        return first_offsets()
+
+
+async def _settle(progress: Callable[[], int], complete: int) -> None:
+    """Wait until ``progress()`` reaches ``complete``, or (once it started) has not moved for
+    3 s, or 20 s have passed."""
+    deadline = time.monotonic() + 20.0
+    last, since = progress(), time.monotonic()
+    while progress() < complete and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        now = progress()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now and time.monotonic() - since > 3.0:
+            break
 
 
 async def _our_first_offsets(namesrv: str, topic: str, mode: str, **opts: object) -> dict[int, int]:
@@ -232,7 +252,7 @@ async def _our_first_offsets(namesrv: str, topic: str, mode: str, **opts: object
     async with consumer:
         await wait_until(lambda: sum(mq.topic == topic for mq in consumer.process_queues) == 4, 30,
                          what="queues assigned")
-        await asyncio.sleep(3.0)
+        await _settle(lambda: len(first), 4)
     return first
 
 

@@ -25,7 +25,10 @@ from tests.chaos.common import FULL, consumer, offsets_settled, produce_paced, r
 from tests.chaos.conftest import JavaClasses
 from tests.helpers import unique
 
-pytestmark = [pytest.mark.broker, pytest.mark.chaos]
+# The churn scenarios take most of a minute even at their small sizes: they run with
+# `make chaos`, which keeps `make test` within its time budget.
+pytestmark = [pytest.mark.broker, pytest.mark.chaos,
+              pytest.mark.skipif(not FULL, reason="rebalance churn runs with make chaos")]
 
 CHURN_SECONDS = scaled(20, 60)
 
