@@ -1,4 +1,4 @@
-"""rmq_async: an asyncio-native push consumer for Apache RocketMQ, in pure Python."""
+"""rmq_async: an asyncio-native push consumer for Apache RocketMQ, speaking its protocol itself."""
 
 from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError, NoRouteError
 from rmq_async.consumer.options import ConsumeFromWhere, MessageModel
