@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rmq_async.protocol.codes import RequestCode
+from rmq_async.protocol.codes import RequestCode, ResponseCode
 from rmq_async.protocol.command import FrameDecoder
 
 __all__ = ["FaultProxy", "ProxyStats"]
@@ -54,6 +54,7 @@ class ProxyStats:
     cuts: int = 0
     resets: int = 0
     rewrites: int = 0
+    corrupted: list[int] = field(default_factory=list)
 
 
 class _FrameCursor:
@@ -112,7 +113,7 @@ class _Pipe:
         """Name-server answers: rewrite broker addresses (frame by frame); requests: remember
         the code of every opaque so answers can be recognised."""
         proxy = self.proxy
-        if not proxy.rewrite:
+        if not proxy.rewrite and not proxy.frames:
             return data
         if self.decoder is None:
             self.decoder = FrameDecoder()
@@ -125,6 +126,13 @@ class _Pipe:
         out = []
         for cmd in commands:
             code = self.conn.request_codes.pop(cmd.opaque, None) if cmd.is_response else None
+            if (code == _PULL_MESSAGE and cmd.code == ResponseCode.SUCCESS
+                    and proxy.corrupt_record is not None
+                    and cmd.body):
+                body = _corrupt_record(cmd.body, proxy.corrupt_record)
+                if body is not None:
+                    cmd.body, proxy.corrupt_record = body, None
+                    proxy.stats.corrupted.append(_record_offset(body, proxy.corrupted_index))
             if code in _REWRITTEN_CODES and cmd.body:
                 body = cmd.body
                 for real, fake in proxy.rewrite.items():
@@ -259,8 +267,13 @@ class FaultProxy:
     """See the module docstring."""
 
     def __init__(self, target: str, *, name: str = "proxy",
-                 rewrite: Mapping[str, str] | None = None) -> None:
+                 rewrite: Mapping[str, str] | None = None, frames: bool = False) -> None:
         host, _, port = target.rpartition(":")
+        #: Decode the traffic frame by frame from the first byte (needed by corrupt_next_pull).
+        self.frames = frames
+        #: Index of the record to corrupt in the next PULL_MESSAGE answer that has it.
+        self.corrupt_record: int | None = None
+        self.corrupted_index = 0
         self.target_host = host or "127.0.0.1"
         self.target_port = int(port)
         self.name = name
@@ -342,6 +355,13 @@ class FaultProxy:
         finally:
             self._cut_armed.pop(direction, None)
 
+    def corrupt_next_pull(self, index: int) -> None:
+        """Spoil the magic code of record ``index`` (0-based) of the next PULL_MESSAGE answer
+        holding that many records; its queue offset is appended to ``stats.corrupted``.
+        The proxy must have been made with ``frames=True``."""
+        assert self.frames, "corrupting records needs a frame-aware proxy (frames=True)"
+        self.corrupt_record = self.corrupted_index = index
+
     async def reset(self) -> int:
         """Abort every open connection with a RST on both sides; returns how many."""
         conns = list(self._conns)
@@ -349,3 +369,34 @@ class FaultProxy:
             await conn.close(rst=True)
         self.stats.resets += len(conns)
         return len(conns)
+
+
+_PULL_MESSAGE = RequestCode.PULL_MESSAGE
+_MAGIC_AT = 4
+_QUEUE_OFFSET_AT = 20
+
+
+def _record_starts(body: bytes) -> list[int]:
+    starts = []
+    pos = 0
+    while pos + 4 <= len(body):
+        size = int.from_bytes(body[pos:pos + 4], "big", signed=True)
+        if size <= 0 or pos + size > len(body):
+            break
+        starts.append(pos)
+        pos += size
+    return starts
+
+
+def _corrupt_record(body: bytes, index: int) -> bytes | None:
+    """``body`` with record ``index``'s magic code zeroed, or ``None`` if it has no such record."""
+    starts = _record_starts(body)
+    if len(starts) <= index:
+        return None
+    at = starts[index] + _MAGIC_AT
+    return body[:at] + b"\x00\x00\x00\x00" + body[at + 4:]
+
+
+def _record_offset(body: bytes, index: int) -> int:
+    at = _record_starts(body)[index] + _QUEUE_OFFSET_AT
+    return int.from_bytes(body[at:at + 8], "big", signed=True)
