@@ -151,3 +151,37 @@ async def test_tls_connections(rocketmq: LocalRocketMQ, topic: str) -> None:
     with pytest.raises(MQClientError, match=r"CERTIFICATE_VERIFY_FAILED|certificate verify"):
         await strict.start()
     assert time.monotonic() - started < 10
+
+
+async def test_topic_denied_after_start_is_reported_once(acl_broker: LocalRocketMQ) -> None:
+    """A broker that stops serving one topic to this client (an ACL Deny added while the
+    consumer runs) is surfaced once through on_error and the stats, not only in the log."""
+    from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
+
+    topic = unique("T_acl_deny")
+    await acl_broker.create_topic(topic, queues=2)
+    await _signed_produce(acl_broker, topic, 40)
+    seen: set[tuple[int, int]] = set()
+    errors: list[ConsumerError] = []
+    consumer = PushConsumer(unique("G_acl_deny"), namesrv=acl_broker.namesrv_addr,
+                            credentials=(ACCOUNT.access_key, ACCOUNT.secret_key),
+                            consume_from_where="CONSUME_FROM_FIRST_OFFSET",
+                            pull_time_delay_when_exception=0.2)
+
+    @consumer.subscribe(topic)
+    async def on(msgs: list[MessageExt]) -> ConsumeResult:
+        seen.update((m.queue_id, m.queue_offset) for m in msgs)
+        return ConsumeResult.SUCCESS
+
+    consumer.on_error(errors.append)
+    async with consumer:
+        await wait_until(lambda: len(seen) == 40, 30, what="40 messages before the denial")
+        await acl_broker.admin_request("acl", acl_broker.broker_addr, f"User:{ACCOUNT.access_key}",
+                                       f"Topic:{topic}", "Sub", "Deny")
+        await wait_until(lambda: len(errors) >= 2, 60, what="both queues reported refused")
+        await asyncio.sleep(2.0)  # many refused pulls later: still one report per queue
+        stats = consumer.stats_snapshot()[topic]
+    assert sorted((e.kind, e.queue.queue_id if e.queue else -1) for e in errors) == [
+        (ConsumerErrorKind.PERMISSION_DENIED, 0), (ConsumerErrorKind.PERMISSION_DENIED, 1)]
+    assert all(e.topic == topic and "refuses" in e.detail for e in errors)
+    assert stats["errors"] == {"permission_denied": 2}
