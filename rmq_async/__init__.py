@@ -1,6 +1,7 @@
 """rmq_async: an asyncio-native push consumer for Apache RocketMQ, speaking its protocol itself."""
 
 from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError, NoRouteError
+from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
 from rmq_async.consumer.options import ConsumeFromWhere, MessageModel
 from rmq_async.consumer.push import PushConsumer
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
@@ -21,6 +22,8 @@ __all__ = [
     "ConsumeContext",
     "ConsumeFromWhere",
     "ConsumeResult",
+    "ConsumerError",
+    "ConsumerErrorKind",
     "MQBrokerError",
     "MQClientError",
     "Message",

@@ -750,7 +750,7 @@ class PushConsumer:
         (messages per second over the last minute) and ``consumeFailedMsgs`` (failed messages
         in the last hour) — the figures ``mqadmin consumerStatus`` shows — and ``errors``:
         the :class:`~rmq_async.consumer.events.ConsumerError` events reported for the topic
-        since start, by kind.
+        since the consumer was created, by kind.
         """
         return {topic: {**self.stats.snapshot(topic), "errors": self.errors.topic_counts(topic)}
                 for topic in self.subscribed_topics()}
