@@ -274,6 +274,11 @@ async def test_start_positions_match_java(rocketmq, java_programs) -> None:
                         ("CONSUME_FROM_LAST_OFFSET", []),
                         ("CONSUME_FROM_TIMESTAMP", [stamp])):
         java = await _java_first_offsets(java_programs, rocketmq.namesrv_addr, topic, mode, extra)
+        if not java:
+            # The reference consumer delivered nothing within 20 s (seen in full runs on a
+            # loaded 2-core machine): no reference to compare with; measure it once more.
+            java = await _java_first_offsets(java_programs, rocketmq.namesrv_addr, topic, mode,
+                                             extra)
         opts = {"consume_timestamp": stamp} if extra else {}
         ours = await _our_first_offsets(rocketmq.namesrv_addr, topic, mode, **opts)
         assert ours == java, (mode, ours, java)
