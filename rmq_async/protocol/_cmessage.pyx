@@ -488,3 +488,615 @@ def decode_records(bytes data not None, list out not None, bint decompress, bint
         else:
             PyList_Append(out, msg)
         pos = end
+
+
+# ---------------------------------------------------------------------------------------------
+# Columns: a list of messages to the buffers of the sink's Arrow columns
+#
+# Three passes over the rows. (1) With the GIL, read the slots of every message into a C row
+# (pointers into the message's own bytes and str objects, which ``refs`` keeps alive). (2)
+# Without the GIL, split each raw properties record into (name, value) entries by the rules of
+# ``_parse_text``; a record whose dict would differ from a plain list of its pairs (a repeated
+# name, bytes that are not UTF-8, many pairs) is marked, and (3) with the GIL, takes its pairs
+# from ``msg.properties``, the Python parse. Then, without the GIL, every output size is
+# measured, the buffers are allocated (with the GIL, uninitialised) and filled.
+
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from cpython.bytes cimport PyBytes_CheckExact
+from cpython.long cimport PyLong_AsLongLong
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy, memset
+
+
+cdef extern from "Python.h":
+    const char *PyUnicode_AsUTF8AndSize(object text, Py_ssize_t *size) except NULL
+    bint PyUnicode_CheckExact(object o)
+    bint PyLong_CheckExact(object o)
+
+
+cdef struct Span:
+    const char *p
+    Py_ssize_t n
+
+
+cdef struct Entry:
+    Span name
+    Span value
+
+
+cdef struct Row:
+    Span topic
+    Span broker
+    Span born_host
+    Span store_host
+    Span body
+    Span props
+    Span oid  # the whole offset message id, or (oid_host) its host part
+    int64_t queue_offset
+    int64_t born_ts
+    int64_t store_ts
+    int64_t oid_offset
+    int32_t queue_id
+    int32_t reconsume
+    bint oid_host
+    int props_state  # PROPS_*
+    Py_ssize_t first_entry
+    Py_ssize_t n_entries
+    Py_ssize_t tags  # entry index of TAGS or -1
+    Py_ssize_t keys  # entry index of KEYS or -1
+    Py_ssize_t uniq  # entry index of UNIQ_KEY or -1
+
+
+cdef enum:
+    PROPS_RAW = 0
+    PROPS_FROM_DICT = 1
+    PROPS_READY = 2
+    PROPS_RAW_PENDING = 3  # raw pairs, then the pending ones applied over them
+    PROPS_MERGE = 4
+    MAX_RAW_PAIRS = 64
+    OFFSET_HEX = 16
+    INT32_LIMIT = 0x7FFFFFFF
+
+
+cdef struct Entries:
+    Entry *items
+    Py_ssize_t size
+    Py_ssize_t cap
+
+
+cdef int _entries_push(Entries *e, const char *name, Py_ssize_t name_len, const char *value,
+                       Py_ssize_t value_len) noexcept nogil:
+    cdef Py_ssize_t cap
+    cdef Entry *grown
+    if e.size == e.cap:
+        cap = e.cap * 2 if e.cap else 1024
+        grown = <Entry *> realloc(e.items, cap * sizeof(Entry))
+        if grown == NULL:
+            return -1
+        e.items = grown
+        e.cap = cap
+    e.items[e.size].name.p = name
+    e.items[e.size].name.n = name_len
+    e.items[e.size].value.p = value
+    e.items[e.size].value.n = value_len
+    e.size += 1
+    return 0
+
+
+cdef bint _valid_utf8(const unsigned char *s, Py_ssize_t n) noexcept nogil:
+    # The strict rules of Python's UTF-8 codec: no overlong forms, no surrogates, <= U+10FFFF.
+    cdef Py_ssize_t i = 0, j, need
+    cdef unsigned char c, lo, hi
+    while i < n:
+        c = s[i]
+        if c < 0x80:
+            i += 1
+            continue
+        lo = 0x80
+        hi = 0xBF
+        if 0xC2 <= c <= 0xDF:
+            need = 1
+        elif c == 0xE0:
+            need = 2
+            lo = 0xA0
+        elif 0xE1 <= c <= 0xEC or c == 0xEE or c == 0xEF:
+            need = 2
+        elif c == 0xED:
+            need = 2
+            hi = 0x9F
+        elif c == 0xF0:
+            need = 3
+            lo = 0x90
+        elif 0xF1 <= c <= 0xF3:
+            need = 3
+        elif c == 0xF4:
+            need = 3
+            hi = 0x8F
+        else:
+            return False
+        if n - i <= need:
+            return False
+        if s[i + 1] < lo or s[i + 1] > hi:
+            return False
+        for j in range(2, need + 1):
+            if s[i + j] < 0x80 or s[i + j] > 0xBF:
+                return False
+        i += need + 1
+    return True
+
+
+cdef bint _span_is(Span s, const char *text, Py_ssize_t n) noexcept nogil:
+    return s.n == n and memcmp(s.p, text, n) == 0
+
+
+cdef int _split_raw(Row *row, Entries *entries) noexcept nogil:
+    # The pairs of a raw properties record, as ``_parse_text`` would keep them; 1 when the
+    # record must be read through Python instead, -1 when out of memory.
+    cdef const unsigned char *s = <const unsigned char *> row.props.p
+    cdef Py_ssize_t n = row.props.n, i, j, start = 0, sep = -1
+    cdef Py_ssize_t first = entries.size
+    cdef bint high = False
+    cdef unsigned char ch
+    for i in range(n + 1):
+        if i < n:
+            ch = s[i]
+            if ch == 1:
+                if sep < 0:
+                    sep = i
+                continue
+            if ch != 2:
+                if ch >= 0x80:
+                    high = True
+                continue
+        if sep > start and i > sep + 1:
+            if entries.size - first == MAX_RAW_PAIRS:
+                entries.size = first
+                return 1
+            for j in range(first, entries.size):
+                if _span_is(entries.items[j].name, <const char *> s + start, sep - start):
+                    entries.size = first
+                    return 1  # a repeated name: the dict keeps the first place, the last value
+            if _entries_push(entries, <const char *> s + start, sep - start,
+                             <const char *> s + sep + 1, i - sep - 1) < 0:
+                return -1
+        start = i + 1
+        sep = -1
+    if high and not _valid_utf8(s, n):
+        entries.size = first
+        return 1
+    row.first_entry = first
+    row.n_entries = entries.size - first
+    return 0
+
+
+cdef inline Span _utf8(object text) except *:
+    cdef Span span
+    span.p = PyUnicode_AsUTF8AndSize(text, &span.n)
+    return span
+
+
+cdef inline int64_t _int(object value) except? -1:
+    if not PyLong_CheckExact(value):
+        raise TypeError("not an int")
+    return PyLong_AsLongLong(value)
+
+
+cdef inline int32_t _int32(object value) except? -1:
+    cdef int64_t v = _int(value)
+    if v < -2147483648 or v > 2147483647:
+        raise OverflowError("out of int32 range")
+    return <int32_t> v
+
+
+cdef int _read_row(object msg, Row *row, list refs) except -1:
+    # Fills ``row`` from the slots of ``msg``; raises when a value has an unexpected type.
+    if type(msg) is not _message_type:
+        raise TypeError("not a MessageExt")
+    topic = _get(msg, S_TOPIC)
+    broker = _get(msg, S_BROKER_NAME)
+    born_host = _get(msg, S_BORN_HOST)
+    store_host = _get(msg, S_STORE_HOST)
+    body = _get(msg, S_BODY)
+    if not (PyUnicode_CheckExact(topic) and PyUnicode_CheckExact(broker)
+            and PyUnicode_CheckExact(born_host) and PyUnicode_CheckExact(store_host)
+            and PyBytes_CheckExact(body)):
+        raise TypeError("unexpected field type")
+    row.topic = _utf8(topic)
+    row.broker = _utf8(broker)
+    row.born_host = _utf8(born_host)
+    row.store_host = _utf8(store_host)
+    row.body.p = PyBytes_AS_STRING(body)
+    row.body.n = PyBytes_GET_SIZE(body)
+    row.queue_id = _int32(_get(msg, S_QUEUE_ID))
+    row.queue_offset = _int(_get(msg, S_QUEUE_OFFSET))
+    row.born_ts = _int(_get(msg, S_BORN_TIMESTAMP))
+    row.store_ts = _int(_get(msg, S_STORE_TIMESTAMP))
+    row.reconsume = _int32(_get(msg, S_RECONSUME_TIMES))
+    oid = _get(msg, S_OID)
+    if oid is not None:
+        if not PyUnicode_CheckExact(oid):
+            raise TypeError("offset_msg_id is not a str")
+        row.oid = _utf8(oid)
+        row.oid_host = False
+    else:
+        oid = _get(msg, S_OID_HOST)
+        if not PyUnicode_CheckExact(oid):
+            raise TypeError("no offset_msg_id")
+        row.oid = _utf8(oid)
+        row.oid_offset = _int(_get(msg, S_OID_OFFSET))
+        row.oid_host = True
+    raw = _get(msg, S_PROPS_RAW)
+    pending = _get(msg, S_PROPS_PENDING)
+    if _get(msg, S_PROPS) is None and PyBytes_CheckExact(raw) and \
+            (pending is None or type(pending) is dict):
+        row.props.p = PyBytes_AS_STRING(raw)
+        row.props.n = PyBytes_GET_SIZE(raw)
+        row.props_state = PROPS_RAW if pending is None else PROPS_RAW_PENDING
+        refs.append(raw)
+    else:
+        row.props_state = PROPS_FROM_DICT
+    refs.append(body)
+    refs.append(oid)
+    refs.append(topic)
+    refs.append(broker)
+    refs.append(born_host)
+    refs.append(store_host)
+    return 0
+
+
+cdef int _pairs_from_dict(object msg, Row *row, Entries *entries, list refs) except -1:
+    cdef Span name_span, value_span
+    props = msg.properties
+    if type(props) is not dict:
+        raise TypeError("properties is not a dict")
+    row.first_entry = entries.size
+    for name, value in (<dict> props).items():
+        if not (PyUnicode_CheckExact(name) and PyUnicode_CheckExact(value)):
+            raise TypeError("a property is not a str")
+        name_span = _utf8(name)
+        value_span = _utf8(value)
+        if _entries_push(entries, name_span.p, name_span.n, value_span.p, value_span.n) < 0:
+            raise MemoryError()
+        refs.append(name)
+        refs.append(value)
+    row.n_entries = entries.size - row.first_entry
+    row.props_state = PROPS_READY
+    return 0
+
+
+cdef int _apply_pending(object msg, Row *row, Entries *entries, list refs) except -1:
+    # The row's raw pairs with the pending properties set over them (``dict.update``): a name
+    # already there keeps its place and takes the new value, a new name goes last.
+    cdef Py_ssize_t i, first = entries.size
+    cdef Span name_span, value_span
+    cdef bint found
+    for i in range(row.first_entry, row.first_entry + row.n_entries):
+        # Pushed by index: the push may move the array.
+        if _entries_push(entries, entries.items[i].name.p, entries.items[i].name.n,
+                         entries.items[i].value.p, entries.items[i].value.n) < 0:
+            raise MemoryError()
+    for name, value in (<dict> _get(msg, S_PROPS_PENDING)).items():
+        if not (PyUnicode_CheckExact(name) and PyUnicode_CheckExact(value)):
+            raise TypeError("a property is not a str")
+        name_span = _utf8(name)
+        value_span = _utf8(value)
+        refs.append(name)
+        refs.append(value)
+        found = False
+        for i in range(first, entries.size):
+            if _span_is(entries.items[i].name, name_span.p, name_span.n):
+                entries.items[i].value = value_span
+                found = True
+                break
+        if not found and _entries_push(entries, name_span.p, name_span.n, value_span.p,
+                                       value_span.n) < 0:
+            raise MemoryError()
+    row.first_entry = first
+    row.n_entries = entries.size - first
+    row.props_state = PROPS_READY
+    return 0
+
+
+cdef struct Sizes:
+    Py_ssize_t topic, broker, msg_id, oid, tags, tags_null, key_tokens, keys, body
+    Py_ssize_t prop_names, prop_values, born_host, store_host
+    Py_ssize_t entries  # pairs of all rows (rows that took theirs again leave unused ones)
+
+
+cdef void _find_system(Row *row, const Entry *items) noexcept nogil:
+    cdef Py_ssize_t i
+    row.tags = row.keys = row.uniq = -1
+    for i in range(row.first_entry, row.first_entry + row.n_entries):
+        # In both sources a name occurs at most once.
+        if _span_is(items[i].name, b"TAGS", 4):
+            row.tags = i
+        elif _span_is(items[i].name, b"KEYS", 4):
+            row.keys = i
+        elif _span_is(items[i].name, b"UNIQ_KEY", 8):
+            row.uniq = i
+
+
+cdef inline Py_ssize_t _oid_len(const Row *row) noexcept nogil:
+    return row.oid.n + OFFSET_HEX if row.oid_host else row.oid.n
+
+
+cdef void _measure(Row *rows, Py_ssize_t n, const Entry *items, Sizes *z) noexcept nogil:
+    cdef Py_ssize_t r, i, tok
+    cdef Span v
+    memset(z, 0, sizeof(Sizes))
+    for r in range(n):
+        _find_system(&rows[r], items)
+        z.topic += rows[r].topic.n
+        z.broker += rows[r].broker.n
+        z.oid += _oid_len(&rows[r])
+        if rows[r].uniq >= 0 and items[rows[r].uniq].value.n > 0:
+            z.msg_id += items[rows[r].uniq].value.n
+        else:
+            z.msg_id += _oid_len(&rows[r])
+        if rows[r].tags >= 0:
+            z.tags += items[rows[r].tags].value.n
+        else:
+            z.tags_null += 1
+        if rows[r].keys >= 0:
+            v = items[rows[r].keys].value
+            tok = 0
+            for i in range(v.n):
+                if v.p[i] == 32:
+                    tok = 0
+                else:
+                    z.keys += 1
+                    if tok == 0:
+                        z.key_tokens += 1
+                    tok = 1
+        z.body += rows[r].body.n
+        z.entries += rows[r].n_entries
+        for i in range(rows[r].first_entry, rows[r].first_entry + rows[r].n_entries):
+            z.prop_names += items[i].name.n
+            z.prop_values += items[i].value.n
+        z.born_host += rows[r].born_host.n
+        z.store_host += rows[r].store_host.n
+
+
+cdef inline char *_buf(bytearray b) noexcept:
+    return PyByteArray_AS_STRING(b)
+
+
+cdef bytearray _alloc(Py_ssize_t size):
+    return PyByteArray_FromStringAndSize(NULL, size)
+
+
+cdef inline void _put_text(int32_t *offsets, char *data, Py_ssize_t index, int32_t *pos,
+                           const char *p, Py_ssize_t n) noexcept nogil:
+    memcpy(data + pos[0], p, n)
+    pos[0] += <int32_t> n
+    offsets[index + 1] = pos[0]
+
+
+cdef inline void _put_oid(int32_t *offsets, char *data, Py_ssize_t index, int32_t *pos,
+                          const Row *row) noexcept nogil:
+    cdef const char *digits = b"0123456789ABCDEF"
+    cdef uint64_t value
+    cdef char *out
+    cdef int i
+    memcpy(data + pos[0], row.oid.p, row.oid.n)
+    pos[0] += <int32_t> row.oid.n
+    if row.oid_host:
+        value = <uint64_t> row.oid_offset
+        out = data + pos[0]
+        for i in range(OFFSET_HEX):
+            out[OFFSET_HEX - 1 - i] = digits[value & 0xF]
+            value >>= 4
+        pos[0] += OFFSET_HEX
+    offsets[index + 1] = pos[0]
+
+
+def message_columns(list msgs not None):
+    """The buffers of the sink's Arrow columns for ``msgs``, or None.
+
+    None means the list holds something the columnar path does not take (a value of an
+    unexpected type, a property that is not text, a column over 2 GiB); the caller then builds
+    the columns from Python values, which gives the same table or the same error. Otherwise a
+    dict of column name to a tuple of buffers (``bytearray``, little-endian, Arrow layout):
+    fixed-width columns as one data buffer, strings as (offsets, data), ``tags`` as (validity or
+    None, offsets, data), ``keys`` as (list offsets, string offsets, data) and ``properties``
+    as (map offsets, name offsets, name data, value offsets, value data); plus the counts
+    ``rows``, ``key_tokens``, ``entries`` and ``tags_null``.
+    """
+    cdef Py_ssize_t n = PyList_GET_SIZE(msgs), r, i, t
+    cdef Row *rows = NULL
+    cdef Entries entries
+    cdef Sizes z
+    cdef list refs = []
+    cdef int failed = 0, state
+    cdef int32_t p_topic = 0, p_broker = 0, p_msg_id = 0, p_oid = 0, p_tags = 0, p_keys = 0
+    cdef int32_t p_tok = 0, p_body = 0, p_names = 0, p_values = 0, p_entries = 0, p_born = 0
+    cdef int32_t p_store = 0
+    cdef Span v
+    cdef const Entry *e
+    cdef int32_t *c_topic_off
+    cdef int32_t *c_broker_off
+    cdef int32_t *c_queue_id
+    cdef int64_t *c_queue_offset
+    cdef int32_t *c_msg_id_off
+    cdef int32_t *c_oid_off
+    cdef unsigned char *c_tags_valid
+    cdef int32_t *c_tags_off
+    cdef int32_t *c_keys_off
+    cdef int32_t *c_tok_off
+    cdef int32_t *c_body_off
+    cdef int32_t *c_props_off
+    cdef int32_t *c_names_off
+    cdef int32_t *c_values_off
+    cdef int64_t *c_born_ts
+    cdef int64_t *c_store_ts
+    cdef int32_t *c_born_off
+    cdef int32_t *c_store_off
+    cdef int32_t *c_reconsume
+    cdef char *c_topic
+    cdef char *c_broker
+    cdef char *c_msg_id
+    cdef char *c_oid
+    cdef char *c_tags
+    cdef char *c_tok
+    cdef char *c_body
+    cdef char *c_names
+    cdef char *c_values
+    cdef char *c_born
+    cdef char *c_store
+    entries.items = NULL
+    entries.size = 0
+    entries.cap = 0
+    rows = <Row *> malloc((n if n else 1) * sizeof(Row))
+    if rows == NULL:
+        raise MemoryError()
+    try:
+        try:
+            for r in range(n):
+                _read_row(msgs[r], &rows[r], refs)
+        except (TypeError, OverflowError, ValueError, UnicodeError):
+            return None
+        with nogil:
+            for r in range(n):
+                if rows[r].props_state == PROPS_RAW or rows[r].props_state == PROPS_RAW_PENDING:
+                    state = _split_raw(&rows[r], &entries)
+                    if state < 0:
+                        failed = 1
+                        break
+                    if state:
+                        rows[r].props_state = PROPS_FROM_DICT
+                    elif rows[r].props_state == PROPS_RAW:
+                        rows[r].props_state = PROPS_READY
+                    else:
+                        rows[r].props_state = PROPS_MERGE
+        if failed:
+            raise MemoryError()
+        try:
+            for r in range(n):
+                if rows[r].props_state == PROPS_FROM_DICT:
+                    _pairs_from_dict(msgs[r], &rows[r], &entries, refs)
+                elif rows[r].props_state == PROPS_MERGE:
+                    _apply_pending(msgs[r], &rows[r], &entries, refs)
+        except (TypeError, UnicodeError):
+            return None
+        with nogil:
+            _measure(rows, n, entries.items, &z)
+        if max(z.topic, z.broker, z.msg_id, z.oid, z.tags, z.keys, z.body, z.prop_names,
+               z.prop_values, z.born_host, z.store_host, z.entries) > INT32_LIMIT:
+            return None
+
+        topic_off, topic_data = _alloc(4 * (n + 1)), _alloc(z.topic)
+        broker_off, broker_data = _alloc(4 * (n + 1)), _alloc(z.broker)
+        queue_id, queue_offset = _alloc(4 * n), _alloc(8 * n)
+        msg_id_off, msg_id_data = _alloc(4 * (n + 1)), _alloc(z.msg_id)
+        oid_off, oid_data = _alloc(4 * (n + 1)), _alloc(z.oid)
+        tags_valid = _alloc((n + 7) // 8) if z.tags_null else None
+        tags_off, tags_data = _alloc(4 * (n + 1)), _alloc(z.tags)
+        keys_off, tok_off, tok_data = _alloc(4 * (n + 1)), _alloc(4 * (z.key_tokens + 1)), \
+            _alloc(z.keys)
+        body_off, body_data = _alloc(4 * (n + 1)), _alloc(z.body)
+        props_off = _alloc(4 * (n + 1))
+        names_off, names_data = _alloc(4 * (z.entries + 1)), _alloc(z.prop_names)
+        values_off, values_data = _alloc(4 * (z.entries + 1)), _alloc(z.prop_values)
+        born_ts, store_ts = _alloc(8 * n), _alloc(8 * n)
+        born_off, born_data = _alloc(4 * (n + 1)), _alloc(z.born_host)
+        store_off, store_data = _alloc(4 * (n + 1)), _alloc(z.store_host)
+        reconsume = _alloc(4 * n)
+
+        c_topic_off, c_topic = <int32_t *> _buf(topic_off), _buf(topic_data)
+        c_broker_off, c_broker = <int32_t *> _buf(broker_off), _buf(broker_data)
+        c_queue_id, c_queue_offset = <int32_t *> _buf(queue_id), <int64_t *> _buf(queue_offset)
+        c_msg_id_off, c_msg_id = <int32_t *> _buf(msg_id_off), _buf(msg_id_data)
+        c_oid_off, c_oid = <int32_t *> _buf(oid_off), _buf(oid_data)
+        c_tags_valid = <unsigned char *> (_buf(tags_valid) if tags_valid is not None else NULL)
+        c_tags_off, c_tags = <int32_t *> _buf(tags_off), _buf(tags_data)
+        c_keys_off, c_tok_off, c_tok = <int32_t *> _buf(keys_off), <int32_t *> _buf(tok_off), \
+            _buf(tok_data)
+        c_body_off, c_body = <int32_t *> _buf(body_off), _buf(body_data)
+        c_props_off = <int32_t *> _buf(props_off)
+        c_names_off, c_names = <int32_t *> _buf(names_off), _buf(names_data)
+        c_values_off, c_values = <int32_t *> _buf(values_off), _buf(values_data)
+        c_born_ts, c_store_ts = <int64_t *> _buf(born_ts), <int64_t *> _buf(store_ts)
+        c_born_off, c_born = <int32_t *> _buf(born_off), _buf(born_data)
+        c_store_off, c_store = <int32_t *> _buf(store_off), _buf(store_data)
+        c_reconsume = <int32_t *> _buf(reconsume)
+
+        with nogil:
+            c_topic_off[0] = c_broker_off[0] = c_msg_id_off[0] = c_oid_off[0] = 0
+            c_tags_off[0] = c_keys_off[0] = c_tok_off[0] = c_body_off[0] = c_props_off[0] = 0
+            c_names_off[0] = c_values_off[0] = c_born_off[0] = c_store_off[0] = 0
+            if c_tags_valid != NULL:
+                memset(c_tags_valid, 0, (n + 7) // 8)
+            for r in range(n):
+                _put_text(c_topic_off, c_topic, r, &p_topic, rows[r].topic.p, rows[r].topic.n)
+                _put_text(c_broker_off, c_broker, r, &p_broker, rows[r].broker.p,
+                          rows[r].broker.n)
+                c_queue_id[r] = rows[r].queue_id
+                c_queue_offset[r] = rows[r].queue_offset
+                if rows[r].uniq >= 0 and entries.items[rows[r].uniq].value.n > 0:
+                    v = entries.items[rows[r].uniq].value
+                    _put_text(c_msg_id_off, c_msg_id, r, &p_msg_id, v.p, v.n)
+                else:
+                    _put_oid(c_msg_id_off, c_msg_id, r, &p_msg_id, &rows[r])
+                _put_oid(c_oid_off, c_oid, r, &p_oid, &rows[r])
+                if rows[r].tags >= 0:
+                    v = entries.items[rows[r].tags].value
+                    if c_tags_valid != NULL:
+                        c_tags_valid[r >> 3] |= <unsigned char> (1 << (r & 7))
+                    _put_text(c_tags_off, c_tags, r, &p_tags, v.p, v.n)
+                else:
+                    c_tags_off[r + 1] = p_tags
+                if rows[r].keys >= 0:
+                    v = entries.items[rows[r].keys].value
+                    t = 0
+                    while t < v.n:
+                        if v.p[t] == 32:
+                            t += 1
+                            continue
+                        i = t
+                        while i < v.n and v.p[i] != 32:
+                            i += 1
+                        memcpy(c_tok + p_keys, v.p + t, i - t)
+                        p_keys += <int32_t> (i - t)
+                        p_tok += 1
+                        c_tok_off[p_tok] = p_keys
+                        t = i
+                c_keys_off[r + 1] = p_tok
+                _put_text(c_body_off, c_body, r, &p_body, rows[r].body.p, rows[r].body.n)
+                for i in range(rows[r].first_entry, rows[r].first_entry + rows[r].n_entries):
+                    e = &entries.items[i]
+                    _put_text(c_names_off, c_names, p_entries, &p_names, e.name.p, e.name.n)
+                    _put_text(c_values_off, c_values, p_entries, &p_values, e.value.p,
+                              e.value.n)
+                    p_entries += 1
+                c_props_off[r + 1] = p_entries
+                c_born_ts[r] = rows[r].born_ts
+                c_store_ts[r] = rows[r].store_ts
+                _put_text(c_born_off, c_born, r, &p_born, rows[r].born_host.p,
+                          rows[r].born_host.n)
+                _put_text(c_store_off, c_store, r, &p_store, rows[r].store_host.p,
+                          rows[r].store_host.n)
+                c_reconsume[r] = rows[r].reconsume
+        return {
+            "rows": n,
+            "key_tokens": z.key_tokens,
+            "entries": z.entries,
+            "tags_null": z.tags_null,
+            "topic": (topic_off, topic_data),
+            "broker_name": (broker_off, broker_data),
+            "queue_id": (queue_id,),
+            "queue_offset": (queue_offset,),
+            "msg_id": (msg_id_off, msg_id_data),
+            "offset_msg_id": (oid_off, oid_data),
+            "tags": (tags_valid, tags_off, tags_data),
+            "keys": (keys_off, tok_off, tok_data),
+            "body": (body_off, body_data),
+            "properties": (props_off, names_off, names_data, values_off, values_data),
+            "born_timestamp": (born_ts,),
+            "store_timestamp": (store_ts,),
+            "born_host": (born_off, born_data),
+            "store_host": (store_off, store_data),
+            "reconsume_times": (reconsume,),
+        }
+    finally:
+        free(rows)
+        free(entries.items)

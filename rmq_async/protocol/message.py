@@ -656,9 +656,13 @@ IMPLEMENTATION: str
 _records: _RecordLoop = _decode_records
 _decode_properties_impl: Callable[[str], dict[str, str]] = _py_decode_properties
 
+message_columns: Callable[[list[MessageExt]], dict[str, Any] | None] | None = None
+"""The compiled converter of messages to the buffers of the sink's Arrow columns, or None
+without the extension (see ``rmq_async.sinks._arrow``)."""
+
 
 def _use_compiled() -> bool:
-    global _records, _decode_properties_impl
+    global _records, _decode_properties_impl, message_columns
     if os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0"):
         return False
     try:
@@ -674,6 +678,7 @@ def _use_compiled() -> bool:
     _records = _cmessage.decode_records
     _decode_properties_impl = _cmessage.decode_properties
     set_properties_parser(_cmessage.parse_raw_properties, _cmessage.find_raw_property)
+    message_columns = _cmessage.message_columns
     return True
 
 

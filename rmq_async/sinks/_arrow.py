@@ -33,6 +33,7 @@ import msgpack  # type: ignore[import-untyped, unused-ignore]
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rmq_async.protocol.message import message_columns as _message_columns
 from rmq_async.protocol.types import (
     KEY_SEPARATOR,
     PROPERTY_KEYS,
@@ -55,6 +56,7 @@ ValueFormat = Literal["json", "msgpack"]
 _TIMESTAMP = pa.timestamp("ms", tz="UTC")
 _KEYS_TYPE = pa.list_(pa.field("element", pa.string(), nullable=False))
 _PROPERTIES_TYPE = pa.map_(pa.string(), pa.field("value", pa.string(), nullable=False))
+_PROPERTY_ENTRY = pa.struct([_PROPERTIES_TYPE.key_field, _PROPERTIES_TYPE.item_field])
 
 #: The row layout of every batch. Only ``tags`` may be null (a message sent without tags);
 #: a message without keys has an empty ``keys`` array. Timestamps are UTC, millisecond precision
@@ -135,6 +137,76 @@ def messages_to_arrow(msgs: Sequence[MessageExt], *, chunk_rows: int = 10_000) -
 
 
 def _convert(msgs: Sequence[MessageExt]) -> pa.Table:
+    if _message_columns is not None:
+        buffers = _message_columns(msgs if type(msgs) is list else list(msgs))
+        if buffers is not None:
+            return _from_buffers(buffers)
+    return _convert_values(msgs)
+
+
+def _string(count: int, offsets: bytearray, data: bytearray) -> pa.Array:
+    return pa.Array.from_buffers(
+        pa.string(), count, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    )
+
+
+def _fixed(kind: pa.DataType, count: int, data: bytearray) -> pa.Array:
+    return pa.Array.from_buffers(kind, count, [None, pa.py_buffer(data)])
+
+
+def _from_buffers(b: dict[str, Any]) -> pa.Table:
+    """The table of the compiled converter's buffers (see ``message_columns``); no copies."""
+    n = b["rows"]
+    valid, tag_offsets, tag_data = b["tags"]
+    tags = pa.Array.from_buffers(
+        pa.string(),
+        n,
+        [None if valid is None else pa.py_buffer(valid), pa.py_buffer(tag_offsets),
+         pa.py_buffer(tag_data)],
+        null_count=b["tags_null"],
+    )
+    list_offsets, token_offsets, token_data = b["keys"]
+    keys = pa.Array.from_buffers(
+        _KEYS_TYPE,
+        n,
+        [None, pa.py_buffer(list_offsets)],
+        children=[_string(b["key_tokens"], token_offsets, token_data)],
+    )
+    map_offsets, name_offsets, names, value_offsets, values = b["properties"]
+    entries = b["entries"]
+    pairs = pa.Array.from_buffers(
+        _PROPERTY_ENTRY,
+        entries,
+        [None],
+        children=[_string(entries, name_offsets, names), _string(entries, value_offsets, values)],
+    )
+    properties = pa.Array.from_buffers(
+        _PROPERTIES_TYPE, n, [None, pa.py_buffer(map_offsets)], children=[pairs]
+    )
+    columns = [
+        _string(n, *b["topic"]),
+        _string(n, *b["broker_name"]),
+        _fixed(pa.int32(), n, *b["queue_id"]),
+        _fixed(pa.int64(), n, *b["queue_offset"]),
+        _string(n, *b["msg_id"]),
+        _string(n, *b["offset_msg_id"]),
+        tags,
+        keys,
+        pa.Array.from_buffers(
+            pa.binary(), n, [None, pa.py_buffer(b["body"][0]), pa.py_buffer(b["body"][1])]
+        ),
+        properties,
+        _fixed(_TIMESTAMP, n, *b["born_timestamp"]),
+        _fixed(_TIMESTAMP, n, *b["store_timestamp"]),
+        _string(n, *b["born_host"]),
+        _string(n, *b["store_host"]),
+        _fixed(pa.int32(), n, *b["reconsume_times"]),
+    ]
+    return pa.Table.from_arrays(columns, schema=ARROW_SCHEMA)
+
+
+def _convert_values(msgs: Sequence[MessageExt]) -> pa.Table:
+    """The table built from the messages' Python values (the path without the extension)."""
     props: list[dict[str, str]] = _column(msgs, "properties")
     offset_ids: list[str] = _column(msgs, "offset_msg_id")
     msg_ids = [p.get(PROPERTY_UNIQ_KEY) or o for p, o in zip(props, offset_ids, strict=True)]
