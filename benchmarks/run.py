@@ -605,6 +605,8 @@ async def run_spark(rt: Runtime, sc: Scenario, topic: str) -> dict[str, Any]:
             "expected": sc.messages, "queues": QUEUES, "batch_rows": sc.batch_rows,
             "rounds": sc.rounds, "stall_timeout": rt.stall_timeout,
             "work_dir": str(rt.work / "spark")}
+    if rt.profile_dir is not None:
+        spec["profile"] = str(rt.profile_dir / f"{sc.name}-spark.pstats")
     child = ChildRun(cmd=[sys.executable, str(BENCH_DIR / "child.py"), json.dumps(spec)],
                      cwd=BENCH_DIR, env=child_env(), stderr_path=rt.work / "spark.stderr")
     started = time.perf_counter()
