@@ -33,13 +33,14 @@ import io
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from rmq_async.client.errors import MQClientError, NoPermissionError
-from rmq_async.consumer.consume import reset_retry_topic
 from rmq_async.consumer.results import ConsumeContext, direct_consume_result
+from rmq_async.consumer.subscriptions import reset_retry_topic
 from rmq_async.protocol.bodies import (
     ConsumeMessageDirectlyResult,
     ConsumerRunningInfo,
@@ -63,10 +64,54 @@ from rmq_async.remoting.connection import Connection, unsupported_response
 from rmq_async.remoting.errors import RemotingError
 
 if TYPE_CHECKING:
+    from rmq_async.client.instance import ClientInstance
+    from rmq_async.consumer.listener import ListenerAdapter
+    from rmq_async.consumer.offset_store import OffsetStore
+    from rmq_async.consumer.options import ConsumerOptions
     from rmq_async.consumer.process_queue import ProcessQueue
-    from rmq_async.consumer.push import PushConsumer
+    from rmq_async.consumer.pull import PullService
+    from rmq_async.consumer.rebalance import Rebalancer
+    from rmq_async.consumer.stats import ConsumerStats
+    from rmq_async.protocol.bodies import HeartbeatData
+    from rmq_async.protocol.filter import SubscriptionData
 
 log = structlog.get_logger(__name__)
+
+
+class ConsumerView(Protocol):
+    """What the broker's requests read and do on a consumer (``PushConsumer`` is one)."""
+
+    options: ConsumerOptions
+    group: str
+    client_id: str
+    namesrv: list[str]
+    retry_topic: str
+    start_timestamp: int
+    process_queues: dict[MessageQueue, ProcessQueue]
+    stats: ConsumerStats
+    instance: ClientInstance
+    offset_store: OffsetStore
+    pull_service: PullService
+    rebalancer: Rebalancer
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def subscribed_topics(self) -> list[str]: ...
+
+    def subscription_data(self, topic: str) -> SubscriptionData | None: ...
+
+    def listener_for(self, topic: str) -> ListenerAdapter | None: ...
+
+    def is_orderly(self, topic: str) -> bool: ...
+
+    def is_paused(self, topic: str) -> bool: ...
+
+    def heartbeat_data(self) -> HeartbeatData: ...
+
+    async def remove_queue(self, mq: MessageQueue, *, reason: str) -> None: ...
+
+    def _owner_spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None: ...
 
 __all__ = [
     "CLIENT_VERSION_DESC",
@@ -77,6 +122,7 @@ __all__ = [
     "PROP_NAMESERVER_ADDR",
     "PROP_THREADPOOL_CORE_SIZE",
     "BrokerRequestHandler",
+    "ConsumerView",
     "build_running_info",
     "process_queue_info",
     "raise_if_refused",
@@ -147,7 +193,7 @@ def _consume_status(snapshot: dict[str, Any]) -> ConsumeStatus:
     )
 
 
-def build_running_info(consumer: PushConsumer, *, jstack: bool = False) -> ConsumerRunningInfo:
+def build_running_info(consumer: ConsumerView, *, jstack: bool = False) -> ConsumerRunningInfo:
     """The consumer's ``ConsumerRunningInfo`` as ``mqadmin consumerStatus`` reads it."""
     c = consumer
     import rmq_async
@@ -196,7 +242,7 @@ def build_running_info(consumer: PushConsumer, *, jstack: bool = False) -> Consu
     )
 
 
-def _commit_offset(c: PushConsumer, mq: MessageQueue, pq: ProcessQueue) -> int:
+def _commit_offset(c: ConsumerView, mq: MessageQueue, pq: ProcessQueue) -> int:
     """The queue's consume offset in memory; for a queue that has nothing cached and no offset
     yet (nothing consumed since it was assigned), the offset its pulls continue from."""
     offset = c.offset_store.read_memory(mq)
@@ -226,7 +272,7 @@ def _stack_dump() -> str:
     return out.getvalue()[:MAX_STACK_DUMP]
 
 
-async def raise_if_refused(consumer: PushConsumer, heartbeats: dict[str, bool]) -> None:
+async def raise_if_refused(consumer: ConsumerView, heartbeats: dict[str, bool]) -> None:
     """After the first heartbeats of ``start()``: fail if a broker refuses this client.
 
     A broker that could not be reached is left to the periodic heartbeat (it may come back),
@@ -256,7 +302,7 @@ async def raise_if_refused(consumer: PushConsumer, heartbeats: dict[str, bool]) 
 class BrokerRequestHandler:
     """Answers broker-initiated requests on the consumer's remoting connections."""
 
-    def __init__(self, consumer: PushConsumer) -> None:
+    def __init__(self, consumer: ConsumerView) -> None:
         self._consumer = consumer
         self._reset_lock = asyncio.Lock()
 

@@ -20,34 +20,34 @@ which case the result commits nothing.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import structlog
 
+from rmq_async.consumer.listener import Listener, ListenerAdapter
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
+from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY, PullRequest
+from rmq_async.consumer.subscriptions import reset_retry_topic
 from rmq_async.consumer.tasks import TaskOwner
-from rmq_async.protocol.types import (
-    PROPERTY_CONSUME_START_TIME,
-    PROPERTY_RETRY_TOPIC,
-    MessageExt,
-    MessageQueue,
-)
+from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 
 if TYPE_CHECKING:
-    from rmq_async.consumer.push import PushConsumer
+    from rmq_async.consumer.runtime import ConsumerRuntime
 
 log = structlog.get_logger(__name__)
 
-Listener = Callable[..., Any]
-
-SEND_BACK_FAILED_RETRY_DELAY = 5.0
+__all__ = [
+    "SEND_BACK_FAILED_RETRY_DELAY",
+    "ConcurrentConsumeService",
+    "ConsumeRequest",
+    "Listener",
+    "ListenerAdapter",
+    "reset_retry_topic",
+]
 
 
 @dataclass(slots=True, eq=False)
@@ -65,46 +65,6 @@ class ConsumeRequest:
     """Leading messages the cleaner already removed from the ProcessQueue (a stuck chunk)."""
 
 
-class ListenerAdapter:
-    """Calls a user listener the same way whatever its shape.
-
-    A listener is ``async def f(msgs)`` / ``async def f(msgs, context)`` or the same as a plain
-    ``def``; plain functions run in a worker thread so they never block the event loop. A return
-    value of ``None`` or a raised exception means RECONSUME_LATER.
-    """
-
-    def __init__(self, fn: Listener) -> None:
-        self.fn = fn
-        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)  # noqa: B004
-        )
-        try:
-            params = [
-                p for p in inspect.signature(fn).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-            self.wants_context = len(params) >= 2
-        except (TypeError, ValueError):
-            self.wants_context = False
-        self.name = getattr(fn, "__qualname__", repr(fn))
-
-    async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
-        args: tuple[Any, ...] = (msgs, ctx) if self.wants_context else (msgs,)
-        if self.is_async:
-            result: Awaitable[Any] = self.fn(*args)
-            return await result
-        return await anyio.to_thread.run_sync(lambda: self.fn(*args))
-
-
-def reset_retry_topic(msgs: list[MessageExt], retry_topic: str) -> None:
-    """Give retried messages their original topic back (Java ``resetRetryAndNamespace``)."""
-    for m in msgs:
-        if m.topic == retry_topic:
-            original = m.properties.get(PROPERTY_RETRY_TOPIC)
-            if original:
-                m.topic = original
-
-
 class ConcurrentConsumeService:
     """Runs the listener on pulled chunks with ``consume_concurrency`` worker tasks.
 
@@ -116,11 +76,14 @@ class ConcurrentConsumeService:
     listener fills the ProcessQueues and the pull flow control holds the pulls back as usual.
     """
 
-    def __init__(self, consumer: PushConsumer) -> None:
-        self._consumer = consumer
-        self._opts = consumer.options
+    #: Chunks of one queue may be with the listener at the same time.
+    in_order = False
+
+    def __init__(self, rt: ConsumerRuntime) -> None:
+        self._rt = rt
+        self._opts = rt.options
         self._queue: asyncio.Queue[ConsumeRequest] = asyncio.Queue()
-        self._owner = TaskOwner(f"consume[{consumer.group}]")
+        self._owner = TaskOwner(f"consume[{rt.group}]")
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -136,10 +99,17 @@ class ConcurrentConsumeService:
     def queued(self) -> int:
         return self._queue.qsize()
 
-    def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue) -> None:
+    def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
+               first: bool = False) -> None:
         """Queue one pulled chunk (all of one queue and one subscribed topic)."""
         if msgs:
             self._queue.put_nowait(ConsumeRequest(msgs, pq, mq))
+
+    def pull_delay(self, topic: str) -> float:
+        return 0.0  # the flow control on cached messages is enough
+
+    async def pull_gate(self, req: PullRequest) -> float:
+        return 0.0
 
     def submit_later(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
                      delay: float) -> None:
@@ -188,14 +158,14 @@ class ConcurrentConsumeService:
                     self._idle.set()
 
     async def _consume(self, req: ConsumeRequest) -> None:
-        c = self._consumer
+        rt = self._rt
         msgs = req.msgs
         pq = req.pq
         mq = req.mq
-        if mq.topic == c.retry_topic:
-            reset_retry_topic(msgs, c.retry_topic)
+        if mq.topic == rt.retry_topic:
+            reset_retry_topic(msgs, rt.retry_topic)
         topic = msgs[0].topic
-        adapter = c.listener_for(topic)
+        adapter = rt.subscriptions.listener_for(topic)
         started_ms = int(time.time() * 1000)
         now_ms = str(started_ms)
         for m in msgs:
@@ -271,13 +241,13 @@ class ConcurrentConsumeService:
     async def _settle(self, req: ConsumeRequest, handled: list[MessageExt],
                       failed: list[tuple[MessageExt, int]], elapsed: float, calls: int) -> None:
         """One removal, one offset update and one stats update for the handled messages."""
-        c = self._consumer
+        rt = self._rt
         pq = req.pq
         self._inflight.discard(req)
         if req.settled and failed:
             # The cleaner already sent back what it found expired: not twice.
             failed = [(m, level) for m, level in failed if pq.contains(m)]
-        c.stats.record_consume(handled[0].topic if handled else req.mq.topic,
+        rt.stats.record_consume(handled[0].topic if handled else req.mq.topic,
                                len(handled) - len(failed), len(failed), elapsed, calls=calls)
         if pq.dropped:
             # Rebalance took the queue away meanwhile: this result commits nothing.
@@ -292,7 +262,7 @@ class ConcurrentConsumeService:
             else:
                 not_sent: list[MessageExt] = []
                 for m, level in failed:
-                    if not await c.send_message_back(m, level):
+                    if not await rt.send_message_back(m, level):
                         m.reconsume_times += 1
                         not_sent.append(m)
                 if not_sent:
@@ -303,7 +273,7 @@ class ConcurrentConsumeService:
             return
         offset = pq.remove_messages(to_remove)
         if offset >= 0 and not pq.dropped:
-            c.offset_store.update(req.mq, offset, increase_only=True)
+            rt.offset_store.update(req.mq, offset, increase_only=True)
 
     # ------------------------------------------------------------------ consume timeout
 
@@ -321,7 +291,7 @@ class ConcurrentConsumeService:
         of the chunk was missing), so that only the stuck message and those behind it, which
         no listener saw, go back to the broker, as in Java.
         """
-        c = self._consumer
+        rt = self._rt
         if self._opts.message_model != MessageModel.CLUSTERING:
             return
         now_ms = int(time.time() * 1000)
@@ -337,19 +307,19 @@ class ConcurrentConsumeService:
             if acked:
                 offset = pq.remove_messages(acked)
                 if offset >= 0 and not pq.dropped:
-                    c.offset_store.update(req.mq, offset, increase_only=True)
+                    rt.offset_store.update(req.mq, offset, increase_only=True)
                 log.info("consume.stuck_chunk_settled", queue=str(req.mq), count=len(acked),
                          stuck_offset=req.msgs[done].queue_offset if done < len(req.msgs) else -1)
-        for mq, pq in list(c.process_queues.items()):
-            if c.is_orderly(mq.topic) or pq.dropped:
+        for mq, pq in list(rt.process_queues.items()):
+            if rt.subscriptions.is_orderly(mq.topic) or pq.dropped:
                 continue
             expired = pq.clean_expired_messages(now_ms, timeout_ms)
             for m in expired:
-                reset_retry_topic([m], c.retry_topic)
-                if await c.send_message_back(m, 3):
+                reset_retry_topic([m], rt.retry_topic)
+                if await rt.send_message_back(m, 3):
                     offset = pq.remove_messages([m])
                     if offset >= 0 and not pq.dropped:
-                        c.offset_store.update(mq, offset, increase_only=True)
+                        rt.offset_store.update(mq, offset, increase_only=True)
                     log.warning("consume.expired_sent_back", queue=str(mq),
                                 offset=m.queue_offset, msg_id=m.msg_id)
 

@@ -27,17 +27,17 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rmq_async.client.errors import MQClientError
-from rmq_async.consumer.consume import reset_retry_topic
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult, normalize_result
+from rmq_async.consumer.subscriptions import reset_retry_topic
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 from rmq_async.remoting.errors import RemotingError
 
 if TYPE_CHECKING:
-    from rmq_async.consumer.pull import PullRequest
-    from rmq_async.consumer.push import PushConsumer
+    from rmq_async.consumer.runtime import ConsumerRuntime
+    from rmq_async.consumer.service import PullRequest
 
 log = structlog.get_logger(__name__)
 
@@ -57,11 +57,16 @@ class _Turn:
 
 
 class OrderlyConsumeService:
-    def __init__(self, consumer: PushConsumer) -> None:
-        self._consumer = consumer
-        self._opts = consumer.options
+    """Consumes each queue in offset order, one batch at a time (module docstring)."""
+
+    #: A queue's messages reach the listener one batch after the other, in offset order.
+    in_order = True
+
+    def __init__(self, rt: ConsumerRuntime) -> None:
+        self._rt = rt
+        self._opts = rt.options
         self._queue: asyncio.Queue[_Turn] = asyncio.Queue()
-        self._owner = TaskOwner(f"orderly[{consumer.group}]")
+        self._owner = TaskOwner(f"orderly[{rt.group}]")
         # One lock per queue: held while a batch of that queue is with the listener.
         self._consume_locks: dict[MessageQueue, asyncio.Lock] = {}
         self._active = 0
@@ -92,10 +97,15 @@ class OrderlyConsumeService:
 
     # ------------------------------------------------------------------ scheduling
 
-    def submit(self, pq: ProcessQueue, mq: MessageQueue, dispatch: bool) -> None:
-        """Called after pulled messages were cached; ``dispatch`` when no turn is pending."""
-        if dispatch:
+    def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
+               first: bool) -> None:
+        """Called after pulled messages were cached; a turn is queued when ``first`` (none
+        was pending). The turn takes the messages from ``pq`` in offset order, not ``msgs``."""
+        if first:
             self._queue.put_nowait(_Turn(mq, pq))
+
+    def pull_delay(self, topic: str) -> float:
+        return 0.0
 
     def submit_later(self, pq: ProcessQueue, mq: MessageQueue, delay: float) -> None:
         self._owner.spawn(self._later(pq, mq, delay), name=f"later:{mq}")
@@ -124,20 +134,20 @@ class OrderlyConsumeService:
                     self._idle.set()
 
     def _retry_turn_later(self, mq: MessageQueue, pq: ProcessQueue) -> None:
-        if pq.dropped or self._consumer.stopping:
+        if pq.dropped or self._rt.stopping:
             return
         pq.rollback()  # whatever the failed turn had taken is consumed again, in order
         self.submit_later(pq, mq, self._opts.suspend_current_queue_time_millis / 1000.0)
 
     async def _run_turn(self, mq: MessageQueue, pq: ProcessQueue) -> None:
         """Consume one queue for a while, one batch after the other, in offset order."""
-        c = self._consumer
+        rt = self._rt
         if pq.dropped:
             return
         started = time.monotonic()
         batch_size = self._opts.consume_message_batch_max_size
         while True:
-            if pq.dropped or c.stopping:
+            if pq.dropped or rt.stopping:
                 return
             if self.clustering and (not pq.locked or pq.is_lock_expired(
                     time.monotonic(), self._opts.rebalance_lock_max_live_time)):
@@ -159,9 +169,9 @@ class OrderlyConsumeService:
 
     async def _consume_batch(self, mq: MessageQueue, pq: ProcessQueue,
                              msgs: list[MessageExt]) -> bool:
-        c = self._consumer
-        reset_retry_topic(msgs, c.retry_topic)
-        listener = c.listener_for(msgs[0].topic)
+        rt = self._rt
+        reset_retry_topic(msgs, rt.retry_topic)
+        listener = rt.subscriptions.listener_for(msgs[0].topic)
         ctx = ConsumeContext(message_queue=mq)
         now_ms = str(int(time.time() * 1000))
         for m in msgs:
@@ -181,7 +191,7 @@ class OrderlyConsumeService:
         elapsed = time.monotonic() - began
         pq.last_consume_timestamp = time.monotonic()
         ok = result in (ConsumeResult.SUCCESS, ConsumeResult.COMMIT)
-        c.stats.record_consume(msgs[0].topic, len(msgs) if ok else 0,
+        rt.stats.record_consume(msgs[0].topic, len(msgs) if ok else 0,
                                0 if ok else len(msgs), elapsed)
         if ok:
             # Committed even when the queue was just given up: it is released (persisted, then
@@ -222,14 +232,14 @@ class OrderlyConsumeService:
         offset = pq.commit()
         if offset < 0:
             return
-        current = self._consumer.process_queues.get(mq)
+        current = self._rt.process_queues.get(mq)
         if current is pq or (pq.dropped and current is None):
-            self._consumer.offset_store.update(mq, offset, increase_only=False)
+            self._rt.offset_store.update(mq, offset, increase_only=False)
 
     async def _retries_exhausted(self, msgs: list[MessageExt]) -> bool:
         """True when every message of the batch has been retried the maximum number of times
         and was handed to the dead-letter queue (Java ``checkReconsumeTimes``)."""
-        c = self._consumer
+        rt = self._rt
         limit = self._opts.effective_max_reconsume_times(orderly=True)
         if not all(m.reconsume_times >= limit for m in msgs):
             return False
@@ -238,7 +248,7 @@ class OrderlyConsumeService:
             return True
         for m in msgs:
             # Delay level -1 asks the broker for the dead-letter queue directly.
-            if not await c.send_message_back(m, -1):
+            if not await rt.send_message_back(m, -1):
                 return False
             log.warning("orderly.sent_to_dlq", msg_id=m.msg_id, offset=m.queue_offset,
                         reconsume_times=m.reconsume_times)
@@ -248,15 +258,15 @@ class OrderlyConsumeService:
 
     async def lock(self, mq: MessageQueue) -> bool:
         """LOCK_BATCH_MQ for one queue; True when this client now holds it."""
-        c = self._consumer
+        rt = self._rt
         try:
-            addr = await c.instance.find_broker_master(mq.broker_name, mq.topic)
-            locked = await c.instance.api.lock_batch_mq(addr, c.group, c.client_id, [mq])
+            addr = await rt.instance.find_broker_master(mq.broker_name, mq.topic)
+            locked = await rt.instance.api.lock_batch_mq(addr, rt.group, rt.client_id, [mq])
         except (MQClientError, RemotingError) as exc:
             log.warning("orderly.lock_failed", queue=str(mq), error=str(exc))
             return False
         ok = mq in locked
-        pq = c.process_queues.get(mq)
+        pq = rt.process_queues.get(mq)
         if pq is not None:
             pq.locked = ok
             if ok:
@@ -265,21 +275,21 @@ class OrderlyConsumeService:
         return ok
 
     async def lock_all(self) -> None:
-        c = self._consumer
+        rt = self._rt
         by_broker: dict[str, list[MessageQueue]] = defaultdict(list)
-        for mq, pq in c.process_queues.items():
-            if c.is_orderly(mq.topic) and not pq.dropped:
+        for mq, pq in rt.process_queues.items():
+            if rt.subscriptions.is_orderly(mq.topic) and not pq.dropped:
                 by_broker[mq.broker_name].append(mq)
         for broker_name, mqs in by_broker.items():
             try:
-                addr = await c.instance.find_broker_master(broker_name, mqs[0].topic)
-                locked = await c.instance.api.lock_batch_mq(addr, c.group, c.client_id, mqs)
+                addr = await rt.instance.find_broker_master(broker_name, mqs[0].topic)
+                locked = await rt.instance.api.lock_batch_mq(addr, rt.group, rt.client_id, mqs)
             except (MQClientError, RemotingError) as exc:
                 log.warning("orderly.lock_all_failed", broker=broker_name, error=str(exc))
                 continue
             now = time.monotonic()
             for mq in mqs:
-                held = c.process_queues.get(mq)
+                held = rt.process_queues.get(mq)
                 if held is None:
                     continue
                 if mq in locked:
@@ -293,10 +303,10 @@ class OrderlyConsumeService:
                     held.locked = False
 
     async def unlock(self, mq: MessageQueue, *, oneway: bool = False) -> None:
-        c = self._consumer
+        rt = self._rt
         try:
-            addr = await c.instance.find_broker_master(mq.broker_name, mq.topic)
-            await c.instance.api.unlock_batch_mq(addr, c.group, c.client_id, [mq], oneway=oneway)
+            addr = await rt.instance.find_broker_master(mq.broker_name, mq.topic)
+            await rt.instance.api.unlock_batch_mq(addr, rt.group, rt.client_id, [mq], oneway=oneway)
         except (MQClientError, RemotingError) as exc:
             log.warning("orderly.unlock_failed", queue=str(mq), error=str(exc))
 
@@ -314,7 +324,7 @@ class OrderlyConsumeService:
 
     async def release(self, mq: MessageQueue, pq: ProcessQueue) -> None:
         """Give a queue up: wait for its in-flight batch, persist its offset, unlock it."""
-        c = self._consumer
+        rt = self._rt
         lock = self.consume_lock(mq)
         try:
             async with asyncio.timeout(UNLOCK_WAIT):
@@ -325,7 +335,7 @@ class OrderlyConsumeService:
         else:
             acquired = True
         try:
-            await c.offset_store.persist(mq)
+            await rt.offset_store.persist(mq)
             if self.clustering:
                 await self.unlock(mq)
             pq.locked = False
@@ -340,7 +350,7 @@ class OrderlyConsumeService:
         if not pq.locked:
             return NOT_LOCKED_PULL_DELAY
         if not req.previously_locked:
-            offset = await self._consumer.compute_pull_from_where(req.mq)
+            offset = await self._rt.compute_pull_from_where(req.mq)
             if offset < 0:
                 return self._opts.pull_time_delay_when_exception
             req.previously_locked = True

@@ -2,18 +2,20 @@
 
 Each assigned queue has one pull task (owned by :class:`PullService`). Before each pull it
 applies the consumer's flow control (cached count / size per queue, the concurrent span, the
-pause flag); each check that fails delays the next pull of that queue only. Answers are handled
-as the Java client does: FOUND messages go into the queue's ProcessQueue and to the consume
-service; NO_NEW_MSG / NO_MATCHED_MSG pull again at once from the returned offset; OFFSET_ILLEGAL
-drops the queue, fixes and persists its offset and asks the rebalancer to recreate it; errors
-delay the next pull (broker flow control briefly, anything else by the exception delay).
+pause flag, the consumption service's own backpressure); each check that fails delays the next
+pull of that queue only. Answers are handled as the Java client does: FOUND messages go into
+the queue's ProcessQueue and, as one chunk, to the consumption service of their topic (see
+:mod:`rmq_async.consumer.service`); NO_NEW_MSG / NO_MATCHED_MSG pull again at once from the
+returned offset; OFFSET_ILLEGAL drops the queue, fixes and persists its offset and asks the
+rebalancer to recreate it; errors delay the next pull (broker flow control briefly, anything
+else by the exception delay).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -22,7 +24,7 @@ from rmq_async.client.api import PendingPull, PullResult, PullStatus
 from rmq_async.client.errors import MQBrokerError, MQClientError
 from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
 from rmq_async.consumer.options import MessageModel
-from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.service import PullRequest
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.codes import ResponseCode
 from rmq_async.protocol.filter import tag_matches
@@ -37,20 +39,14 @@ from rmq_async.protocol.types import (
 from rmq_async.remoting.errors import RemotingError
 
 if TYPE_CHECKING:
-    from rmq_async.consumer.push import PushConsumer
+    from rmq_async.consumer.runtime import ConsumerRuntime
+    from rmq_async.consumer.service import ServiceRouter
 
 log = structlog.get_logger(__name__)
 
 MiB = 1024 * 1024
 
-
-@dataclass(slots=True)
-class PullRequest:
-    mq: MessageQueue
-    pq: ProcessQueue
-    next_offset: int
-    #: Orderly mode: re-read the offset from the broker before the first pull after locking.
-    previously_locked: bool = False
+__all__ = ["PullRequest", "PullService"]
 
 
 class _RateLimitedCounter:
@@ -68,10 +64,19 @@ class _RateLimitedCounter:
 
 
 class PullService:
-    def __init__(self, consumer: PushConsumer) -> None:
-        self._consumer = consumer
-        self._opts = consumer.options
-        self._owner = TaskOwner(f"pull[{consumer.group}]")
+    """One pull task per assigned queue; each pulled chunk goes to ``router``.
+
+    ``on_queue_forgotten`` is called when a queue was given up by the pull loop itself
+    (OFFSET_ILLEGAL), so that the rebalancer recreates it.
+    """
+
+    def __init__(self, rt: ConsumerRuntime, router: ServiceRouter,
+                 on_queue_forgotten: Callable[[], None]) -> None:
+        self._rt = rt
+        self._router = router
+        self._on_queue_forgotten = on_queue_forgotten
+        self._opts = rt.options
+        self._owner = TaskOwner(f"pull[{rt.group}]")
         self.requests: dict[MessageQueue, PullRequest] = {}
         self.flow_count = _RateLimitedCounter("pull.flow_control.cached_count")
         self.flow_size = _RateLimitedCounter("pull.flow_control.cached_size")
@@ -80,9 +85,9 @@ class PullService:
         self.pulls = 0
         #: Queues whose last pull the broker refused with NO_PERMISSION.
         self.refused: set[MessageQueue] = set()
-        # Per-queue thresholds, recomputed from the topic thresholds on rebalance.
-        self.queue_count_threshold: dict[str, int] = {}
-        self.queue_size_threshold_mib: dict[str, int] = {}
+        # Per-queue thresholds by topic, recomputed from the topic thresholds on rebalance.
+        self.queue_count_threshold = rt.thresholds.count
+        self.queue_size_threshold_mib = rt.thresholds.size_mib
 
     def start_queue(self, req: PullRequest, *, delay: float = 0.0) -> None:
         self.requests[req.mq] = req
@@ -121,12 +126,11 @@ class PullService:
     # ------------------------------------------------------------------ flow control
 
     def _flow_control_delay(self, req: PullRequest) -> float:
-        c = self._consumer
         opts = self._opts
         pq = req.pq
-        if c.is_paused(req.mq.topic):
-            return opts.pull_time_delay_when_suspend
         topic = req.mq.topic
+        if topic in self._rt.paused:
+            return opts.pull_time_delay_when_suspend
         count_limit = self.queue_count_threshold.get(topic, opts.pull_threshold_for_queue)
         size_limit = self.queue_size_threshold_mib.get(topic, opts.pull_threshold_size_for_queue)
         if pq.msg_count > count_limit:
@@ -135,33 +139,35 @@ class PullService:
         if pq.msg_size > size_limit * MiB:
             self.flow_size.hit(queue=str(req.mq), cached_mib=pq.msg_size // MiB, limit=size_limit)
             return opts.pull_time_delay_when_flow_control
-        if not c.is_orderly(topic) and pq.max_span > opts.consume_concurrently_max_span:
+        service = self._router.service_for(topic)
+        if not service.in_order and pq.max_span > opts.consume_concurrently_max_span:
             self.flow_span.hit(queue=str(req.mq), span=pq.max_span,
                                limit=opts.consume_concurrently_max_span)
             return opts.pull_time_delay_when_flow_control
-        sink_delay = c.sink_backpressure_delay(topic)
-        if sink_delay:
-            return sink_delay
+        service_delay = service.pull_delay(topic)
+        if service_delay:
+            return service_delay
         return 0.0
 
     # ------------------------------------------------------------------ the loop
 
     async def _loop(self, req: PullRequest, delay: float) -> None:
-        c = self._consumer
+        rt = self._rt
         opts = self._opts
         if delay > 0:
             await asyncio.sleep(delay)
         # The next pull when it was sent before the last answer was processed (pipelining).
         ahead: PendingPull | None = None
         try:
-            while not req.pq.dropped and not c.stopping:
+            while not req.pq.dropped and not rt.stopping:
                 if ahead is None:
                     wait = self._flow_control_delay(req)
                     if wait > 0:
                         await asyncio.sleep(wait)
                         continue
-                    if c.is_orderly(req.mq.topic) and opts.message_model == MessageModel.CLUSTERING:
-                        wait = await c.orderly_pull_gate(req)
+                    service = self._router.service_for(req.mq.topic)
+                    if service.in_order and opts.message_model == MessageModel.CLUSTERING:
+                        wait = await service.pull_gate(req)
                         if wait > 0:
                             await asyncio.sleep(wait)
                             continue
@@ -206,7 +212,7 @@ class PullService:
         bad_offset = low
         if bad.queue_offset is not None and low <= bad.queue_offset + delta < result.next_begin_offset:
             bad_offset = bad.queue_offset + delta
-        self._consumer.report_error(ConsumerError(
+        self._rt.errors.report(ConsumerError(
             ConsumerErrorKind.CORRUPT_RECORD, req.mq.topic, req.mq, bad_offset,
             f"{bad.error}; skipped, {len(msgs)} message(s) before it delivered, "
             f"pulling again from offset {bad_offset + 1}"))
@@ -218,7 +224,7 @@ class PullService:
             # Reported once when it starts and once when it ends, not on every retry.
             if req.mq not in self.refused:
                 self.refused.add(req.mq)
-                self._consumer.report_error(ConsumerError(
+                self._rt.errors.report(ConsumerError(
                     ConsumerErrorKind.PERMISSION_DENIED, req.mq.topic, req.mq, req.next_offset,
                     f"the broker refuses to serve this queue: {exc.remark}"))
             return opts.pull_time_delay_when_exception
@@ -235,20 +241,20 @@ class PullService:
 
     async def _send(self, req: PullRequest, offset: int) -> PendingPull | None:
         """Send the PULL_MESSAGE of ``req`` from ``offset``; ``None`` if not subscribed."""
-        c = self._consumer
+        rt = self._rt
         opts = self._opts
         mq = req.mq
-        sub = c.subscription_data(mq.topic)
+        sub = rt.subscriptions.subscription_data(mq.topic)
         if sub is None:
             return None
         commit_offset = -1
         if opts.message_model == MessageModel.CLUSTERING:
-            commit_offset = c.offset_store.read_memory(mq)
-        addr = await c.instance.find_broker_master(mq.broker_name, mq.topic)
+            commit_offset = rt.offset_store.read_memory(mq)
+        addr = await rt.instance.find_broker_master(mq.broker_name, mq.topic)
         req.pq.last_pull_timestamp = time.monotonic()
-        return await c.instance.api.start_pull(
+        return await rt.instance.api.start_pull(
             addr,
-            group=c.group,
+            group=rt.group,
             mq=mq,
             queue_offset=offset,
             max_msg_nums=opts.pull_batch_size,
@@ -262,8 +268,8 @@ class PullService:
 
     def _may_pull_ahead(self, req: PullRequest) -> bool:
         """Concurrent consumption with no pull interval, and the flow control lets it pull."""
-        c = self._consumer
-        return (self._opts.pull_interval <= 0 and not c.is_orderly(req.mq.topic)
+        return (self._opts.pull_interval <= 0
+                and not self._router.service_for(req.mq.topic).in_order
                 and self._flow_control_delay(req) <= 0)
 
     async def _pull_once(self, req: PullRequest,
@@ -275,7 +281,7 @@ class PullService:
         flow control allows it, counting the new chunk) *before* the chunk is dispatched, so
         the broker works on it while the chunk is consumed.
         """
-        c = self._consumer
+        rt = self._rt
         opts = self._opts
         mq = req.mq
         if pending is None:
@@ -290,15 +296,15 @@ class PullService:
         elapsed = time.monotonic() - pending.sent_at
         if mq in self.refused:
             self.refused.discard(mq)
-            c.report_error(ConsumerError(ConsumerErrorKind.PERMISSION_RESTORED, mq.topic, mq,
+            rt.errors.report(ConsumerError(ConsumerErrorKind.PERMISSION_RESTORED, mq.topic, mq,
                                          req.next_offset, "the broker serves this queue again"))
         if req.pq.dropped:
             return 0.0, None
         status = result.status
         if status is PullStatus.FOUND:
-            sub = c.subscription_data(mq.topic)
+            sub = rt.subscriptions.subscription_data(mq.topic)
             msgs, next_offset = self._decode(req, result)
-            c.stats.record_pull(mq.topic, len(msgs), elapsed)
+            rt.stats.record_pull(mq.topic, len(msgs), elapsed)
             req.next_offset = next_offset
             if sub is not None and sub.tags_set:
                 msgs = [m for m in msgs if tag_matches(sub, m.tags)]
@@ -321,7 +327,7 @@ class PullService:
                     log.debug("pull.ahead_failed", queue=str(mq), error=str(exc))
             if msgs and not req.pq.dropped:
                 try:
-                    c.dispatch(msgs, req.pq, mq, first)
+                    self._router.submit(msgs, req.pq, mq, first)
                 except BaseException:
                     if ahead is not None:
                         ahead.cancel()
@@ -331,12 +337,29 @@ class PullService:
             req.next_offset = result.next_begin_offset
             if req.pq.msg_count == 0 and opts.message_model == MessageModel.CLUSTERING:
                 # Nothing cached: the consume offset can follow the pull offset ("correctTagsOffset").
-                c.offset_store.update(mq, req.next_offset, increase_only=True)
+                rt.offset_store.update(mq, req.next_offset, increase_only=True)
             return 0.0, None
         # OFFSET_ILLEGAL: the broker moved our offset (out of range, or an admin reset).
         log.warning("pull.offset_illegal", queue=str(mq), offset=req.next_offset,
                     next_offset=result.next_begin_offset, min_offset=result.min_offset,
                     max_offset=result.max_offset)
         req.pq.dropped = True
-        await c.fix_offset_and_recreate(mq, result.next_begin_offset)
+        await self._fix_offset_and_forget(mq, result.next_begin_offset)
         return 0.0, None
+
+    async def _fix_offset_and_forget(self, mq: MessageQueue, offset: int) -> None:
+        """OFFSET_ILLEGAL: persist the corrected offset, forget the queue, rebalance now."""
+        rt = self._rt
+        store = rt.offset_store
+        if hasattr(store, "freeze"):
+            store.freeze(mq, offset)
+        else:
+            store.update(mq, offset, increase_only=False)
+        await store.persist(mq)
+        pq = rt.process_queues.get(mq)
+        if pq is not None and pq.dropped:
+            del rt.process_queues[mq]
+        self.requests.pop(mq, None)
+        store.remove(mq)
+        log.info("pull.offset_fixed", queue=str(mq), offset=offset)
+        self._on_queue_forgotten()

@@ -1,14 +1,20 @@
-"""``PushConsumer``: the public consumer API and the owner of the three loops."""
+"""``PushConsumer``: the public consumer API and the owner of the three loops.
+
+``start()`` wires the parts together and ``stop()`` takes them apart; everything in between runs
+below this module: the rebalancer (:mod:`~rmq_async.consumer.rebalance`) assigns queues, the
+pull loop (:mod:`~rmq_async.consumer.pull`) fills their ProcessQueues and hands each pulled chunk
+through the :class:`~rmq_async.consumer.service.ServiceRouter` to the concurrent, orderly or sink
+service, which acknowledges it into the offset store. They share a
+:class:`~rmq_async.consumer.runtime.ConsumerRuntime`, not the consumer.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
@@ -16,30 +22,29 @@ import structlog
 from rmq_async.client.errors import MQBrokerError, MQClientError, NoRouteError
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.admin import BrokerRequestHandler, raise_if_refused
-from rmq_async.consumer.consume import ConcurrentConsumeService, ListenerAdapter
+from rmq_async.consumer.consume import ConcurrentConsumeService
 from rmq_async.consumer.events import ConsumerError, ErrorHandler, ErrorReporter
-from rmq_async.consumer.offset_store import (
-    OFFSET_NOT_FOUND,
-    BrokerOffsetStore,
-    LocalFileOffsetStore,
-    OffsetStore,
-)
-from rmq_async.consumer.options import (
-    ConsumeFromWhere,
-    ConsumerOptions,
-    MessageModel,
-    build_client_id,
-)
+from rmq_async.consumer.listener import ListenerAdapter
+from rmq_async.consumer.offset_store import BrokerOffsetStore, LocalFileOffsetStore, OffsetStore
+from rmq_async.consumer.options import ConsumerOptions, MessageModel, build_client_id
 from rmq_async.consumer.orderly import OrderlyConsumeService
 from rmq_async.consumer.process_queue import ProcessQueue
-from rmq_async.consumer.pull import PullRequest, PullService
+from rmq_async.consumer.pull import PullService
 from rmq_async.consumer.rebalance import Rebalancer
+from rmq_async.consumer.runtime import ConsumerRuntime
+from rmq_async.consumer.service import ServiceRouter
+from rmq_async.consumer.sink_service import SinkConsumeService
 from rmq_async.consumer.stats import ConsumerStats
+from rmq_async.consumer.subscriptions import (
+    RETRY_GROUP_TOPIC_PREFIX,
+    Subscription,
+    Subscriptions,
+)
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.bodies import ConsumerData, HeartbeatData
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.filter import SubscriptionData, build_subscription
-from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, MessageExt, MessageQueue
+from rmq_async.protocol.types import MessageExt, MessageQueue
 from rmq_async.remoting.connection import Connection
 from rmq_async.remoting.errors import RemotingError
 
@@ -49,20 +54,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-RETRY_GROUP_TOPIC_PREFIX = "%RETRY%"
-
-
-@dataclass(slots=True)
-class Subscription:
-    topic: str
-    expression: str
-    data: SubscriptionData
-    listener: ListenerAdapter | None = None
-    orderly: bool = False
-    sink: SparkSink | None = None
-    user_fn: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class PushConsumer:
@@ -95,23 +86,26 @@ class PushConsumer:
             self.options.client_ip, self.options.instance_name, self.options.unit_name,
             self.options.message_model,
         )
-        self.retry_topic = RETRY_GROUP_TOPIC_PREFIX + group
-        self._subs: dict[str, Subscription] = {}
+        self.subscriptions = Subscriptions(group, self.options.message_model)
+        self.retry_topic = self.subscriptions.retry_topic
+        self._subs: dict[str, Subscription] = self.subscriptions.topics
         self._paused: set[str] = set()
         self.process_queues: dict[MessageQueue, ProcessQueue] = {}
         self.stats = ConsumerStats()
-        self.stopping = False
         self._started = False
         self._start_lock = asyncio.Lock()
         self._owner: TaskOwner | None = None
-        self.instance: ClientInstance = None  # type: ignore[assignment]  # set by start()
+        self._rt: ConsumerRuntime | None = None
+        # Set by start():
+        self.instance: ClientInstance = None  # type: ignore[assignment]
         self.offset_store: OffsetStore = None  # type: ignore[assignment]
         self.pull_service: PullService = None  # type: ignore[assignment]
         self.consume_service: ConcurrentConsumeService = None  # type: ignore[assignment]
         self.orderly_service: OrderlyConsumeService = None  # type: ignore[assignment]
-        self.rebalancer = Rebalancer(self)
+        self.sink_service: SinkConsumeService = None  # type: ignore[assignment]
+        self.router: ServiceRouter = None  # type: ignore[assignment]
+        self.rebalancer: Rebalancer = None  # type: ignore[assignment]
         self._request_handler = BrokerRequestHandler(self)
-        self._sub_version_override: dict[str, int] = {}
         self._persist_lock = asyncio.Lock()
         self.start_timestamp = 0
         self.errors = ErrorReporter()
@@ -184,28 +178,16 @@ class PushConsumer:
         self.rebalancer.wake()
 
     def subscribed_topics(self) -> list[str]:
-        topics = list(self._subs)
-        if self._subs and self.options.message_model == MessageModel.CLUSTERING:
-            topics.append(self.retry_topic)
-        return topics
+        return self.subscriptions.subscribed_topics()
 
     def subscription_data(self, topic: str) -> SubscriptionData | None:
-        if topic == self.retry_topic:
-            return self._retry_sub
-        sub = self._subs.get(topic)
-        return sub.data if sub else None
+        return self.subscriptions.subscription_data(topic)
 
     def listener_for(self, topic: str) -> ListenerAdapter | None:
-        sub = self._subs.get(topic)
-        return sub.listener if sub else None
+        return self.subscriptions.listener_for(topic)
 
     def is_orderly(self, topic: str) -> bool:
-        if topic == self.retry_topic:
-            # As in Java, where orderliness belongs to the consumer: a consumer whose
-            # subscriptions are all orderly also locks and consumes its retry queue in order.
-            return bool(self._subs) and all(s.orderly for s in self._subs.values())
-        sub = self._subs.get(topic)
-        return bool(sub and sub.orderly)
+        return self.subscriptions.is_orderly(topic)
 
     # ------------------------------------------------------------------ pause / resume
 
@@ -253,15 +235,19 @@ class PushConsumer:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    @property
+    def stopping(self) -> bool:
+        """``stop()`` has begun (and the consumer was not started again since)."""
+        return self._rt is not None and self._rt.stopping
+
     async def start(self) -> None:
         async with self._start_lock:
             if self._started:
                 raise RuntimeError("consumer already started")
             if not self._subs:
                 raise ValueError("subscribe at least one topic before start()")
-            self.stopping = False
             self.start_timestamp = int(time.time() * 1000)
-            self._retry_sub = build_subscription(self.retry_topic, "*")
+            self.subscriptions.reset_retry()
             self.instance = ClientInstance(
                 self.namesrv,
                 self.client_id,
@@ -277,10 +263,24 @@ class PushConsumer:
             else:
                 self.offset_store = BrokerOffsetStore(self.instance, self.group)
             await self.offset_store.load()
-            self.pull_service = PullService(self)
-            self.consume_service = ConcurrentConsumeService(self)
-            self.orderly_service = OrderlyConsumeService(self)
             self._owner = TaskOwner(f"consumer[{self.group}]")
+            rt = self._rt = ConsumerRuntime(
+                group=self.group, client_id=self.client_id, options=self.options,
+                subscriptions=self.subscriptions, process_queues=self.process_queues,
+                paused=self._paused, stats=self.stats, errors=self.errors,
+                instance=self.instance, offset_store=self.offset_store, tasks=self._owner,
+            )
+            # The three consumption services are peers behind one interface; the pull loop
+            # hands each pulled chunk to the one of its topic, through the router.
+            self.consume_service = ConcurrentConsumeService(rt)
+            self.orderly_service = OrderlyConsumeService(rt)
+            self.sink_service = SinkConsumeService(rt)
+            self.router = ServiceRouter(self.subscriptions, concurrent=self.consume_service,
+                                        orderly=self.orderly_service, sink=self.sink_service)
+            rebalance_now = asyncio.Event()
+            self.pull_service = PullService(rt, self.router, on_queue_forgotten=rebalance_now.set)
+            self.rebalancer = Rebalancer(rt, self.pull_service, self.orderly_service,
+                                         wakeup=rebalance_now)
             try:
                 for topic in self.subscribed_topics():
                     try:
@@ -291,16 +291,14 @@ class PushConsumer:
                         if topic != self.retry_topic:
                             raise
                 await raise_if_refused(self, await self.instance.send_heartbeats())
-                for sub in self._subs.values():
-                    if sub.sink is not None:
-                        await sub.sink.start(self._owner)
+                await self.sink_service.start_sinks()
             except BaseException:
                 await self._owner.aclose()
                 await self.instance.close()
                 raise
             self.errors.owner = self._owner
-            self.consume_service.start()
-            self.orderly_service.start()
+            for service in self._services():
+                service.start()
             o = self.options
             self._owner.spawn(self.rebalancer.run(), name="rebalance")
             self._owner.spawn(self._persist_loop(), name="persist-offsets")
@@ -310,6 +308,10 @@ class PushConsumer:
             self._started = True
             log.info("consumer.started", group=self.group, client_id=self.client_id,
                      topics=list(self._subs), model=str(o.message_model))
+
+    def _services(self) -> tuple[SinkConsumeService, ConcurrentConsumeService,
+                                 OrderlyConsumeService]:
+        return (self.sink_service, self.consume_service, self.orderly_service)
 
     def _owner_spawn(self, coro: Any, name: str) -> None:
         if self._owner is None:
@@ -328,30 +330,24 @@ class PushConsumer:
         async with self._start_lock:
             if not self._started:
                 return
-            self.stopping = True
-            assert self._owner is not None
+            assert self._owner is not None and self._rt is not None
+            self._rt.stopping = True
             owner = self._owner
             # 1. no new rebalances, heartbeats or pulls
             await self.pull_service.aclose()
             # 2. sinks flush what they hold; running listeners finish
             try:
                 async with asyncio.timeout(timeout):
-                    for sub in self._subs.values():
-                        if sub.sink is not None:
-                            await sub.sink.flush()
-                    await self.consume_service.wait_idle()
-                    await self.orderly_service.wait_idle()
+                    for service in self._services():
+                        await service.wait_idle()
             except TimeoutError:
                 log.warning("consumer.stop_timeout", group=self.group, timeout=timeout)
             await self.consume_service.aclose()
             await self.orderly_service.aclose()
             async with self._persist_lock:  # no persist round left half sent
-                await owner.aclose()
+                await owner.aclose()  # the sinks' tasks and the sink send-backs among them
             self.errors.owner = None
-            for sub in self._subs.values():
-                if sub.sink is not None:
-                    with contextlib.suppress(Exception):
-                        await sub.sink.aclose()
+            await self.sink_service.aclose()
             # 3. persist what was acknowledged, then forget the queues
             try:
                 await self.offset_store.persist_all(set(self.process_queues), oneway=False)
@@ -393,15 +389,7 @@ class PushConsumer:
     # ------------------------------------------------------------------ heartbeat
 
     def heartbeat_data(self) -> HeartbeatData:
-        subs = [s.data for s in self._subs.values()]
-        if self.options.message_model == MessageModel.CLUSTERING and self._subs:
-            subs.append(self._retry_sub)
-        if self._sub_version_override:
-            subs = [
-                dataclasses.replace(d, sub_version=self._sub_version_override[d.topic])
-                if d.topic in self._sub_version_override else d
-                for d in subs
-            ]
+        subs = self.subscriptions.heartbeat_data_set()
         return HeartbeatData(
             client_id=self.client_id,
             consumer_data_set=[
@@ -417,322 +405,17 @@ class PushConsumer:
             producer_data_set=[],
         )
 
-    # ------------------------------------------------------------------ rebalance hooks
-
-    async def apply_allocation(self, topic: str, allocated: set[MessageQueue]) -> None:
-        changed = False
-        now = time.monotonic()
-        for mq, pq in list(self.process_queues.items()):
-            if mq.topic != topic:
-                continue
-            if mq not in allocated:
-                await self.remove_queue(mq, reason="reassigned")
-                changed = True
-            elif pq.is_pull_expired(now, self.options.pull_max_idle_time) and not pq.dropped:
-                log.warning("rebalance.queue_pull_expired", queue=str(mq))
-                await self.remove_queue(mq, reason="pull_expired")
-                changed = True
-        new_queues = [mq for mq in allocated if mq not in self.process_queues]
-        added: list[PullRequest] = []
-        for mq in sorted(new_queues):
-            if self.stopping:
-                return
-            if not await self.queue_assigned(mq):
-                continue
-            self.offset_store.remove(mq)
-            offset = await self.compute_pull_from_where(mq)
-            if offset < 0:
-                log.warning("rebalance.start_offset_unknown", queue=str(mq))
-                continue
-            pq = ProcessQueue()
-            if self._needs_lock(mq):
-                pq.locked = True
-                pq.last_lock_timestamp = time.monotonic()
-            self.process_queues[mq] = pq
-            added.append(PullRequest(mq, pq, offset))
-            log.info("rebalance.queue_added", group=self.group, queue=str(mq), offset=offset)
-            changed = True
-        if changed:
-            await self._on_allocation_changed(topic)
-        for req in added:
-            if not req.pq.dropped and not self.stopping:
-                self.pull_service.start_queue(req)
-
-    async def _on_allocation_changed(self, topic: str) -> None:
-        """New subscription version, new per-queue thresholds, and a heartbeat right away.
-
-        The broker refuses a pull whose ``subVersion`` is newer than the one its last
-        heartbeat registered (SUBSCRIPTION_NOT_LATEST), so the heartbeat carrying the new
-        version goes out first and the pulls switch to it only once it was sent.
-        """
-        self._recompute_topic_thresholds(topic)
-        data = self.subscription_data(topic)
-        if data is None:
-            return
-        new_version = max(int(time.time() * 1000), data.sub_version + 1)
-        self._sub_version_override[topic] = new_version
-        try:
-            await self.instance.send_heartbeats()
-        finally:
-            self._sub_version_override.pop(topic, None)
-        data.sub_version = new_version
-
-    def _recompute_topic_thresholds(self, topic: str) -> None:
-        o = self.options
-        n = sum(1 for mq in self.process_queues if mq.topic == topic)
-        if n == 0:
-            return
-        if o.pull_threshold_for_topic > 0:
-            self.pull_service.queue_count_threshold[topic] = max(1, o.pull_threshold_for_topic // n)
-        if o.pull_threshold_size_for_topic > 0:
-            self.pull_service.queue_size_threshold_mib[topic] = max(
-                1, o.pull_threshold_size_for_topic // n
-            )
-
-    def _needs_lock(self, mq: MessageQueue) -> bool:
-        return self.options.message_model == MessageModel.CLUSTERING and self.is_orderly(mq.topic)
-
-    async def queue_assigned(self, mq: MessageQueue) -> bool:
-        """Called before a new queue is pulled: orderly clustering consumers lock it first."""
-        if self._needs_lock(mq) and not await self.orderly_service.lock(mq):
-            log.info("rebalance.queue_lock_refused", queue=str(mq))
-            self.rebalancer.retry_soon()
-            return False
-        return True
+    # ------------------------------------------------------------------ queues
 
     async def remove_queue(self, mq: MessageQueue, *, reason: str) -> None:
-        pq = self.process_queues.pop(mq, None)
-        if pq is None:
-            return
-        pq.dropped = True
-        await self.pull_service.stop_queue(mq)
-        if self._needs_lock(mq) or pq.locked:
-            # Unlock only after the batch being consumed on this queue has finished (also when
-            # the topic was unsubscribed and no longer counts as orderly).
-            await self.orderly_service.release(mq, pq)
-        else:
-            await self.offset_store.persist(mq)
-        self.offset_store.remove(mq)
-        log.info("rebalance.queue_removed", group=self.group, queue=str(mq), reason=reason)
-
-    async def drop_unsubscribed(self, topics: set[str]) -> None:
-        for mq in list(self.process_queues):
-            if mq.topic not in topics:
-                await self.remove_queue(mq, reason="unsubscribed")
-
-    async def compute_pull_from_where(self, mq: MessageQueue) -> int:
-        """Start offset of a newly assigned queue (Java ``computePullFromWhere``)."""
-        last = await self.offset_store.read_store(mq)
-        if last >= 0:
-            return last
-        if last != OFFSET_NOT_FOUND:
-            return -1
-        cfw = self.options.consume_from_where
-        api = self.instance.api
-        try:
-            if cfw == ConsumeFromWhere.FIRST_OFFSET:
-                return 0
-            if mq.topic.startswith(RETRY_GROUP_TOPIC_PREFIX):
-                return 0 if cfw != ConsumeFromWhere.TIMESTAMP else await self._max_offset(mq)
-            if cfw == ConsumeFromWhere.TIMESTAMP:
-                addr = await self.instance.find_broker_master(mq.broker_name, mq.topic)
-                ts = self.options.consume_timestamp_ms()
-                return await api.search_offset(addr, mq, ts)
-            return await self._max_offset(mq)
-        except (MQClientError, RemotingError) as exc:
-            log.warning("rebalance.compute_offset_failed", queue=str(mq), error=str(exc))
-            return -1
-
-    async def _max_offset(self, mq: MessageQueue) -> int:
-        addr = await self.instance.find_broker_master(mq.broker_name, mq.topic)
-        return await self.instance.api.get_max_offset(addr, mq)
-
-    async def fix_offset_and_recreate(self, mq: MessageQueue, offset: int) -> None:
-        """OFFSET_ILLEGAL: persist the corrected offset, forget the queue, rebalance now."""
-        if hasattr(self.offset_store, "freeze"):
-            self.offset_store.freeze(mq, offset)
-        else:
-            self.offset_store.update(mq, offset, increase_only=False)
-        await self.offset_store.persist(mq)
-        pq = self.process_queues.get(mq)
-        if pq is not None and pq.dropped:
-            del self.process_queues[mq]
-        self.pull_service.requests.pop(mq, None)
-        self.offset_store.remove(mq)
-        log.info("pull.offset_fixed", queue=str(mq), offset=offset)
-        self.rebalancer.wake()
-
-    # ------------------------------------------------------------------ consumption hooks
-
-    def dispatch(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
-                 first: bool) -> None:
-        """Hand freshly pulled (and cached) messages to the consume side.
-
-        ``first``: the ProcessQueue had no consume turn pending (orderly scheduling).
-        """
-        if self.is_orderly(mq.topic):
-            # The orderly service takes the messages from the ProcessQueue in offset order.
-            self.orderly_service.submit(pq, mq, first)
-            return
-        if mq.topic != self.retry_topic:
-            self._dispatch_to(mq.topic, msgs, pq, mq)
-            return
-        # One pull of %RETRY%<group> can carry messages of several subscribed topics: each
-        # goes to the listener or sink of the topic it was first sent to.
-        by_origin: dict[str, list[MessageExt]] = {}
-        for m in msgs:
-            by_origin.setdefault(m.properties.get(PROPERTY_RETRY_TOPIC, mq.topic), []).append(m)
-        for origin, part in by_origin.items():
-            self._dispatch_to(origin, part, pq, mq)
-
-    def _dispatch_to(self, origin: str, msgs: list[MessageExt], pq: ProcessQueue,
-                     mq: MessageQueue) -> None:
-        sub = self._subs.get(origin)
-        if sub is not None and sub.sink is not None:
-            self._offer_to_sink(sub.sink, msgs, pq, mq)
-            return
-        self.consume_service.submit(msgs, pq, mq)
-
-    def _origin_topic(self, topic: str, msgs: list[MessageExt]) -> str:
-        """The subscribed topic a chunk belongs to (``dispatch`` keeps chunks single-origin)."""
-        if topic == self.retry_topic and msgs:
-            return msgs[0].properties.get(PROPERTY_RETRY_TOPIC, topic)
-        return topic
-
-    def _offer_to_sink(self, sink: SparkSink, msgs: list[MessageExt], pq: ProcessQueue,
-                       mq: MessageQueue) -> None:
-        # Rows keep the coordinates of the queue they were read from (a redelivered message
-        # keeps %RETRY%<group> as its topic and carries RETRY_TOPIC), so that
-        # (topic, broker_name, queue_id, queue_offset) stays a unique, idempotent row key.
-        #
-        # The messages stay cached in ``pq`` until the sink acknowledges them, so the pull flow
-        # control bounds what the sink holds; the sink learns that bound (its batches close at
-        # half of it) and is told to close its open batch early when this queue stops pulling.
-        from rmq_async.sinks import SinkClosedError
-
-        if mq.topic != self.retry_topic:
-            self._tell_sink_flow_limit(sink, mq.topic)
-
-        def ack(ok: bool) -> None:
-            if ok:
-                self._commit_sink_chunk(msgs, pq, mq)
-                return
-            try:
-                self._owner_spawn(self._sink_acked(sink, msgs, pq, mq, ok), "sink-failed")
-            except RuntimeError:  # the consumer is stopping: nothing commits, all is redelivered
-                log.warning("sink.failed_chunk_left_uncommitted", queue=str(mq), count=len(msgs),
-                            first_offset=msgs[0].queue_offset if msgs else -1)
-
-        try:
-            sink.offer(msgs, ack)
-        except SinkClosedError:
-            # Only while stopping: the messages stay cached, their offsets never move.
-            log.warning("sink.offer_after_close", queue=str(mq), count=len(msgs))
-            return
-        if self._sink_queue_blocked(pq, mq):
-            sink.expedite()
-
-    def _tell_sink_flow_limit(self, sink: SparkSink, topic: str) -> None:
-        """Report to ``sink`` what the flow control lets it hold for ``topic`` on this client."""
-        o = self.options
-        queues = sum(1 for q, p in self.process_queues.items() if q.topic == topic and not p.dropped)
-        if queues == 0:
-            return
-        ps = self.pull_service
-        count = ps.queue_count_threshold.get(topic, o.pull_threshold_for_queue)
-        size_mib = ps.queue_size_threshold_mib.get(topic, o.pull_threshold_size_for_queue)
-        # A queue pulls while it caches at most `count` messages spanning at most `max_span`
-        # offsets, so each queue can always hold this many messages of the sink's batches.
-        per_queue = min(count, o.consume_concurrently_max_span) + 1
-        sink.set_flow_limit(queues * per_queue, queues * size_mib * 1024 * 1024)
-
-    def _sink_queue_blocked(self, pq: ProcessQueue, mq: MessageQueue) -> bool:
-        """The pull flow control holds this queue until some of its messages are acknowledged."""
-        o = self.options
-        ps = self.pull_service
-        count = ps.queue_count_threshold.get(mq.topic, o.pull_threshold_for_queue)
-        size_mib = ps.queue_size_threshold_mib.get(mq.topic, o.pull_threshold_size_for_queue)
-        return (pq.msg_count > count or pq.msg_size > size_mib * 1024 * 1024
-                or pq.max_span > o.consume_concurrently_max_span)
-
-    def _commit_sink_chunk(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
-                           *, stored: bool = True) -> None:
-        """``msgs`` are stored (or handed back): forget them, move the in-memory offset."""
-        if stored:
-            self.stats.record_consume(self._origin_topic(mq.topic, msgs), len(msgs), 0, 0.0)
-        if pq.dropped:
-            # Rebalance took the queue away meanwhile: this result commits nothing.
-            return
-        offset = pq.remove_messages(msgs)
-        if offset >= 0 and not pq.dropped:
-            self.offset_store.update(mq, offset, increase_only=True)
-
-    async def _sink_acked(self, sink: SparkSink, msgs: list[MessageExt], pq: ProcessQueue,
-                          mq: MessageQueue, ok: bool) -> None:
-        """The sink's verdict on a chunk. A failed chunk is handed back to the broker.
-
-        Clustering: each failed message is sent back (CONSUMER_SEND_MSG_BACK) and redelivered
-        through ``%RETRY%<group>``; once handed back it no longer holds the offset. A message the
-        broker did not take back (and, broadcasting, every failed message) stays cached, so the
-        offset cannot pass it, and is offered to the sink again after a pause: a sink's data is
-        never dropped.
-        """
-        from rmq_async.consumer.consume import SEND_BACK_FAILED_RETRY_DELAY
-
-        if ok:
-            self._commit_sink_chunk(msgs, pq, mq)
-            return
-        self.stats.record_consume(self._origin_topic(mq.topic, msgs), 0, len(msgs), 0.0)
-        if pq.dropped or not msgs:
-            return
-        not_sent = msgs
-        if self.options.message_model == MessageModel.CLUSTERING:
-            sent_flags: list[bool] = []
-            for start in range(0, len(msgs), 32):
-                part = msgs[start:start + 32]
-                sent_flags += await asyncio.gather(*(self.send_message_back(m, 0) for m in part))
-            not_sent = [m for m, sent in zip(msgs, sent_flags, strict=True) if not sent]
-            if len(not_sent) < len(msgs):
-                keep = {id(m) for m in not_sent}
-                self._commit_sink_chunk([m for m in msgs if id(m) not in keep], pq, mq,
-                                        stored=False)
-            log.info("sink.chunk_sent_back", queue=str(mq), count=len(msgs) - len(not_sent),
-                     not_sent=len(not_sent))
-        if not not_sent:
-            return
-        log.warning("sink.chunk_retried_locally", queue=str(mq), count=len(not_sent),
-                    delay=SEND_BACK_FAILED_RETRY_DELAY)
-        await asyncio.sleep(SEND_BACK_FAILED_RETRY_DELAY)
-        if not pq.dropped and not self.stopping:
-            self._offer_to_sink(sink, not_sent, pq, mq)
-
-    def sink_backpressure_delay(self, topic: str) -> float:
-        """Pause pulling ``topic`` while its sink has a closed batch waiting for the writer.
-
-        The retry queue is bounded by its own thresholds and is shared by all subscriptions
-        of the group, so a slow sink does not hold it.
-        """
-        sub = self._subs.get(topic)
-        if sub is None or sub.sink is None or sub.sink.want_more():
-            return 0.0
-        return self.options.pull_time_delay_when_flow_control
-
-    async def orderly_pull_gate(self, req: PullRequest) -> float:
-        return await self.orderly_service.pull_gate(req)
+        """Give ``mq`` up (see :meth:`Rebalancer.remove_queue`)."""
+        await self.rebalancer.remove_queue(mq, reason=reason)
 
     async def send_message_back(self, msg: MessageExt, delay_level: int) -> bool:
         """CONSUMER_SEND_MSG_BACK for a failed message; ``False`` if it could not be handed back."""
-        try:
-            addr = await self.instance.find_broker_master(msg.broker_name, msg.topic)
-            await self.instance.api.consumer_send_msg_back(
-                addr, msg, self.group, delay_level,
-                self.options.effective_max_reconsume_times(orderly=False),
-            )
-            return True
-        except (MQClientError, RemotingError) as exc:
-            log.warning("consume.send_back_failed", msg_id=msg.msg_id, offset=msg.queue_offset,
-                        error=str(exc))
-            return False
+        if self._rt is None:
+            raise RuntimeError("the consumer was never started")
+        return await self._rt.send_message_back(msg, delay_level)
 
     # ------------------------------------------------------------------ broker requests
 
@@ -782,4 +465,4 @@ def _pid() -> int:
     return os.getpid()
 
 
-__all__ = ["PushConsumer", "Subscription", "MQBrokerError"]
+__all__ = ["RETRY_GROUP_TOPIC_PREFIX", "PushConsumer", "Subscription", "MQBrokerError"]

@@ -4,6 +4,13 @@ It runs on start, every ``rebalance_interval``, when a subscription changes and 
 broker sends NOTIFY_CONSUMER_IDS_CHANGED. For each subscribed topic (clustering) it takes the
 topic's readable queues from the route and the group's client ids from a broker, sorts both as
 the Java client does and applies the allocation strategy; broadcasting takes every queue.
+
+Applying an allocation (Java ``updateProcessQueueTableInRebalance``): a queue no longer
+allocated, or not pulled for ``pull_max_idle_time``, is removed (marked dropped, its pull
+stopped, its offset persisted; orderly: after the batch in flight, then unlocked); a newly
+allocated one (locked first when consumed in order) gets a ProcessQueue, a start offset and a
+pull task. When a topic's queues changed, its per-queue thresholds are recomputed and a heartbeat
+with a new subscription version goes out before the pulls use it.
 """
 
 from __future__ import annotations
@@ -17,19 +24,32 @@ import structlog
 from rmq_async.client.errors import MQClientError
 from rmq_async.consumer.allocate import sort_inputs
 from rmq_async.consumer.options import MessageModel
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.service import PullRequest
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.errors import RemotingError
 
 if TYPE_CHECKING:
-    from rmq_async.consumer.push import PushConsumer
+    from rmq_async.consumer.orderly import OrderlyConsumeService
+    from rmq_async.consumer.pull import PullService
+    from rmq_async.consumer.runtime import ConsumerRuntime
 
 log = structlog.get_logger(__name__)
 
 
 class Rebalancer:
-    def __init__(self, consumer: PushConsumer) -> None:
-        self._consumer = consumer
-        self._wakeup = asyncio.Event()
+    """The rebalance loop and the table of queues it assigns (``rt.process_queues``).
+
+    ``wakeup`` is the event that starts a round at once; the pull loop shares it to have a
+    queue it gave up (OFFSET_ILLEGAL) recreated.
+    """
+
+    def __init__(self, rt: ConsumerRuntime, pull: PullService, orderly: OrderlyConsumeService,
+                 *, wakeup: asyncio.Event | None = None) -> None:
+        self._rt = rt
+        self._pull = pull
+        self._orderly = orderly
+        self._wakeup = wakeup if wakeup is not None else asyncio.Event()
         self.rounds = 0
         self._last_round_balanced = True
         self._retry = False
@@ -43,15 +63,15 @@ class Rebalancer:
         self._wakeup.set()
 
     async def run(self) -> None:
-        interval = self._consumer.options.rebalance_interval
-        while not self._consumer.stopping:
+        interval = self._rt.options.rebalance_interval
+        while not self._rt.stopping:
             self._wakeup.clear()
             try:
                 await self.rebalance_once()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a round must never end the loop
-                log.exception("rebalance.round_failed", group=self._consumer.group, error=str(exc))
+                log.exception("rebalance.round_failed", group=self._rt.group, error=str(exc))
                 self._last_round_balanced = False
             # 5.x behaviour: an unbalanced round (a broker call failed) retries after 1 s.
             wait = interval if self._last_round_balanced else min(1.0, interval)
@@ -67,44 +87,141 @@ class Rebalancer:
                 pass
 
     async def rebalance_once(self) -> None:
-        c = self._consumer
+        rt = self._rt
         self.rounds += 1
         balanced = True
         self._retry = False
-        topics = c.subscribed_topics()
+        topics = rt.subscriptions.subscribed_topics()
         for topic in topics:
             try:
                 allocated = await self._allocate(topic)
             except (MQClientError, RemotingError, ValueError) as exc:
-                log.warning("rebalance.topic_failed", group=c.group, topic=topic, error=str(exc))
+                log.warning("rebalance.topic_failed", group=rt.group, topic=topic, error=str(exc))
                 balanced = False
                 continue
             if allocated is None:
                 balanced = False
                 continue
-            await c.apply_allocation(topic, allocated)
+            await self.apply_allocation(topic, allocated)
         # Queues of topics no longer subscribed are given up.
-        await c.drop_unsubscribed(set(topics))
+        await self.drop_unsubscribed(set(topics))
         self._last_round_balanced = balanced and not self._retry
 
     async def _allocate(self, topic: str) -> set[MessageQueue] | None:
-        c = self._consumer
-        mq_all = await c.instance.subscribe_queues(topic)
+        rt = self._rt
+        mq_all = await rt.instance.subscribe_queues(topic)
         if not mq_all:
-            log.warning("rebalance.no_queues", group=c.group, topic=topic)
+            log.warning("rebalance.no_queues", group=rt.group, topic=topic)
             return None
-        if c.options.message_model == MessageModel.BROADCASTING:
+        if rt.options.message_model == MessageModel.BROADCASTING:
             return set(mq_all)
-        addr = await c.instance.find_any_broker(topic)
-        cid_all = await c.instance.api.get_consumer_ids(addr, c.group)
+        addr = await rt.instance.find_any_broker(topic)
+        cid_all = await rt.instance.api.get_consumer_ids(addr, rt.group)
         if not cid_all:
-            log.warning("rebalance.no_consumer_ids", group=c.group, topic=topic)
+            log.warning("rebalance.no_consumer_ids", group=rt.group, topic=topic)
             return None
         mq_sorted, cid_sorted = sort_inputs(mq_all, cid_all)
-        strategy = c.options.allocate_strategy
+        strategy = rt.options.allocate_strategy
         started = time.monotonic()
-        result = strategy.allocate(c.group, c.client_id, mq_sorted, cid_sorted)
-        log.debug("rebalance.allocated", group=c.group, topic=topic, strategy=strategy.name,
+        result = strategy.allocate(rt.group, rt.client_id, mq_sorted, cid_sorted)
+        log.debug("rebalance.allocated", group=rt.group, topic=topic, strategy=strategy.name,
                   consumers=len(cid_sorted), queues=len(mq_sorted), mine=len(result),
                   seconds=round(time.monotonic() - started, 6))
         return set(result)
+
+    # ------------------------------------------------------------------ the queue table
+
+    def _needs_lock(self, mq: MessageQueue) -> bool:
+        rt = self._rt
+        return (rt.options.message_model == MessageModel.CLUSTERING
+                and rt.subscriptions.is_orderly(mq.topic))
+
+    async def apply_allocation(self, topic: str, allocated: set[MessageQueue]) -> None:
+        rt = self._rt
+        changed = False
+        now = time.monotonic()
+        for mq, pq in list(rt.process_queues.items()):
+            if mq.topic != topic:
+                continue
+            if mq not in allocated:
+                await self.remove_queue(mq, reason="reassigned")
+                changed = True
+            elif pq.is_pull_expired(now, rt.options.pull_max_idle_time) and not pq.dropped:
+                log.warning("rebalance.queue_pull_expired", queue=str(mq))
+                await self.remove_queue(mq, reason="pull_expired")
+                changed = True
+        new_queues = [mq for mq in allocated if mq not in rt.process_queues]
+        added: list[PullRequest] = []
+        for mq in sorted(new_queues):
+            if rt.stopping:
+                return
+            if not await self._queue_assigned(mq):
+                continue
+            rt.offset_store.remove(mq)
+            offset = await rt.compute_pull_from_where(mq)
+            if offset < 0:
+                log.warning("rebalance.start_offset_unknown", queue=str(mq))
+                continue
+            pq = ProcessQueue()
+            if self._needs_lock(mq):
+                pq.locked = True
+                pq.last_lock_timestamp = time.monotonic()
+            rt.process_queues[mq] = pq
+            added.append(PullRequest(mq, pq, offset))
+            log.info("rebalance.queue_added", group=rt.group, queue=str(mq), offset=offset)
+            changed = True
+        if changed:
+            await self._on_allocation_changed(topic)
+        for req in added:
+            if not req.pq.dropped and not rt.stopping:
+                self._pull.start_queue(req)
+
+    async def _queue_assigned(self, mq: MessageQueue) -> bool:
+        """Called before a new queue is pulled: orderly clustering consumers lock it first."""
+        if self._needs_lock(mq) and not await self._orderly.lock(mq):
+            log.info("rebalance.queue_lock_refused", queue=str(mq))
+            self.retry_soon()
+            return False
+        return True
+
+    async def remove_queue(self, mq: MessageQueue, *, reason: str) -> None:
+        rt = self._rt
+        pq = rt.process_queues.pop(mq, None)
+        if pq is None:
+            return
+        pq.dropped = True
+        await self._pull.stop_queue(mq)
+        if self._needs_lock(mq) or pq.locked:
+            # Unlock only after the batch being consumed on this queue has finished (also when
+            # the topic was unsubscribed and no longer counts as orderly).
+            await self._orderly.release(mq, pq)
+        else:
+            await rt.offset_store.persist(mq)
+        rt.offset_store.remove(mq)
+        log.info("rebalance.queue_removed", group=rt.group, queue=str(mq), reason=reason)
+
+    async def drop_unsubscribed(self, topics: set[str]) -> None:
+        for mq in list(self._rt.process_queues):
+            if mq.topic not in topics:
+                await self.remove_queue(mq, reason="unsubscribed")
+
+    async def _on_allocation_changed(self, topic: str) -> None:
+        """New subscription version, new per-queue thresholds, and a heartbeat right away.
+
+        The broker refuses a pull whose ``subVersion`` is newer than the one its last
+        heartbeat registered (SUBSCRIPTION_NOT_LATEST), so the heartbeat carrying the new
+        version goes out first and the pulls switch to it only once it was sent.
+        """
+        rt = self._rt
+        rt.thresholds.recompute(topic, sum(1 for mq in rt.process_queues if mq.topic == topic))
+        subs = rt.subscriptions
+        data = subs.subscription_data(topic)
+        if data is None:
+            return
+        new_version = max(int(time.time() * 1000), data.sub_version + 1)
+        subs.version_override[topic] = new_version
+        try:
+            await rt.instance.send_heartbeats()
+        finally:
+            subs.version_override.pop(topic, None)
+        data.sub_version = new_version

@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 
 from rmq_async import PushConsumer
-from rmq_async.consumer import consume as consume_module
+from rmq_async.consumer import sink_service as sink_service_module
 from rmq_async.consumer.offset_store import _MemoryTable
 from rmq_async.consumer.process_queue import ProcessQueue
-from rmq_async.consumer.pull import PullService
+from rmq_async.consumer.runtime import ConsumerRuntime
+from rmq_async.consumer.service import ServiceRouter
+from rmq_async.consumer.sink_service import SinkConsumeService
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.types import MessageExt, MessageQueue
 from rmq_async.sinks.spark import BatchInfo, SparkSink
@@ -160,71 +162,91 @@ class FakeSink:
         return self.more
 
 
+class SinkSide:
+    """The sink service of a (not started) consumer, wired as ``start()`` wires it."""
+
+    def __init__(self) -> None:
+        self.consumer = PushConsumer("G_sink_unit", namesrv="127.0.0.1:9876",
+                                     pull_threshold_for_queue=100, consume_concurrently_max_span=80)
+        c = self.consumer
+        self.rt = ConsumerRuntime(
+            group=c.group, client_id=c.client_id, options=c.options, subscriptions=c.subscriptions,
+            process_queues=c.process_queues, paused=set(), stats=c.stats, errors=c.errors,
+            instance=None, offset_store=_MemoryTable(), tasks=TaskOwner("test"),  # type: ignore[arg-type]
+        )
+        self.service = SinkConsumeService(self.rt)
+        unused: Any = None
+        self.router = ServiceRouter(c.subscriptions, concurrent=unused, orderly=unused,
+                                    sink=self.service)
+
+    @property
+    def offset_store(self) -> Any:
+        return self.rt.offset_store
+
+    def pull_delay(self, topic: str) -> float:
+        return self.service.pull_delay(topic)
+
+
 @pytest.fixture
-def consumer() -> Iterator[PushConsumer]:
-    c = PushConsumer("G_sink_unit", namesrv="127.0.0.1:9876", pull_threshold_for_queue=100,
-                     consume_concurrently_max_span=80)
-    c.pull_service = PullService(c)
-    c.offset_store = _MemoryTable()  # type: ignore[assignment]
-    c._owner = TaskOwner("test")
-    yield c
+def side() -> Iterator[SinkSide]:
+    yield SinkSide()
 
 
-def attach(consumer: PushConsumer, queues: int = 4) -> tuple[FakeSink, dict[int, MessageQueue]]:
+def attach(side: SinkSide, queues: int = 4) -> tuple[FakeSink, dict[int, MessageQueue]]:
     sink = FakeSink()
-    consumer.subscribe("orders", sink=sink)  # type: ignore[arg-type]
+    side.consumer.subscribe("orders", sink=sink)  # type: ignore[arg-type]
     mqs = {}
     for q in range(queues):
         mq = MessageQueue("orders", "broker-a", q)
-        consumer.process_queues[mq] = ProcessQueue()
+        side.consumer.process_queues[mq] = ProcessQueue()
         mqs[q] = mq
     return sink, mqs
 
 
-def pull(consumer: PushConsumer, mq: MessageQueue, batch: list[MessageExt]) -> None:
-    pq = consumer.process_queues[mq]
+def pull(side: SinkSide, mq: MessageQueue, batch: list[MessageExt]) -> None:
+    pq = side.consumer.process_queues[mq]
     first = pq.put_messages(batch)
-    consumer.dispatch(batch, pq, mq, first)
+    side.router.submit(batch, pq, mq, first)
 
 
-async def test_consumer_tells_the_sink_its_flow_limit_and_commits_on_ack(
-        consumer: PushConsumer) -> None:
-    sink, mqs = attach(consumer, queues=4)
-    pull(consumer, mqs[0], msgs(0, 32))
+async def test_consumer_tells_the_sink_its_flow_limit_and_commits_on_ack(side: SinkSide) -> None:
+    sink, mqs = attach(side, queues=4)
+    pull(side, mqs[0], msgs(0, 32))
     # 4 queues x (min(100 cached, 80 span) + 1) messages, 4 x 100 MiB
     assert sink.limits == [(4 * 81, 4 * 100 * MiB)]
-    pull(consumer, mqs[0], msgs(32, 32))
+    pull(side, mqs[0], msgs(32, 32))
     assert sink.limits == [(4 * 81, 4 * 100 * MiB)] * 2
     _, ack = sink.offers[0]
-    assert consumer.offset_store.read_memory(mqs[0]) < 0
+    assert side.offset_store.read_memory(mqs[0]) < 0
     ack(True)  # committed synchronously: nothing to await, nothing lost on stop
-    assert consumer.offset_store.read_memory(mqs[0]) == 32
+    assert side.offset_store.read_memory(mqs[0]) == 32
     sink.offers[1][1](True)
-    assert consumer.offset_store.read_memory(mqs[0]) == 64
-    assert consumer.process_queues[mqs[0]].msg_count == 0
+    assert side.offset_store.read_memory(mqs[0]) == 64
+    assert side.consumer.process_queues[mqs[0]].msg_count == 0
 
 
-async def test_queue_over_its_threshold_expedites_the_sink(consumer: PushConsumer) -> None:
-    sink, mqs = attach(consumer, queues=2)
-    pull(consumer, mqs[1], msgs(0, 64, queue_id=1))
+async def test_queue_over_its_threshold_expedites_the_sink(side: SinkSide) -> None:
+    sink, mqs = attach(side, queues=2)
+    pull(side, mqs[1], msgs(0, 64, queue_id=1))
     assert sink.expedited == 0
-    pull(consumer, mqs[1], msgs(64, 32, queue_id=1))  # span 95 > 80: this queue stops pulling
+    pull(side, mqs[1], msgs(64, 32, queue_id=1))  # span 95 > 80: this queue stops pulling
     assert sink.expedited == 1
 
 
-async def test_pulls_pause_while_the_sink_is_behind(consumer: PushConsumer) -> None:
-    sink, _ = attach(consumer)
-    assert consumer.sink_backpressure_delay("orders") == 0.0
+async def test_pulls_pause_while_the_sink_is_behind(side: SinkSide) -> None:
+    sink, _ = attach(side)
+    assert side.router.service_for("orders") is side.service  # the pull loop asks it
+    assert side.pull_delay("orders") == 0.0
     sink.more = False
-    assert consumer.sink_backpressure_delay("orders") == consumer.options.pull_time_delay_when_flow_control
-    assert consumer.sink_backpressure_delay(consumer.retry_topic) == 0.0
-    assert consumer.sink_backpressure_delay("other") == 0.0
+    assert side.pull_delay("orders") == side.consumer.options.pull_time_delay_when_flow_control
+    assert side.pull_delay(side.consumer.retry_topic) == 0.0
+    assert side.pull_delay("other") == 0.0
 
 
 async def test_failed_chunk_is_sent_back_and_what_the_broker_refused_is_offered_again(
-        consumer: PushConsumer, monkeypatch: pytest.MonkeyPatch) -> None:
-    sink, mqs = attach(consumer, queues=1)
-    monkeypatch.setattr(consume_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
+        side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    sink, mqs = attach(side, queues=1)
+    monkeypatch.setattr(sink_service_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
     sent: list[int] = []
 
     async def send_back(msg: MessageExt, delay_level: int) -> bool:
@@ -233,8 +255,8 @@ async def test_failed_chunk_is_sent_back_and_what_the_broker_refused_is_offered_
         sent.append(msg.queue_offset)
         return True
 
-    monkeypatch.setattr(consumer, "send_message_back", send_back)
-    pull(consumer, mqs[0], msgs(0, 8))
+    monkeypatch.setattr(side.rt, "send_message_back", send_back)
+    pull(side, mqs[0], msgs(0, 8))
     _, ack = sink.offers[0]
     ack(False)
     await asyncio.wait_for(_offered(sink, 2), 5)
@@ -242,10 +264,10 @@ async def test_failed_chunk_is_sent_back_and_what_the_broker_refused_is_offered_
     again, ack_again = sink.offers[1]
     assert [m.queue_offset for m in again] == [3, 5]
     # The offset stops at the first message still held: 3.
-    assert consumer.offset_store.read_memory(mqs[0]) == 3
+    assert side.offset_store.read_memory(mqs[0]) == 3
     ack_again(True)
-    assert consumer.offset_store.read_memory(mqs[0]) == 8
-    await consumer._owner.aclose()  # type: ignore[union-attr]
+    assert side.offset_store.read_memory(mqs[0]) == 8
+    await side.rt.tasks.aclose()
 
 
 async def _offered(sink: FakeSink, n: int) -> None:

@@ -35,16 +35,17 @@ class Harness:
         self.sent_back: list[tuple[int, int]] = []
         self.send_back_ok = True
         self.adapter = ListenerAdapter(listener)
-        consumer = SimpleNamespace(
+        self.pq = CountingProcessQueue()
+        # The narrow things the service uses of a started consumer (a ConsumerRuntime).
+        rt = SimpleNamespace(
             group="G", options=self.options, stats=self.stats, retry_topic="%RETRY%G",
             offset_store=SimpleNamespace(update=lambda mq, off, increase_only: self.updates.append(off)),
-            listener_for=lambda topic: self.adapter,
+            subscriptions=SimpleNamespace(listener_for=lambda topic: self.adapter,
+                                          is_orderly=lambda topic: False),
             send_message_back=self._send_back,
+            process_queues={MQ: self.pq},
         )
-        self.service = ConcurrentConsumeService(consumer)  # type: ignore[arg-type]
-        self.pq = CountingProcessQueue()
-        consumer.process_queues = {MQ: self.pq}
-        consumer.is_orderly = lambda topic: False
+        self.service = ConcurrentConsumeService(rt)  # type: ignore[arg-type]
         self.recorded = 0
         real_record = self.stats.record_consume
 

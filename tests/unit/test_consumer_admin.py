@@ -9,7 +9,6 @@ from rmq_async import ConsumeResult, MessageExt, PushConsumer
 from rmq_async.consumer.admin import BrokerRequestHandler, build_running_info
 from rmq_async.protocol.codes import RequestCode, ResponseCode
 from rmq_async.protocol.command import RemotingCommand
-from rmq_async.protocol.filter import build_subscription
 from rmq_async.protocol.headers import (
     ConsumeMessageDirectlyResultRequestHeader,
     GetConsumerRunningInfoRequestHeader,
@@ -26,7 +25,7 @@ class _Conn:
 def _consumer(**opts: Any) -> PushConsumer:
     c = PushConsumer("G_admin", namesrv="127.0.0.1:9876;127.0.0.2:9876", **opts)
     # What start() sets up before any broker can ask: the retry topic's subscription.
-    c._retry_sub = build_subscription(c.retry_topic, "*")
+    c.subscriptions.reset_retry()
     return c
 
 

@@ -16,11 +16,12 @@ from rmq_async.protocol.types import MessageExt, MessageQueue
 async def test_failing_turn_is_logged_rolled_back_and_retried() -> None:
     opts = ConsumerOptions.from_kwargs("G", consume_concurrency=1,
                                        suspend_current_queue_time_millis=50)
-    consumer = SimpleNamespace(group="G", options=opts, stopping=False)
-    service = OrderlyConsumeService(consumer)  # type: ignore[arg-type]
+    rt = SimpleNamespace(group="G", options=opts, stopping=False)
+    service = OrderlyConsumeService(rt)  # type: ignore[arg-type]
     mq = MessageQueue("T", "broker-a", 0)
     pq = ProcessQueue()
-    pq.put_messages([MessageExt("T", b"m0", 0, 0), MessageExt("T", b"m1", 0, 1)])
+    pulled = [MessageExt("T", b"m0", 0, 0), MessageExt("T", b"m1", 0, 1)]
+    first = pq.put_messages(pulled)
     turns: list[list[int]] = []
 
     async def run_turn(mq: MessageQueue, pq: ProcessQueue) -> None:
@@ -33,7 +34,7 @@ async def test_failing_turn_is_logged_rolled_back_and_retried() -> None:
     service._run_turn = run_turn  # type: ignore[method-assign]
     with capture_logs() as logs:
         service.start()
-        service.submit(pq, mq, True)
+        service.submit(pulled, pq, mq, first)
         async with asyncio.timeout(5):
             while len(turns) < 2:
                 await asyncio.sleep(0.01)

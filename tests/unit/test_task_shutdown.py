@@ -22,14 +22,13 @@ from rmq_async.consumer.rebalance import Rebalancer
 from rmq_async.consumer.tasks import TaskOwner
 
 
-def _stub_consumer() -> Any:
+def _stub_runtime() -> Any:
     return SimpleNamespace(group="G", stopping=False,
                            options=SimpleNamespace(rebalance_interval=20.0))
 
 
 async def test_rebalancer_woken_and_cancelled_in_one_iteration_ends() -> None:
-    consumer = _stub_consumer()
-    rebalancer = Rebalancer(consumer)
+    rebalancer = Rebalancer(_stub_runtime(), pull=None, orderly=None)  # type: ignore[arg-type]
     rounds = 0
 
     async def one_round() -> None:

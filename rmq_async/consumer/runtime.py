@@ -1,0 +1,148 @@
+"""What the parts of one started consumer share, and nothing more.
+
+``PushConsumer.start()`` builds one :class:`ConsumerRuntime` and hands it to the pull loop and
+to the consumption services: the options, the subscription table, the process queues, the
+offset store, the broker client, the statistics, the error reporter and the consumer's task
+owner. No part below ``push.py`` sees the consumer itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+
+from rmq_async.client.errors import MQClientError
+from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND
+from rmq_async.consumer.options import ConsumeFromWhere
+from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
+from rmq_async.remoting.errors import RemotingError
+
+if TYPE_CHECKING:
+    from rmq_async.client.instance import ClientInstance
+    from rmq_async.consumer.events import ErrorReporter
+    from rmq_async.consumer.offset_store import OffsetStore
+    from rmq_async.consumer.options import ConsumerOptions
+    from rmq_async.consumer.process_queue import ProcessQueue
+    from rmq_async.consumer.stats import ConsumerStats
+    from rmq_async.consumer.subscriptions import Subscriptions
+    from rmq_async.consumer.tasks import TaskOwner
+    from rmq_async.protocol.types import MessageExt, MessageQueue
+
+log = structlog.get_logger(__name__)
+
+MiB = 1024 * 1024
+
+
+class PullThresholds:
+    """Per-queue flow-control limits of each topic.
+
+    ``pull_threshold_for_queue`` / ``pull_threshold_size_for_queue`` apply unless the topic-wide
+    limits (``pull_threshold_for_topic`` / ``pull_threshold_size_for_topic``) are set; those are
+    shared by the topic's queues on this client and recomputed when its allocation changes.
+    """
+
+    def __init__(self, options: ConsumerOptions) -> None:
+        self._opts = options
+        self.count: dict[str, int] = {}
+        self.size_mib: dict[str, int] = {}
+
+    def count_for(self, topic: str) -> int:
+        return self.count.get(topic, self._opts.pull_threshold_for_queue)
+
+    def size_mib_for(self, topic: str) -> int:
+        return self.size_mib.get(topic, self._opts.pull_threshold_size_for_queue)
+
+    def recompute(self, topic: str, queues: int) -> None:
+        o = self._opts
+        if queues == 0:
+            return
+        if o.pull_threshold_for_topic > 0:
+            self.count[topic] = max(1, o.pull_threshold_for_topic // queues)
+        if o.pull_threshold_size_for_topic > 0:
+            self.size_mib[topic] = max(1, o.pull_threshold_size_for_topic // queues)
+
+    def queue_blocked(self, topic: str, pq: ProcessQueue) -> bool:
+        """The flow control holds a concurrently consumed queue until some of it is acknowledged."""
+        return (pq.msg_count > self.count_for(topic)
+                or pq.msg_size > self.size_mib_for(topic) * MiB
+                or pq.max_span > self._opts.consume_concurrently_max_span)
+
+
+class ConsumerRuntime:
+    """The narrow things the pull loop and the consumption services of a started consumer use."""
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        client_id: str,
+        options: ConsumerOptions,
+        subscriptions: Subscriptions,
+        process_queues: dict[MessageQueue, ProcessQueue],
+        paused: set[str],
+        stats: ConsumerStats,
+        errors: ErrorReporter,
+        instance: ClientInstance,
+        offset_store: OffsetStore,
+        tasks: TaskOwner,
+    ) -> None:
+        self.group = group
+        self.client_id = client_id
+        self.options = options
+        self.subscriptions = subscriptions
+        self.retry_topic = subscriptions.retry_topic
+        #: The queues this client holds, each with its cache of pulled messages.
+        self.process_queues = process_queues
+        #: Topics whose pulls are paused (``PushConsumer.pause``).
+        self.paused = paused
+        self.stats = stats
+        self.errors = errors
+        self.instance = instance
+        self.offset_store = offset_store
+        #: The consumer's task owner: tasks started here end on ``stop()``.
+        self.tasks = tasks
+        self.thresholds = PullThresholds(options)
+        #: Set once ``stop()`` began: no new pulls, no new listener turns.
+        self.stopping = False
+
+    async def send_message_back(self, msg: MessageExt, delay_level: int) -> bool:
+        """CONSUMER_SEND_MSG_BACK for a failed message; ``False`` if it could not be handed back."""
+        try:
+            addr = await self.instance.find_broker_master(msg.broker_name, msg.topic)
+            await self.instance.api.consumer_send_msg_back(
+                addr, msg, self.group, delay_level,
+                self.options.effective_max_reconsume_times(orderly=False),
+            )
+            return True
+        except (MQClientError, RemotingError) as exc:
+            log.warning("consume.send_back_failed", msg_id=msg.msg_id, offset=msg.queue_offset,
+                        error=str(exc))
+            return False
+
+    async def compute_pull_from_where(self, mq: MessageQueue) -> int:
+        """Start offset of a newly assigned queue (Java ``computePullFromWhere``)."""
+        last = await self.offset_store.read_store(mq)
+        if last >= 0:
+            return last
+        if last != OFFSET_NOT_FOUND:
+            return -1
+        cfw = self.options.consume_from_where
+        api = self.instance.api
+        try:
+            if cfw == ConsumeFromWhere.FIRST_OFFSET:
+                return 0
+            if mq.topic.startswith(RETRY_GROUP_TOPIC_PREFIX):
+                return 0 if cfw != ConsumeFromWhere.TIMESTAMP else await self._max_offset(mq)
+            if cfw == ConsumeFromWhere.TIMESTAMP:
+                addr = await self.instance.find_broker_master(mq.broker_name, mq.topic)
+                ts = self.options.consume_timestamp_ms()
+                return await api.search_offset(addr, mq, ts)
+            return await self._max_offset(mq)
+        except (MQClientError, RemotingError) as exc:
+            log.warning("rebalance.compute_offset_failed", queue=str(mq), error=str(exc))
+            return -1
+
+    async def _max_offset(self, mq: MessageQueue) -> int:
+        addr = await self.instance.find_broker_master(mq.broker_name, mq.topic)
+        return await self.instance.api.get_max_offset(addr, mq)

@@ -1,0 +1,184 @@
+"""Sink consumption: pulled chunks go to the subscription's sink, which acknowledges them later.
+
+A sink (:class:`~rmq_async.sinks.spark.SparkSink`) takes chunks with ``offer(msgs, ack)`` and
+calls ``ack(ok)`` once their batch was written (or failed to be). Until then the messages stay
+cached in their ProcessQueue, so the pull flow control bounds what the sink holds; the sink is
+told that bound (``set_flow_limit``; its batches close at half of it) and is asked to close its
+open batch early (``expedite``) when a queue stops pulling. While the sink has a closed batch
+waiting for its writer, its topic is not pulled (:meth:`SinkConsumeService.pull_delay`).
+
+The verdict decides what happens to the chunk:
+
+* written: removed from the ProcessQueue, the queue's offset moves to the lowest message still
+  cached, unless the queue was dropped meanwhile (then nothing is committed);
+* failed, clustering: each message is sent back (CONSUMER_SEND_MSG_BACK) and redelivered
+  through ``%RETRY%<group>``; once handed back it no longer holds the offset;
+* failed, and not handed back (broadcasting, or the broker did not take it): it stays cached,
+  so the offset cannot pass it, and is offered to the sink again after a pause. A sink's data
+  is never dropped.
+
+Rows keep the coordinates of the queue they were read from (a redelivered message keeps
+``%RETRY%<group>`` as its topic and carries RETRY_TOPIC), so that
+``(topic, broker_name, queue_id, queue_offset)`` stays a unique, idempotent row key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+import structlog
+
+from rmq_async.consumer.options import MessageModel
+from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY
+
+if TYPE_CHECKING:
+    from rmq_async.consumer.process_queue import ProcessQueue
+    from rmq_async.consumer.runtime import ConsumerRuntime
+    from rmq_async.consumer.service import PullRequest
+    from rmq_async.protocol.types import MessageExt, MessageQueue
+    from rmq_async.sinks.spark import SparkSink
+
+log = structlog.get_logger(__name__)
+
+#: Failed messages are sent back this many at a time.
+SEND_BACK_PARALLEL = 32
+
+
+class SinkConsumeService:
+    """Hands pulled chunks to the sinks of their subscriptions and commits what they wrote.
+
+    The sinks' own tasks run in the consumer's task owner (``start_sinks``); a failed chunk's
+    send-back runs there too, so ``stop()`` ends it.
+    """
+
+    #: Sink subscriptions consume concurrently (``subscribe`` refuses ``orderly=True``).
+    in_order = False
+
+    def __init__(self, rt: ConsumerRuntime) -> None:
+        self._rt = rt
+        self._opts = rt.options
+
+    def start(self) -> None:
+        """Nothing to start: the sinks are started by :meth:`start_sinks`."""
+
+    async def start_sinks(self) -> None:
+        for sink in self._rt.subscriptions.sinks():
+            await sink.start(self._rt.tasks)
+
+    def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
+               first: bool = False) -> None:
+        rt = self._rt
+        sink = rt.subscriptions.sink_for(rt.subscriptions.origin_topic(mq.topic, msgs))
+        if sink is None:  # the router sends only chunks of sink subscriptions
+            log.warning("sink.no_sink", queue=str(mq), count=len(msgs))
+            return
+        self._offer(sink, msgs, pq, mq)
+
+    def pull_delay(self, topic: str) -> float:
+        """Pause pulling ``topic`` while its sink has a closed batch waiting for the writer.
+
+        The retry queue is bounded by its own thresholds and is shared by all subscriptions
+        of the group, so a slow sink does not hold it.
+        """
+        sink = self._rt.subscriptions.sink_for(topic)
+        if sink is None or sink.want_more():
+            return 0.0
+        return self._opts.pull_time_delay_when_flow_control
+
+    async def pull_gate(self, req: PullRequest) -> float:
+        return 0.0
+
+    async def wait_idle(self) -> None:
+        """Each sink writes what it holds."""
+        for sink in self._rt.subscriptions.sinks():
+            await sink.flush()
+
+    async def aclose(self) -> None:
+        for sink in self._rt.subscriptions.sinks():
+            with contextlib.suppress(Exception):
+                await sink.aclose()
+
+    # ------------------------------------------------------------------ offer / acknowledge
+
+    def _offer(self, sink: SparkSink, msgs: list[MessageExt], pq: ProcessQueue,
+               mq: MessageQueue) -> None:
+        from rmq_async.sinks import SinkClosedError
+
+        rt = self._rt
+        if mq.topic != rt.retry_topic:
+            self._tell_flow_limit(sink, mq.topic)
+
+        def ack(ok: bool) -> None:
+            if ok:
+                self._commit(msgs, pq, mq)
+                return
+            try:
+                rt.tasks.spawn(self._failed(sink, msgs, pq, mq), name="sink-failed")
+            except RuntimeError:  # the consumer is stopping: nothing commits, all is redelivered
+                log.warning("sink.failed_chunk_left_uncommitted", queue=str(mq), count=len(msgs),
+                            first_offset=msgs[0].queue_offset if msgs else -1)
+
+        try:
+            sink.offer(msgs, ack)
+        except SinkClosedError:
+            # Only while stopping: the messages stay cached, their offsets never move.
+            log.warning("sink.offer_after_close", queue=str(mq), count=len(msgs))
+            return
+        if rt.thresholds.queue_blocked(mq.topic, pq):
+            sink.expedite()
+
+    def _tell_flow_limit(self, sink: SparkSink, topic: str) -> None:
+        """Report to ``sink`` what the flow control lets it hold for ``topic`` on this client."""
+        rt = self._rt
+        queues = sum(1 for q, p in rt.process_queues.items() if q.topic == topic and not p.dropped)
+        if queues == 0:
+            return
+        count = rt.thresholds.count_for(topic)
+        size_mib = rt.thresholds.size_mib_for(topic)
+        # A queue pulls while it caches at most `count` messages spanning at most `max_span`
+        # offsets, so each queue can always hold this many messages of the sink's batches.
+        per_queue = min(count, self._opts.consume_concurrently_max_span) + 1
+        sink.set_flow_limit(queues * per_queue, queues * size_mib * 1024 * 1024)
+
+    def _commit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
+                *, stored: bool = True) -> None:
+        """``msgs`` are stored (or handed back): forget them, move the in-memory offset."""
+        rt = self._rt
+        if stored:
+            rt.stats.record_consume(rt.subscriptions.origin_topic(mq.topic, msgs), len(msgs), 0,
+                                    0.0)
+        if pq.dropped:
+            # Rebalance took the queue away meanwhile: this result commits nothing.
+            return
+        offset = pq.remove_messages(msgs)
+        if offset >= 0 and not pq.dropped:
+            rt.offset_store.update(mq, offset, increase_only=True)
+
+    async def _failed(self, sink: SparkSink, msgs: list[MessageExt], pq: ProcessQueue,
+                      mq: MessageQueue) -> None:
+        """A chunk the sink could not write: hand it back to the broker, or offer it again."""
+        rt = self._rt
+        rt.stats.record_consume(rt.subscriptions.origin_topic(mq.topic, msgs), 0, len(msgs), 0.0)
+        if pq.dropped or not msgs:
+            return
+        not_sent = msgs
+        if self._opts.message_model == MessageModel.CLUSTERING:
+            sent_flags: list[bool] = []
+            for start in range(0, len(msgs), SEND_BACK_PARALLEL):
+                part = msgs[start:start + SEND_BACK_PARALLEL]
+                sent_flags += await asyncio.gather(*(rt.send_message_back(m, 0) for m in part))
+            not_sent = [m for m, sent in zip(msgs, sent_flags, strict=True) if not sent]
+            if len(not_sent) < len(msgs):
+                keep = {id(m) for m in not_sent}
+                self._commit([m for m in msgs if id(m) not in keep], pq, mq, stored=False)
+            log.info("sink.chunk_sent_back", queue=str(mq), count=len(msgs) - len(not_sent),
+                     not_sent=len(not_sent))
+        if not not_sent:
+            return
+        log.warning("sink.chunk_retried_locally", queue=str(mq), count=len(not_sent),
+                    delay=SEND_BACK_FAILED_RETRY_DELAY)
+        await asyncio.sleep(SEND_BACK_FAILED_RETRY_DELAY)
+        if not pq.dropped and not rt.stopping:
+            self._offer(sink, not_sent, pq, mq)
