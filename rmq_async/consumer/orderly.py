@@ -57,7 +57,8 @@ class _Turn:
 
 
 class OrderlyConsumeService:
-    """Consumes each queue in offset order, one batch at a time (module docstring)."""
+    """Consumes each queue in offset order, one batch at a time, never two batches of a queue
+    at once; in clustering mode only while this client holds the queue's broker lock."""
 
     #: A queue's messages reach the listener one batch after the other, in offset order.
     in_order = True
@@ -192,7 +193,7 @@ class OrderlyConsumeService:
         pq.last_consume_timestamp = time.monotonic()
         ok = result in (ConsumeResult.SUCCESS, ConsumeResult.COMMIT)
         rt.stats.record_consume(msgs[0].topic, len(msgs) if ok else 0,
-                               0 if ok else len(msgs), elapsed)
+                                0 if ok else len(msgs), elapsed)
         if ok:
             # Committed even when the queue was just given up: it is released (persisted, then
             # unlocked) only after this batch ends, so the next owner starts after it.
