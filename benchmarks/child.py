@@ -234,8 +234,11 @@ async def _sink_run(spark: Any, spec: dict[str, Any], path: Path) -> dict[str, A
 
     expected = int(spec["expected"])
     batch_rows = int(spec["batch_rows"])
+    # A drain of a preloaded backlog: the last partial batch is written once every queue is
+    # read to its end, as plain Spark writes its last table at once.
     sink = SparkSink(spark, parquet_writer(str(path)), batch_rows=batch_rows,
-                     max_batch_latency=float(spec.get("max_batch_latency", 5.0)))
+                     max_batch_latency=float(spec.get("max_batch_latency", 5.0)),
+                     flush_when_caught_up=True)
     queues = int(spec["queues"])
     consumer = PushConsumer(
         f"{spec['group']}_sink_{uuid.uuid4().hex[:6]}", spec["namesrv"],

@@ -5,7 +5,10 @@ calls ``ack(ok)`` once their batch was written (or failed to be). Until then the
 cached in their ProcessQueue, so the pull flow control bounds what the sink holds; the sink is
 told that bound (``set_flow_limit``; its batches close at half of it) and is asked to close its
 open batch early (``expedite``) when a queue stops pulling. While the sink has a closed batch
-waiting for its writer, its topic is not pulled (:meth:`SinkConsumeService.pull_delay`).
+waiting for its writer, its topic is not pulled (:meth:`SinkConsumeService.pull_delay`). When
+every queue of the topic has been read to the end the broker reported with its last chunk, the
+sink hears so (``caught_up``; with ``flush_when_caught_up`` it writes its open batch as soon as
+the writer is free instead of waiting for ``max_batch_latency``).
 
 The verdict decides what happens to the chunk:
 
@@ -32,6 +35,7 @@ import structlog
 
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY
+from rmq_async.protocol.types import PROPERTY_MAX_OFFSET
 
 if TYPE_CHECKING:
     from rmq_async.consumer.process_queue import ProcessQueue
@@ -59,6 +63,8 @@ class SinkConsumeService:
     def __init__(self, rt: ConsumerRuntime) -> None:
         self._rt = rt
         self._opts = rt.options
+        # Queues whose last chunk ended before the queue's max offset (the broker holds more).
+        self._behind: set[MessageQueue] = set()
 
     def start(self) -> None:
         """Nothing to start: the sinks are started by :meth:`start_sinks`."""
@@ -75,6 +81,25 @@ class SinkConsumeService:
             log.warning("sink.no_sink", queue=str(mq), count=len(msgs))
             return
         self._offer(sink, msgs, pq, mq)
+        if msgs and mq.topic != rt.retry_topic:
+            self._note_position(sink, msgs[-1], mq)
+
+    def _note_position(self, sink: SparkSink, last: MessageExt, mq: MessageQueue) -> None:
+        """Track whether ``mq`` is read to its end; tell the sink once every queue of its topic
+        is (queues that never delivered count as read: they had nothing)."""
+        raw = last.get_property(PROPERTY_MAX_OFFSET)
+        try:
+            behind = raw is not None and int(raw) > last.queue_offset + 1
+        except ValueError:
+            behind = False
+        if behind:
+            self._behind.add(mq)
+            return
+        self._behind.discard(mq)
+        rt = self._rt
+        if not any(q in self._behind for q, p in rt.process_queues.items()
+                   if q.topic == mq.topic and not p.dropped):
+            sink.caught_up()
 
     def pull_delay(self, topic: str) -> float:
         """Pause pulling ``topic`` while its sink has a closed batch waiting for the writer.

@@ -53,6 +53,10 @@ class MessageSink(Protocol):
         """A queue stopped pulling until something is acknowledged: close the open batch soon."""
         ...
 
+    def caught_up(self) -> None:
+        """Every queue of the sink's topic has been read to the end the broker reported."""
+        ...
+
     @property
     def backlog_rows(self) -> int:
         """Messages offered and not yet acknowledged."""

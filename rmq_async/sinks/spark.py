@@ -10,13 +10,15 @@ How it works
 The consumer hands chunks of messages to :meth:`SparkSink.offer` together with an ``ack``
 callback. Chunks are gathered into a batch until it holds ``batch_rows`` messages or
 ``batch_bytes`` of bodies, or until it is ``max_batch_latency`` seconds old, whichever comes
-first (a chunk is never split, so a batch may overshoot a size limit by one chunk). One writer
+first (a chunk is never split, so a batch may overshoot a size limit by one chunk); with
+``flush_when_caught_up`` also as soon as the consumer has read every queue to its end. One writer
 loop (:meth:`SparkSink.run`, owned by the consumer's task group) takes closed batches in order
 and, in a worker thread, converts the batch to a pyarrow Table column by column
-(:func:`messages_to_arrow`), creates the DataFrame with ``spark.createDataFrame(table)`` and
-calls the user's ``write(df, batch_info)``. While one batch is being written the next one fills.
-A failed write is retried ``write_retries`` times with exponential backoff (``retry_backoff``,
-doubled per attempt, slept on the event loop). Then every chunk of the batch is acknowledged:
+(:func:`messages_to_arrow`: with the compiled extension straight from the messages' raw fields
+into Arrow buffers, the copying without the GIL), creates the DataFrame with
+``spark.createDataFrame(table)`` and calls the user's ``write(df, batch_info)``. While one batch
+is being written the next one fills. A failed write is retried ``write_retries`` times with
+exponential backoff (``retry_backoff``, doubled per attempt, slept on the event loop). Then every chunk of the batch is acknowledged:
 ``ack(True)`` after the write returned, ``ack(False)`` when all attempts failed (the consumer
 sends those messages back for redelivery); exactly one call per offered chunk.
 
@@ -263,6 +265,11 @@ class SparkSink:
         retry_backoff: seconds before the first retry; doubled for every further retry.
         value_format: ``"json"`` or ``"msgpack"`` to decode bodies into a ``value`` column.
         value_schema: the ``StructType`` of ``value``; required with ``value_format``.
+        flush_when_caught_up: write the open batch as soon as the writer is free once the
+            consumer has read every queue of the topic to its end, instead of waiting for
+            ``max_batch_latency``. Suits draining a backlog (a catch-up, a batch job): the last
+            partial batch lands at once. Off by default: under a steady trickle it would write
+            many small batches back to back instead of one per ``max_batch_latency``.
         create_dataframe: replaces ``spark.createDataFrame`` (a hook for tests of the batching).
     """
 
@@ -278,6 +285,7 @@ class SparkSink:
         retry_backoff: float = 1.0,
         value_format: ValueFormat | None = None,
         value_schema: StructType | None = None,
+        flush_when_caught_up: bool = False,
         create_dataframe: CreateDataFrame | None = None,
     ) -> None:
         if batch_rows < 1:
@@ -310,6 +318,7 @@ class SparkSink:
         self._write_retries = write_retries
         self._retry_backoff = float(retry_backoff)
         self._value_format: ValueFormat | None = value_format
+        self._flush_when_caught_up = flush_when_caught_up
         self._value_schema = value_schema
         self._value_arrow_type: pa.StructType | None = None
         if value_format == "msgpack":
@@ -422,6 +431,15 @@ class SparkSink:
         if batch is not None and not batch.urgent:
             batch.urgent = True
             self._wakeup.set()
+
+    def caught_up(self) -> None:
+        """The consumer has read every queue of the topic to the end the broker reported.
+
+        With ``flush_when_caught_up`` the open batch is then closed as soon as the writer is
+        free (as :meth:`expedite` does); otherwise nothing changes.
+        """
+        if self._flush_when_caught_up:
+            self.expedite()
 
     def want_more(self) -> bool:
         """False while a closed batch waits behind the one being written."""

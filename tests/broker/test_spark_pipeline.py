@@ -280,6 +280,26 @@ async def test_default_flow_control_never_waits_for_the_batch_latency(
     assert set(counts) <= {(topic, q, o) for q, o in placed}
 
 
+async def test_caught_up_sink_writes_its_last_batch_without_waiting_for_the_latency(
+        rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
+    # 3,000 messages never fill a batch of 100,000: with flush_when_caught_up the batch is
+    # written once every queue is read to its end, long before the 120 s batch latency.
+    topic = unique("T_spark_caught_up")
+    await rocketmq.create_topic(topic, queues=4)
+    placed = await produce_tracked(rocketmq.namesrv_addr, small_messages(topic, 3_000))
+    out = tmp_path / "rows.parquet"
+    latency = 120.0
+    sink = SparkSink(spark, parquet_writer(str(out)), batch_rows=100_000,
+                     max_batch_latency=latency, flush_when_caught_up=True)
+    consumer = consumer_for(rocketmq.namesrv_addr, unique("G_spark_caught_up"))
+    consumer.subscribe(topic, sink=sink)
+    seconds = await consume_until(consumer, sink, 3_000, 60.0)
+    assert seconds < 60.0
+    counts = key_counts(read_table(spark, out, ["topic", "queue_id", "queue_offset"]))
+    assert set(counts) == {(topic, q, o) for q, o in placed}
+    assert max(counts.values()) == 1
+
+
 async def test_one_busy_queue_closes_batches_when_it_stops_pulling(
         rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
     # Every message in queue 3: that queue stops pulling at 1000 cached messages, far below

@@ -137,6 +137,23 @@ async def test_expedite_while_writing_closes_the_batch_once_the_writer_is_free()
     assert write.rows == [100, 15]
 
 
+async def test_caught_up_closes_the_open_batch_only_when_asked_to() -> None:
+    for flush in (True, False):
+        write = Writes()
+        sink = sink_for(write, max_batch_latency=30.0, flush_when_caught_up=flush)
+        async with asyncio.TaskGroup() as tg:
+            await sink.start(tg)
+            sink.offer(msgs(0, 10), ignore)
+            sink.caught_up()
+            if flush:
+                await write.wait_entered()  # at once, not after 30 s
+            else:
+                await asyncio.sleep(0.5)
+                assert write.rows == []  # still waiting for the batch latency
+            await sink.aclose()
+        assert write.rows == [10]
+
+
 # ---------------------------------------------------------------------------- the consumer
 
 
@@ -147,6 +164,7 @@ class FakeSink:
         self.offers: list[tuple[list[MessageExt], Callable[[bool], None]]] = []
         self.limits: list[tuple[int | None, int | None]] = []
         self.expedited = 0
+        self.caught = 0
         self.more = True
 
     def offer(self, batch: list[MessageExt], ack: Callable[[bool], None]) -> None:
@@ -157,6 +175,9 @@ class FakeSink:
 
     def expedite(self) -> None:
         self.expedited += 1
+
+    def caught_up(self) -> None:
+        self.caught += 1
 
     def want_more(self) -> bool:
         return self.more
@@ -231,6 +252,28 @@ async def test_queue_over_its_threshold_expedites_the_sink(side: SinkSide) -> No
     assert sink.expedited == 0
     pull(side, mqs[1], msgs(64, 32, queue_id=1))  # span 95 > 80: this queue stops pulling
     assert sink.expedited == 1
+
+
+def at(batch: list[MessageExt], max_offset: int) -> list[MessageExt]:
+    """``batch`` as pulled from a queue whose max offset is ``max_offset``."""
+    for m in batch:
+        m.put_property("MAX_OFFSET", str(max_offset))
+    return batch
+
+
+async def test_sink_hears_when_every_queue_is_read_to_its_end(side: SinkSide) -> None:
+    sink, mqs = attach(side, queues=3)  # queue 2 never delivers: it has nothing
+    pull(side, mqs[0], at(msgs(0, 32), 40))
+    pull(side, mqs[1], at(msgs(0, 8, queue_id=1), 8))
+    assert sink.caught == 0  # queue 0 holds 8 more on the broker
+    pull(side, mqs[0], at(msgs(32, 8), 40))
+    assert sink.caught == 1
+    pull(side, mqs[1], at(msgs(8, 4, queue_id=1), 20))  # new messages arrived in queue 1
+    pull(side, mqs[0], at(msgs(40, 1), 41))
+    assert sink.caught == 1
+    side.consumer.process_queues[mqs[1]].dropped = True  # rebalance took queue 1 away
+    pull(side, mqs[0], at(msgs(41, 1), 42))
+    assert sink.caught == 2
 
 
 async def test_pulls_pause_while_the_sink_is_behind(side: SinkSide) -> None:
