@@ -9,8 +9,8 @@ How it works
 ------------
 The consumer hands chunks of messages to :meth:`SparkSink.offer` together with an ``ack``
 callback. Chunks are gathered into a batch until it holds ``batch_rows`` messages or
-``batch_bytes`` of bodies, or until it is ``max_batch_latency`` seconds old, whichever comes
-first (a chunk is never split, so a batch may overshoot a size limit by one chunk); with
+``batch_bytes`` of bodies, or until it is ``max_batch_latency`` seconds old, whichever comes first
+(a chunk is never split, so a batch may overshoot a size limit by one chunk); with
 ``flush_when_caught_up`` also as soon as the consumer has read every queue to its end. One writer
 loop (:meth:`SparkSink.run`, owned by the consumer's task group) takes closed batches in order
 and, in a worker thread, converts the batch to a pyarrow Table column by column
@@ -18,9 +18,10 @@ and, in a worker thread, converts the batch to a pyarrow Table column by column
 into Arrow buffers, the copying without the GIL), creates the DataFrame with
 ``spark.createDataFrame(table)`` and calls the user's ``write(df, batch_info)``. While one batch
 is being written the next one fills. A failed write is retried ``write_retries`` times with
-exponential backoff (``retry_backoff``, doubled per attempt, slept on the event loop). Then every chunk of the batch is acknowledged:
-``ack(True)`` after the write returned, ``ack(False)`` when all attempts failed (the consumer
-sends those messages back for redelivery); exactly one call per offered chunk.
+exponential backoff (``retry_backoff``, doubled per attempt, slept on the event loop). Then every
+chunk of the batch is acknowledged: ``ack(True)`` after the write returned, ``ack(False)`` when
+all attempts failed (the consumer sends those messages back for redelivery); exactly one call per
+offered chunk.
 
 Rows follow Spark's Kafka source, adapted to RocketMQ (see :data:`SPARK_SCHEMA`). With
 ``value_format`` and a ``value_schema`` (a ``StructType``) the body is also decoded into a
