@@ -7,7 +7,10 @@ checks. :mod:`rmq_async.protocol.message` chooses between the two and calls :fun
 before first use.
 
 Messages are created without running ``MessageExt.__init__``: the object is allocated and its
-slots are filled directly. The slot offsets are read from the class's member descriptors when
+slots are filled directly. They are not tracked by the cycle collector: a decoded message refers
+only to strings, bytes, integers and dicts of strings, so it cannot be part of a reference cycle
+(CPython leaves tuples and dicts of such values untracked for the same reason), and a consumer
+holding many thousands of them does not make every full collection walk them all. The slot offsets are read from the class's member descriptors when
 this module is imported, and the import fails (so the pure decoder is used) if the class does
 not have the expected layout.
 """
@@ -41,6 +44,7 @@ cdef extern from "Python.h":
     ctypedef struct PyMemberDescrObject:
         PyMemberDef *d_member
     object PyType_GenericAlloc(type t, Py_ssize_t nitems)
+    void PyObject_GC_UnTrack(void *op)
 
 
 cdef enum:
@@ -364,6 +368,7 @@ cdef _unwrap_batch(object outer, list out):
         _put(msg, S_OID_HOST, _get(outer, S_OID_HOST))
         _put(msg, S_OID_OFFSET, _get(outer, S_OID_OFFSET))
         _put(msg, S_BROKER_NAME, _get(outer, S_BROKER_NAME))
+        PyObject_GC_UnTrack(<void *> msg)
         PyList_Append(out, msg)
         pos = end
         index += 1
@@ -483,6 +488,7 @@ def decode_records(bytes data not None, list out not None, bint decompress, bint
         _put(msg, S_OID_HOST, store[1])
         _put(msg, S_OID_OFFSET, commit_offset)
         _put(msg, S_BROKER_NAME, "")
+        PyObject_GC_UnTrack(<void *> msg)
         if unwrap_batch and (sys_flag & UNWRAP_BOTH) == UNWRAP_BOTH:
             _unwrap_batch(msg, out)
         else:

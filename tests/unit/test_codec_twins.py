@@ -457,3 +457,25 @@ def test_missing_extension_falls_back_with_one_log_line() -> None:
     lines = [line for line in output.splitlines() if "rmq_async.extensions_unavailable" in line]
     assert len(lines) == 1, output
     assert "error" not in lines[0].lower().replace("importerror", "")
+
+
+@needs_compiled
+def test_compiled_messages_are_not_tracked_by_the_cycle_collector() -> None:
+    import gc
+
+    _, c_loop = _loops()
+    data = encode_stored_message(MessageExt(topic="t", body=b"x", properties={"A": "b"},
+                                            born_host="1.2.3.4:5", store_host="1.2.3.4:6"))
+    inner = encode_batch([Message("t", b"a"), Message("t", b"b")])
+    batch = encode_stored_message(MessageExt(topic="t", body=inner, sys_flag=MSG_INNER_BATCH_FLAG
+                                             | MSG_NEED_UNWRAP_FLAG, born_host="1.2.3.4:5",
+                                             store_host="1.2.3.4:6"))
+    out: list[MessageExt] = []
+    c_loop(data + batch, out, True, True, message.DEFAULT_MAX_BODY_SIZE, 10)
+    assert len(out) == 3
+    assert not any(gc.is_tracked(m) for m in out)
+    # Still ordinary objects: properties parse, fields can be set, the memory is released.
+    out[0].put_property("B", "c")
+    assert out[0].properties == {"A": "b", "B": "c"}
+    out[0].topic = "u"
+    assert out[0].message_queue.topic == "u"
