@@ -93,8 +93,7 @@ class RemotingClient:
             if self.close_on_timeout and not conn.closed:
                 log.warning("remoting.closed_after_timeout", addr=addr, code=cmd.code,
                             timeout=timeout)
-                if self._connections.get(addr) is conn:
-                    del self._connections[addr]
+                self._forget(addr, conn)
                 await conn.close()
             raise
         if response.code == ResponseCode.GO_AWAY:
@@ -135,12 +134,16 @@ class RemotingClient:
                 return
             elif not conn.closed:
                 log.warning("remoting.closed_after_timeout", addr=addr, timeout=timeout)
-            if self._connections.get(addr) is conn:
-                del self._connections[addr]
+            self._forget(addr, conn)
             conn.abort()
 
         fut.add_done_callback(after)
         return fut
+
+    def _forget(self, addr: str, conn: Connection) -> None:
+        """Stop handing out ``conn`` for ``addr`` (the next call connects anew)."""
+        if self._connections.get(addr) is conn:
+            del self._connections[addr]
 
     async def invoke_oneway(self, addr: str, cmd: RemotingCommand) -> None:
         conn = await self.connection(addr)
