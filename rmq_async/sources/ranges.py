@@ -1,0 +1,542 @@
+"""Offset ranges of RocketMQ queues: options, positions, planning, and reading one range.
+
+Everything an engine-driven source needs that is not the engine itself: no Spark, no Arrow.
+
+* :class:`SourceOptions` parses the string options of a source (Spark's option map) once.
+* A *position* (:class:`Position`) says where a read starts or ends: ``earliest``, ``latest``,
+  a store timestamp, or an offset per queue. :func:`resolve_offsets` turns it into one offset
+  per queue with the broker's own answers (GET_MIN_OFFSET, GET_MAX_OFFSET,
+  SEARCH_OFFSET_BY_TIMESTAMP).
+* Offsets travel as JSON-able dicts ``{topic: {"<broker>:<queue id>": offset}}``
+  (:func:`offsets_to_json` / :func:`offsets_from_json`): Spark keeps them in its checkpoint.
+* :func:`read_range` pulls exactly the offsets ``[start, end)`` of one queue with plain
+  PULL_MESSAGE calls (no consumer group membership, no rebalance, no committed offset) and
+  yields the decoded messages in chunks.
+
+Offsets are queue offsets (consume-queue indexes), so ``end - start`` is the number of messages
+in a range; with a ``tags`` or ``sql`` filter the broker skips the entries that do not match,
+and a range yields fewer rows than offsets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import ssl as _ssl
+import time
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import structlog
+
+from rmq_async.client.api import PullStatus
+from rmq_async.client.errors import MQClientError, NoRouteError
+from rmq_async.client.instance import ClientInstance
+from rmq_async.consumer.options import Credentials, default_client_ip
+from rmq_async.protocol.filter import SubscriptionData, build_subscription, tag_matches
+from rmq_async.protocol.types import MessageExt, MessageQueue
+
+__all__ = [
+    "EARLIEST",
+    "LATEST",
+    "DataLossError",
+    "Position",
+    "SourceError",
+    "SourceOptions",
+    "limit_offsets",
+    "list_queues",
+    "offsets_from_json",
+    "offsets_to_json",
+    "open_client",
+    "parse_position",
+    "queue_bounds",
+    "queue_key",
+    "read_range",
+    "resolve_offsets",
+]
+
+log = structlog.get_logger(__name__)
+
+#: In a JSON position, the queue's first offset (as in Spark's Kafka source).
+EARLIEST = -2
+#: In a JSON position, the queue's max offset: where the next message will be written.
+LATEST = -1
+
+DEFAULT_GROUP = "rmq_async_spark_source"
+DEFAULT_PULL_BATCH = 32
+DEFAULT_CHUNK_ROWS = 10_000
+
+OffsetsJson = dict[str, dict[str, int]]
+
+
+class SourceError(ValueError):
+    """A source option or position that cannot be used (raised while planning)."""
+
+
+class DataLossError(MQClientError):
+    """Offsets a read was planned for are gone from the broker (``failOnDataLoss`` is true)."""
+
+
+# ---------------------------------------------------------------------- offsets as JSON
+
+
+def queue_key(mq: MessageQueue) -> str:
+    """``"<broker name>:<queue id>"``, the key of a queue inside its topic's offset map."""
+    return f"{mq.broker_name}:{mq.queue_id}"
+
+
+def _parse_queue_key(topic: str, key: str) -> MessageQueue:
+    broker, sep, qid = key.rpartition(":")
+    if not sep or not broker or not qid.lstrip("-").isdigit():
+        raise SourceError(f"queue key {key!r} of topic {topic!r} is not '<broker name>:<queue id>'")
+    return MessageQueue(topic, broker, int(qid))
+
+
+def offsets_to_json(offsets: Mapping[MessageQueue, int]) -> OffsetsJson:
+    """``{topic: {"broker:queue": offset}}``, topics and queues in a stable order."""
+    out: OffsetsJson = {}
+    for mq in sorted(offsets):
+        out.setdefault(mq.topic, {})[queue_key(mq)] = int(offsets[mq])
+    return out
+
+
+def offsets_from_json(data: Any) -> dict[MessageQueue, int]:
+    """Inverse of :func:`offsets_to_json` (also reads JSON text)."""
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise SourceError(f"offsets are not valid JSON: {exc}")
+    if not isinstance(data, dict):
+        raise SourceError(f"offsets must be a JSON object of topics, got {type(data).__name__}")
+    out: dict[MessageQueue, int] = {}
+    for topic, queues in data.items():
+        if not isinstance(queues, dict):
+            raise SourceError(f"offsets of topic {topic!r} must be an object of queues")
+        for key, offset in queues.items():
+            if isinstance(offset, bool) or not isinstance(offset, int):
+                raise SourceError(f"offset of {topic!r} {key!r} must be an integer, got {offset!r}")
+            out[_parse_queue_key(topic, key)] = offset
+    return out
+
+
+# ---------------------------------------------------------------------- positions
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where a read starts or ends.
+
+    ``kind`` is ``earliest``, ``latest``, ``timestamp`` (``timestamp_ms``: the first message
+    stored at or after that time, per queue) or ``offsets`` (``offsets``: per queue, where
+    :data:`EARLIEST` and :data:`LATEST` stand for the queue's bounds; a queue left out takes
+    ``default``).
+    """
+
+    kind: Literal["earliest", "latest", "timestamp", "offsets"]
+    timestamp_ms: int | None = None
+    offsets: dict[MessageQueue, int] = field(default_factory=dict)
+
+
+def _parse_timestamp(text: str, option: str) -> int:
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        value = int(text)
+    else:
+        try:
+            moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise SourceError(
+                f"{option}: {text!r} is neither 'earliest', 'latest', JSON offsets per queue, "
+                "a timestamp in epoch milliseconds nor an ISO-8601 time")
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        value = int(moment.timestamp() * 1000)
+    if value < 0:
+        raise SourceError(f"{option}: a timestamp must not be negative, got {value}")
+    return value
+
+
+def parse_position(text: str, option: str) -> Position:
+    """Parse ``earliest``, ``latest``, JSON offsets, epoch milliseconds or an ISO-8601 time."""
+    stripped = text.strip()
+    lowered = stripped.lower()
+    if lowered == "earliest":
+        return Position("earliest")
+    if lowered == "latest":
+        return Position("latest")
+    if stripped.startswith("{"):
+        offsets = offsets_from_json(stripped)
+        for mq, off in offsets.items():
+            if off < EARLIEST:
+                raise SourceError(f"{option}: offset {off} of {mq} is below -2 (earliest)")
+        return Position("offsets", offsets=offsets)
+    return Position("timestamp", timestamp_ms=_parse_timestamp(stripped, option))
+
+
+# ---------------------------------------------------------------------- options
+
+
+def _bool(options: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = options.get(name.lower())
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise SourceError(f"{name}: expected true or false, got {raw!r}")
+
+
+def _positive_int(options: Mapping[str, str], name: str) -> int | None:
+    raw = options.get(name.lower())
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SourceError(f"{name}: expected a positive integer, got {raw!r}")
+    if value < 1:
+        raise SourceError(f"{name}: expected a positive integer, got {value}")
+    return value
+
+
+_KNOWN = {
+    "namesrv", "topics", "tags", "sql", "startingoffsets", "endingoffsets", "startingtimestamp",
+    "endingtimestamp", "maxmessagespertrigger", "failondataloss", "committogroup", "group",
+    "accesskey", "secretkey", "securitytoken", "tls", "tlsverify", "tlscafile", "apitimeout",
+    "pullbatchsize", "chunkrows", "path",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SourceOptions:
+    """The options of a RocketMQ source, parsed and checked (names as in Spark's option map).
+
+    See :mod:`rmq_async.sources.spark` for what each one means.
+    """
+
+    namesrv: str
+    topics: tuple[str, ...]
+    starting: Position
+    ending: Position | None = None
+    tags: str | None = None
+    sql: str | None = None
+    max_messages_per_trigger: int | None = None
+    fail_on_data_loss: bool = True
+    commit_to_group: str | None = None
+    group: str = DEFAULT_GROUP
+    access_key: str | None = None
+    secret_key: str | None = field(default=None, repr=False)
+    security_token: str | None = field(default=None, repr=False)
+    tls: bool = False
+    tls_verify: bool = True
+    tls_ca_file: str | None = None
+    api_timeout: float = 10.0
+    pull_batch_size: int = DEFAULT_PULL_BATCH
+    chunk_rows: int = DEFAULT_CHUNK_ROWS
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str], *, streaming: bool) -> SourceOptions:
+        """Check ``options`` (keys in any case) for a batch (``streaming=False``) or a stream."""
+        opts = {str(k).lower(): str(v) for k, v in options.items() if v is not None}
+        unknown = sorted(set(opts) - _KNOWN)
+        if unknown:
+            raise SourceError(f"unknown option(s) {', '.join(unknown)} for format rocketmq")
+        namesrv = opts.get("namesrv", "").strip()
+        if not namesrv:
+            raise SourceError("option namesrv is required (name server host:port[;host:port])")
+        topics = tuple(t.strip() for t in opts.get("topics", "").split(",") if t.strip())
+        if not topics:
+            raise SourceError("option topics is required (one or more topic names, comma separated)")
+        if "tags" in opts and "sql" in opts:
+            raise SourceError("options tags and sql exclude each other")
+        starting = cls._position(opts, "startingOffsets", "startingTimestamp",
+                                 "latest" if streaming else "earliest")
+        ending: Position | None = None
+        if streaming:
+            if "endingoffsets" in opts or "endingtimestamp" in opts:
+                raise SourceError("endingOffsets / endingTimestamp are for batch reads only")
+        else:
+            ending = cls._position(opts, "endingOffsets", "endingTimestamp", "latest")
+            if starting.kind == "latest":
+                raise SourceError("startingOffsets=latest reads nothing in a batch query")
+            if ending.kind == "earliest":
+                raise SourceError("endingOffsets=earliest reads nothing in a batch query")
+            if "maxmessagespertrigger" in opts:
+                raise SourceError("maxMessagesPerTrigger is for streaming reads only")
+        access_key = opts.get("accesskey")
+        secret_key = opts.get("secretkey")
+        if bool(access_key) != bool(secret_key):
+            raise SourceError("options accessKey and secretKey go together")
+        try:
+            api_timeout = float(opts.get("apitimeout", "10"))
+        except ValueError:
+            raise SourceError(f"apiTimeout: expected seconds, got {opts['apitimeout']!r}")
+        tags = opts.get("tags")
+        sql = opts.get("sql")
+        try:
+            for topic in topics:
+                build_subscription(topic, sql if sql is not None else tags,
+                                   expression_type="SQL92" if sql is not None else None)
+        except ValueError as exc:
+            raise SourceError(f"{'sql' if sql is not None else 'tags'}: {exc}")
+        return cls(
+            namesrv=namesrv,
+            topics=topics,
+            starting=starting,
+            ending=ending,
+            tags=tags,
+            sql=sql,
+            max_messages_per_trigger=_positive_int(opts, "maxMessagesPerTrigger"),
+            fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
+            commit_to_group=opts.get("committogroup") or None,
+            group=opts.get("group") or opts.get("committogroup") or DEFAULT_GROUP,
+            access_key=access_key or None,
+            secret_key=secret_key or None,
+            security_token=opts.get("securitytoken") or None,
+            tls=_bool(opts, "tls", False) or "tlscafile" in opts,
+            tls_verify=_bool(opts, "tlsVerify", True),
+            tls_ca_file=opts.get("tlscafile"),
+            api_timeout=api_timeout,
+            pull_batch_size=_positive_int(opts, "pullBatchSize") or DEFAULT_PULL_BATCH,
+            chunk_rows=_positive_int(opts, "chunkRows") or DEFAULT_CHUNK_ROWS,
+        )
+
+    @staticmethod
+    def _position(opts: Mapping[str, str], offsets_name: str, timestamp_name: str,
+                  default: str) -> Position:
+        by_offsets = opts.get(offsets_name.lower())
+        by_time = opts.get(timestamp_name.lower())
+        if by_offsets is not None and by_time is not None:
+            raise SourceError(f"options {offsets_name} and {timestamp_name} exclude each other")
+        if by_time is not None:
+            return Position("timestamp", timestamp_ms=_parse_timestamp(by_time, timestamp_name))
+        return parse_position(by_offsets if by_offsets is not None else default, offsets_name)
+
+    def subscription(self, topic: str) -> SubscriptionData:
+        """What each pull of ``topic`` asks the broker to filter on."""
+        if self.sql is not None:
+            return build_subscription(topic, self.sql, sub_version=0, expression_type="SQL92")
+        return build_subscription(topic, self.tags, sub_version=0)
+
+    @property
+    def filtered(self) -> bool:
+        return self.sql is not None or (self.tags is not None and self.tags.strip() not in ("", "*"))
+
+
+# ---------------------------------------------------------------------- client
+
+
+def _ssl_context(opts: SourceOptions) -> _ssl.SSLContext | None:
+    if not opts.tls:
+        return None
+    ctx = _ssl.create_default_context(cafile=opts.tls_ca_file)
+    if not opts.tls_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = _ssl.CERT_NONE
+    return ctx
+
+
+def open_client(opts: SourceOptions, role: str) -> ClientInstance:
+    """A short-lived client for one planning step or one partition read (call inside a loop)."""
+    creds = (Credentials(opts.access_key, opts.secret_key, opts.security_token)
+             if opts.access_key and opts.secret_key else None)
+    hook = None
+    if creds is not None:
+        signer = creds
+
+        def hook(cmd: Any) -> None:
+            fields = cmd.ext_fields
+            if fields is None:
+                fields = cmd.ext_fields = {}
+            signer.sign_fields(fields, cmd.body)
+
+    client_id = f"{default_client_ip()}@spark-source-{role}-{os.getpid()}"
+    return ClientInstance(opts.namesrv, client_id, rpc_hook=hook, ssl=_ssl_context(opts),
+                          api_timeout=opts.api_timeout)
+
+
+# ---------------------------------------------------------------------- planning
+
+
+async def list_queues(client: ClientInstance, topics: Iterable[str]) -> list[MessageQueue]:
+    """Every readable queue of ``topics`` from the name server, sorted."""
+    out: list[MessageQueue] = []
+    for topic in topics:
+        try:
+            await client.update_route(topic)
+        except NoRouteError as exc:
+            raise SourceError(f"topic {topic!r} has no route on the name server: {exc}")
+        out.extend(await client.subscribe_queues(topic))
+    return sorted(out)
+
+
+async def queue_bounds(client: ClientInstance,
+                       mqs: Iterable[MessageQueue]) -> dict[MessageQueue, tuple[int, int]]:
+    """``(min offset, max offset)`` of each queue, max exclusive, asked of each queue's master."""
+    async def one(mq: MessageQueue) -> tuple[int, int]:
+        addr = await client.find_broker_master(mq.broker_name, mq.topic)
+        low, high = await asyncio.gather(client.api.get_min_offset(addr, mq),
+                                         client.api.get_max_offset(addr, mq))
+        return low, high
+
+    queues = list(mqs)
+    bounds = await asyncio.gather(*(one(mq) for mq in queues))
+    return dict(zip(queues, bounds, strict=True))
+
+
+async def resolve_offsets(client: ClientInstance, position: Position,
+                          bounds: Mapping[MessageQueue, tuple[int, int]], *,
+                          default: int) -> dict[MessageQueue, int]:
+    """One offset per queue of ``bounds`` for ``position``.
+
+    ``default`` (:data:`EARLIEST` or :data:`LATEST`) is used for queues a JSON position leaves
+    out. An offset beyond the queue's max is lowered to the max; an offset below its min is
+    kept (the read reports the loss).
+    """
+    async def search(mq: MessageQueue, timestamp_ms: int) -> int:
+        addr = await client.find_broker_master(mq.broker_name, mq.topic)
+        return await client.api.search_offset(addr, mq, timestamp_ms)
+
+    out: dict[MessageQueue, int] = {}
+    if position.kind == "timestamp":
+        assert position.timestamp_ms is not None
+        stamp = position.timestamp_ms
+        found = await asyncio.gather(*(search(mq, stamp) for mq in bounds))
+        out = dict(zip(bounds, found, strict=True))
+    else:
+        for mq, (low, high) in bounds.items():
+            if position.kind == "earliest":
+                wanted = EARLIEST
+            elif position.kind == "latest":
+                wanted = LATEST
+            else:
+                wanted = position.offsets.get(mq, default)
+            out[mq] = low if wanted == EARLIEST else high if wanted == LATEST else min(wanted, high)
+    if position.kind == "offsets":
+        unknown = sorted(set(position.offsets) - set(bounds))
+        if unknown:
+            raise SourceError("offsets given for queues the route does not have: "
+                              + ", ".join(f"{mq.topic} {queue_key(mq)}" for mq in unknown))
+    return out
+
+
+def limit_offsets(start: Mapping[MessageQueue, int], latest: Mapping[MessageQueue, int],
+                  max_messages: int) -> dict[MessageQueue, int]:
+    """End offsets at most ``max_messages`` past ``start`` in total.
+
+    Each queue gets a share proportional to its backlog (the rounding remainder goes to the
+    queues with the largest fractions, then the lowest queue), so no queue starves and the sum
+    is exactly ``max_messages`` when the backlog is larger.
+    """
+    backlog = {mq: max(0, latest[mq] - start.get(mq, latest[mq])) for mq in latest}
+    total = sum(backlog.values())
+    if total <= max_messages:
+        return dict(latest)
+    grant: dict[MessageQueue, int] = {}
+    fractions: list[tuple[float, MessageQueue]] = []
+    for mq, todo in backlog.items():
+        share = max_messages * todo / total
+        grant[mq] = int(share)
+        fractions.append((share - int(share), mq))
+    left = max_messages - sum(grant.values())
+    for _, mq in sorted(fractions, key=lambda f: (-f[0], f[1].java_sort_key())):
+        if left <= 0:
+            break
+        if grant[mq] < backlog[mq]:
+            grant[mq] += 1
+            left -= 1
+    return {mq: (start[mq] + grant[mq] if mq in start else latest[mq]) for mq in latest}
+
+
+# ---------------------------------------------------------------------- reading a range
+
+
+def _lost(opts: SourceOptions, mq: MessageQueue, start: int, end: int, detail: str) -> None:
+    """Report offsets ``[start, end)`` of ``mq`` that the broker no longer has."""
+    if opts.fail_on_data_loss:
+        raise DataLossError(
+            f"offsets {start}..{end - 1} of {mq.topic} {queue_key(mq)} are gone ({detail}); "
+            "set failOnDataLoss=false to skip them")
+    log.warning("spark_source.data_loss", topic=mq.topic, broker=mq.broker_name,
+                queue_id=mq.queue_id, first=start, last=end - 1, detail=detail)
+
+
+async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQueue, start: int,
+                     end: int, *, chunk_rows: int | None = None,
+                     fresh_queue: bool = False) -> AsyncGenerator[list[MessageExt], None]:
+    """The messages of ``mq`` at offsets ``[start, end)``, in chunks of about ``chunk_rows``.
+
+    Each message has ``broker_name`` set. Offsets the broker no longer has (below its min
+    offset, or a hole) raise :class:`DataLossError`, or with ``failOnDataLoss=false`` are logged
+    (``spark_source.data_loss``) and skipped; so is a queue whose max fell below ``end``.
+    ``fresh_queue``: the queue appeared after the query started and is read from its first
+    offset, so offsets below its min are not a loss.
+    """
+    rows_per_chunk = chunk_rows or opts.chunk_rows
+    sub = opts.subscription(mq.topic)
+    filtered = opts.filtered
+    addr = await client.find_broker_master(mq.broker_name, mq.topic)
+    offset = start
+    chunk: list[MessageExt] = []
+    while offset < end:
+        want = min(opts.pull_batch_size, end - offset)
+        result = await client.api.pull_message(
+            addr, group=opts.group, mq=mq, queue_offset=offset, max_msg_nums=want,
+            suspend_timeout=0.0, timeout=opts.api_timeout, subscription=sub)
+        status = result.status
+        nxt = result.next_begin_offset
+        if status is PullStatus.FOUND:
+            msgs = result.decode()
+            if msgs and not filtered and msgs[0].queue_offset > offset:
+                _lost(opts, mq, offset, min(msgs[0].queue_offset, end), "hole in the queue")
+            for m in msgs:
+                if m.queue_offset >= end:
+                    break
+                if m.queue_offset < offset:
+                    continue
+                if filtered and not tag_matches(sub, m.tags):
+                    continue
+                m.broker_name = mq.broker_name
+                chunk.append(m)
+            top = msgs[-1].queue_offset + 1 if msgs else offset
+            offset = max(nxt, top, offset + (1 if not msgs else 0))
+            if len(chunk) >= rows_per_chunk:
+                yield chunk
+                chunk = []
+        elif status is PullStatus.NO_MATCHED_MSG and nxt > offset:
+            offset = nxt
+        elif status is PullStatus.OFFSET_ILLEGAL and nxt > offset:
+            if not fresh_queue or offset != start:
+                _lost(opts, mq, offset, min(nxt, end), f"below the queue's min offset {result.min_offset}")
+            offset = nxt
+        elif status is PullStatus.NO_NEW_MSG and nxt > offset:
+            _lost(opts, mq, offset, min(nxt, end), "no message at this offset")
+            offset = nxt
+        else:
+            # The queue ends before the planned range does (max offset went down).
+            _lost(opts, mq, offset, end,
+                  f"{status.value}: the queue's max offset is {result.max_offset}")
+            break
+    if chunk:
+        yield chunk
+
+
+async def read_range_all(opts: SourceOptions, mq: MessageQueue, start: int, end: int) -> list[MessageExt]:
+    """Every message of one range with a client of its own (for tests and small reads)."""
+    client = open_client(opts, "range")
+    t0 = time.monotonic()
+    try:
+        out: list[MessageExt] = []
+        async for chunk in read_range(client, opts, mq, start, end):
+            out.extend(chunk)
+    finally:
+        await client.close()
+    log.debug("spark_source.range_read", topic=mq.topic, queue=queue_key(mq), rows=len(out),
+              seconds=round(time.monotonic() - t0, 3))
+    return out

@@ -1,0 +1,409 @@
+"""Spark reads RocketMQ itself: the data source ``format("rocketmq")``, batch and streaming.
+
+Needs the ``spark`` extra (PySpark 4.2 or later, pyarrow). Register the source once per
+SparkSession, then read as with any other format::
+
+    from rmq_async.sources.spark import register
+
+    register(spark)                       # spark.dataSource.register(RocketMQDataSource)
+
+    # batch: a fixed offset range per queue
+    df = (spark.read.format("rocketmq")
+          .option("namesrv", "127.0.0.1:9876")
+          .option("topics", "orders,payments")
+          .option("startingOffsets", "earliest")
+          .option("endingOffsets", "latest")
+          .load())
+
+    # streaming: offsets live in the query's checkpoint
+    query = (spark.readStream.format("rocketmq")
+             .option("namesrv", "127.0.0.1:9876")
+             .option("topics", "orders")
+             .option("startingOffsets", "earliest")
+             .option("maxMessagesPerTrigger", "100000")
+             .option("commitToGroup", "orders-to-lake")
+             .load()
+             .writeStream.format("parquet")
+             .option("path", "/data/orders")
+             .option("checkpointLocation", "/data/orders/_checkpoint")
+             .start())
+
+Rows have the Spark sink's schema (:data:`rmq_async.sinks.spark.SPARK_SCHEMA`), so code written
+against one works on the other; a user-given schema must equal it.
+
+How it works
+------------
+Partitions are queues. On the driver, the planner asks the name server for the routes of the
+topics and each queue's master for its min and max offsets (and, for a timestamp position,
+SEARCH_OFFSET_BY_TIMESTAMP), and plans one Spark partition per queue with messages in range:
+``(topic, broker, queue id, start, end)``. An executor task opens a short-lived client of its
+own, pulls exactly ``[start, end)`` of its queue with plain PULL_MESSAGE calls (no consumer
+group rebalance, nothing committed), decodes the stored records, converts them column by column
+to Arrow (:func:`rmq_async.sinks._arrow.messages_to_arrow`) and yields record batches of
+``chunkRows`` rows.
+
+In a stream, Spark's checkpoint owns the offsets: each micro-batch's end offsets are written to
+the offset log before the batch runs, so a restarted query re-plans the same ranges for a batch
+that did not commit and continues after the last committed one. With an exactly-once sink
+(Spark's file sink, Delta) the output holds every message once. ``commitToGroup`` additionally
+writes the end offsets of each committed micro-batch to that consumer group on the brokers
+(UPDATE_CONSUMER_OFFSET), for ``mqadmin consumerProgress`` and lag dashboards; the group's
+offsets are never read back.
+
+Options (names are case-insensitive)
+------------------------------------
+``namesrv`` (required)
+    Name server address(es), ``host:port``, several separated by ``;``.
+``topics`` (required)
+    One or more topics, comma separated.
+``tags`` / ``sql``
+    A tag expression (``"created || paid"``) or an SQL92 expression (the broker needs
+    ``enablePropertyFilter=true``) that the broker filters on; not both.
+``startingOffsets``
+    ``earliest``, ``latest`` (streams only, their default), a timestamp (epoch milliseconds or
+    ISO-8601, e.g. ``2026-11-23T16:00:00Z``: per queue, the broker's answer to
+    SEARCH_OFFSET_BY_TIMESTAMP, the first message stored at or after that time), or JSON per
+    queue: ``{"orders": {"broker-a:0": 1200, "broker-a:1": -2}}`` with ``-2`` for earliest and
+    ``-1`` for latest; queues left out start at earliest. Batch default: ``earliest``. In a
+    stream it applies only to a new query (a restarted one continues from its checkpoint);
+    queues that appear later are read from their first offset.
+``startingTimestamp``
+    The same as a timestamp in ``startingOffsets`` (the Kafka source's name).
+``endingOffsets`` / ``endingTimestamp`` (batch only)
+    Exclusive end, same forms as the start; default ``latest``; queues left out of JSON end at
+    latest.
+``maxMessagesPerTrigger`` (streams only)
+    At most this many offsets per micro-batch, shared between queues in proportion to their
+    backlog (with a ``tags``/``sql`` filter fewer rows may come out).
+``failOnDataLoss`` (default ``true``)
+    Offsets planned for but gone from the broker (expired files, an offset below the queue's
+    min, a queue whose max went down): fail the query with :class:`DataLossError`, or with
+    ``false`` log ``spark_source.data_loss`` and skip them.
+``commitToGroup``
+    A consumer group to write the committed offsets to after each micro-batch (streams).
+``group``
+    The group name pulls are made under (default ``commitToGroup``, else
+    ``rmq_async_spark_source``); the broker needs it to exist or to auto-create groups.
+``accessKey`` / ``secretKey`` / ``securityToken``
+    ACL credentials; every request is signed.
+``tls`` / ``tlsVerify`` / ``tlsCaFile``
+    TLS to name servers and brokers; ``tlsVerify=false`` accepts any certificate, ``tlsCaFile``
+    trusts a CA bundle (and implies ``tls``).
+``apiTimeout`` (seconds, default 10), ``pullBatchSize`` (messages per pull, default 32; the
+broker caps it), ``chunkRows`` (rows per Arrow batch, default 10,000).
+
+Log events (structlog): ``spark_source.planned`` (a batch read or micro-batch planned: queues,
+offsets), ``spark_source.partition_read`` (an executor read one queue range: rows, seconds),
+``spark_source.data_loss``, ``spark_source.committed_to_group`` and
+``spark_source.commit_to_group_failed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import pyarrow as pa
+import structlog
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from rmq_async.client.instance import ClientInstance
+from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.sinks._arrow import ARROW_SCHEMA, messages_to_arrow
+from rmq_async.sinks.spark import SPARK_SCHEMA
+from rmq_async.sources.ranges import (
+    EARLIEST,
+    DataLossError,
+    SourceError,
+    SourceOptions,
+    limit_offsets,
+    list_queues,
+    offsets_from_json,
+    offsets_to_json,
+    open_client,
+    queue_bounds,
+    queue_key,
+    read_range,
+    resolve_offsets,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = [
+    "FORMAT",
+    "DataLossError",
+    "QueueRange",
+    "RocketMQBatchReader",
+    "RocketMQDataSource",
+    "RocketMQStreamReader",
+    "SourceError",
+    "register",
+    "spark_arrow_schema",
+]
+
+log = structlog.get_logger(__name__)
+
+#: The format name: ``spark.read.format(FORMAT)``.
+FORMAT = "rocketmq"
+
+T = TypeVar("T")
+
+
+def register(spark: SparkSession) -> None:
+    """Make ``format("rocketmq")`` available in ``spark`` (once per session is enough)."""
+    spark.dataSource.register(RocketMQDataSource)
+
+
+def spark_arrow_schema() -> pa.Schema:
+    """The sink's Arrow schema as Spark expects batches of :data:`SPARK_SCHEMA`.
+
+    Spark's timestamps are microseconds; everything else is :data:`ARROW_SCHEMA` as is.
+    """
+    fields = []
+    for f in ARROW_SCHEMA:
+        if pa.types.is_timestamp(f.type):
+            f = f.with_type(pa.timestamp("us", tz=f.type.tz))
+        fields.append(f)
+    return pa.schema(fields)
+
+
+class QueueRange(InputPartition):
+    """One Spark partition: the offsets ``[start, end)`` of one queue."""
+
+    def __init__(self, topic: str, broker_name: str, queue_id: int, start: int, end: int,
+                 fresh: bool = False) -> None:
+        # No super().__init__: InputPartition's only field (value) is not used.
+        self.topic = topic
+        self.broker_name = broker_name
+        self.queue_id = queue_id
+        self.start = start
+        self.end = end
+        self.fresh = fresh
+
+    @property
+    def queue(self) -> MessageQueue:
+        return MessageQueue(self.topic, self.broker_name, self.queue_id)
+
+
+def _ranges(start: dict[MessageQueue, int], end: dict[MessageQueue, int], *,
+            fresh: set[MessageQueue] | None = None) -> list[QueueRange]:
+    out = []
+    for mq in sorted(end):
+        lo = start.get(mq, 0)
+        if end[mq] > lo:
+            out.append(QueueRange(mq.topic, mq.broker_name, mq.queue_id, lo, end[mq],
+                                  bool(fresh and mq in fresh)))
+    return out
+
+
+def _read_partition(opts: SourceOptions, part: InputPartition) -> Iterator[pa.RecordBatch]:
+    """Executor side: pull one queue range, yield it as Arrow record batches."""
+    if not isinstance(part, QueueRange):
+        return  # Spark plans one empty partition when a batch read has none
+    schema = spark_arrow_schema()
+    mq = part.queue
+    t0 = time.monotonic()
+    rows = 0
+    with asyncio.Runner() as runner:
+        client = runner.run(_new_client(opts, "read"))
+        chunks = read_range(client, opts, mq, part.start, part.end, fresh_queue=part.fresh)
+        try:
+            while (msgs := runner.run(_next_chunk(chunks))) is not None:
+                table = messages_to_arrow(msgs).cast(schema)
+                rows += table.num_rows
+                yield from table.to_batches(max_chunksize=opts.chunk_rows)
+        finally:
+            runner.run(chunks.aclose())
+            runner.run(client.close())
+    log.info("spark_source.partition_read", topic=mq.topic, queue=queue_key(mq),
+             start=part.start, end=part.end, rows=rows, seconds=round(time.monotonic() - t0, 3),
+             host=socket.gethostname(), pid=os.getpid())
+
+
+async def _next_chunk(chunks: AsyncGenerator[list[MessageExt], None]) -> list[MessageExt] | None:
+    return await anext(chunks, None)
+
+
+async def _new_client(opts: SourceOptions, role: str) -> ClientInstance:
+    return open_client(opts, role)
+
+
+async def _with_client(opts: SourceOptions, role: str,
+                       work: Callable[[ClientInstance], Coroutine[Any, Any, T]]) -> T:
+    client = open_client(opts, role)
+    try:
+        return await work(client)
+    finally:
+        await client.close()
+
+
+def _check_schema(schema: StructType) -> None:
+    if schema != SPARK_SCHEMA and schema.simpleString() != SPARK_SCHEMA.simpleString():
+        raise SourceError(
+            f"format rocketmq has a fixed schema ({SPARK_SCHEMA.simpleString()}); "
+            f"got {schema.simpleString()}")
+
+
+class RocketMQDataSource(DataSource):
+    """``format("rocketmq")``: see the module documentation for the options."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> StructType:
+        return SPARK_SCHEMA
+
+    def reader(self, schema: StructType) -> RocketMQBatchReader:
+        _check_schema(schema)
+        return RocketMQBatchReader(SourceOptions.parse(self.options, streaming=False))
+
+    def streamReader(self, schema: StructType) -> RocketMQStreamReader:
+        _check_schema(schema)
+        return RocketMQStreamReader(SourceOptions.parse(self.options, streaming=True))
+
+
+class RocketMQBatchReader(DataSourceReader):
+    """A batch read: the offsets between ``startingOffsets`` and ``endingOffsets``, per queue."""
+
+    def __init__(self, opts: SourceOptions) -> None:
+        self.opts = opts
+
+    async def _plan(self, client: ClientInstance) -> list[QueueRange]:
+        opts = self.opts
+        assert opts.ending is not None
+        bounds = await queue_bounds(client, await list_queues(client, opts.topics))
+        start = await resolve_offsets(client, opts.starting, bounds, default=EARLIEST)
+        end = await resolve_offsets(client, opts.ending, bounds, default=-1)
+        parts = _ranges(start, end)
+        log.info("spark_source.planned", kind="batch", topics=list(opts.topics),
+                 queues=len(bounds), partitions=len(parts),
+                 offsets=sum(p.end - p.start for p in parts))
+        return parts
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return asyncio.run(_with_client(self.opts, "plan", self._plan))
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        return _read_partition(self.opts, partition)
+
+
+class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """A stream: offsets ``{topic: {"broker:queue": offset}}`` in Spark's checkpoint.
+
+    The driver-side methods run in one long-lived Python process per query; it keeps one
+    client on a private event loop (dropped when the reader is pickled for the executors).
+    """
+
+    def __init__(self, opts: SourceOptions) -> None:
+        self.opts = opts
+        self._runner: asyncio.Runner | None = None
+        self._client: ClientInstance | None = None
+        self._target: dict[MessageQueue, int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"opts": self.opts, "_runner": None, "_client": None, "_target": None}
+
+    def _run(self, work: Callable[[ClientInstance], Coroutine[Any, Any, T]]) -> T:
+        if self._runner is None:
+            self._runner = asyncio.Runner()
+        if self._client is None:
+            self._client = self._runner.run(_new_client(self.opts, "driver"))
+        client = self._client
+        return self._runner.run(work(client))
+
+    async def _latest(self, client: ClientInstance) -> dict[MessageQueue, int]:
+        bounds = await queue_bounds(client, await list_queues(client, self.opts.topics))
+        return {mq: high for mq, (_, high) in bounds.items()}
+
+    def initialOffset(self) -> dict[str, Any]:
+        async def work(client: ClientInstance) -> dict[MessageQueue, int]:
+            bounds = await queue_bounds(client, await list_queues(client, self.opts.topics))
+            return await resolve_offsets(client, self.opts.starting, bounds, default=EARLIEST)
+
+        offsets = self._run(work)
+        log.info("spark_source.initial_offsets", topics=list(self.opts.topics),
+                 offsets=offsets_to_json(offsets))
+        return offsets_to_json(offsets)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        n = self.opts.max_messages_per_trigger
+        return ReadMaxRows(n) if n else ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self._run(self._latest)
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        begin = offsets_from_json(start)
+        latest = dict(self._target) if self._target is not None else self._run(self._latest)
+        # A queue never goes backwards, and one that left the route keeps its offset.
+        for mq, off in begin.items():
+            latest[mq] = max(off, latest.get(mq, off))
+        if isinstance(limit, ReadMaxRows):
+            fill = {mq: begin.get(mq, 0) for mq in latest}
+            latest = limit_offsets(fill, latest, limit.max_rows)
+        return offsets_to_json(latest)
+
+    def reportLatestOffset(self) -> dict[str, Any] | None:
+        return None
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        begin = offsets_from_json(start)
+        finish = offsets_from_json(end)
+        fresh = set(finish) - set(begin)
+        parts = _ranges(begin, finish, fresh=fresh)
+        log.info("spark_source.planned", kind="micro_batch", partitions=len(parts),
+                 offsets=sum(p.end - p.start for p in parts), end=end)
+        return parts
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        return _read_partition(self.opts, partition)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        group = self.opts.commit_to_group
+        if group is None:
+            return
+        offsets = offsets_from_json(end)
+
+        async def work(client: ClientInstance) -> None:
+            async def one(mq: MessageQueue, off: int) -> None:
+                addr = await client.find_broker_master(mq.broker_name, mq.topic)
+                await client.api.update_consumer_offset(addr, group, mq, off, oneway=False)
+
+            await asyncio.gather(*(one(mq, off) for mq, off in offsets.items()))
+
+        try:
+            self._run(work)
+        except Exception as exc:  # the data is committed in Spark; the group is only a view
+            log.warning("spark_source.commit_to_group_failed", group=group,
+                        error=f"{type(exc).__name__}: {exc}")
+            return
+        log.info("spark_source.committed_to_group", group=group, queues=len(offsets))
+
+    def stop(self) -> None:
+        runner, client = self._runner, self._client
+        self._runner = self._client = None
+        if runner is None:
+            return
+        try:
+            if client is not None:
+                runner.run(client.close())
+        finally:
+            runner.close()

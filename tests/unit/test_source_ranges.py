@@ -1,0 +1,103 @@
+"""Options, positions, offset JSON and the per-trigger limit of the RocketMQ source (no broker)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rmq_async.protocol.types import MessageQueue
+from rmq_async.sources.ranges import (
+    EARLIEST,
+    LATEST,
+    Position,
+    SourceError,
+    SourceOptions,
+    limit_offsets,
+    offsets_from_json,
+    offsets_to_json,
+    parse_position,
+)
+
+BASE = {"namesrv": "127.0.0.1:9876", "topics": "a, b"}
+
+
+def mq(i: int, topic: str = "a") -> MessageQueue:
+    return MessageQueue(topic, "broker-a", i)
+
+
+def test_offsets_json_round_trip() -> None:
+    offsets = {mq(1): 5, mq(0): 3, mq(0, "b"): 0}
+    data = offsets_to_json(offsets)
+    assert data == {"a": {"broker-a:0": 3, "broker-a:1": 5}, "b": {"broker-a:0": 0}}
+    assert offsets_from_json(data) == offsets
+    assert offsets_from_json('{"x": {"b:c:7": 1}}') == {MessageQueue("x", "b:c", 7): 1}
+
+
+@pytest.mark.parametrize("bad", ['{"a": 1}', '{"a": {"0": 1}}', '{"a": {"b:0": "1"}}', "[1]",
+                                 '{"a": {"b:0": true}}', "{nope"])
+def test_offsets_json_rejects(bad: str) -> None:
+    with pytest.raises(SourceError):
+        offsets_from_json(bad)
+
+
+def test_positions() -> None:
+    assert parse_position("EARLIEST", "x") == Position("earliest")
+    assert parse_position(" latest ", "x") == Position("latest")
+    assert parse_position("1700000000000", "x") == Position("timestamp", timestamp_ms=1700000000000)
+    assert parse_position("2023-11-14T22:13:20Z", "x").timestamp_ms == 1700000000000
+    assert parse_position("2023-11-14T22:13:20", "x").timestamp_ms == 1700000000000  # UTC
+    pos = parse_position('{"a": {"broker-a:0": -2, "broker-a:1": 10}}', "x")
+    assert pos.kind == "offsets" and pos.offsets == {mq(0): EARLIEST, mq(1): 10}
+    for bad in ("soon", "-5", '{"a": {"broker-a:0": -3}}'):
+        with pytest.raises(SourceError):
+            parse_position(bad, "x")
+
+
+def test_options_defaults_and_checks() -> None:
+    batch = SourceOptions.parse(BASE, streaming=False)
+    assert batch.topics == ("a", "b")
+    assert batch.starting.kind == "earliest" and batch.ending == Position("latest")
+    assert batch.fail_on_data_loss and batch.group == "rmq_async_spark_source"
+    stream = SourceOptions.parse({**BASE, "MaxMessagesPerTrigger": "10", "commitToGroup": "g",
+                                  "failOnDataLoss": "false"}, streaming=True)
+    assert stream.starting.kind == "latest" and stream.ending is None
+    assert stream.max_messages_per_trigger == 10 and stream.group == "g"
+    assert not stream.fail_on_data_loss
+    assert SourceOptions.parse({**BASE, "startingTimestamp": "5"}, streaming=True).starting == \
+        Position("timestamp", timestamp_ms=5)
+    assert SourceOptions.parse({**BASE, "tls": "true", "tlsVerify": "false"}, streaming=True).tls
+    for bad, streaming in [
+        ({"topics": "a"}, False),
+        ({"namesrv": "x:1"}, False),
+        ({**BASE, "startingOffsets": "latest"}, False),
+        ({**BASE, "endingOffsets": "earliest"}, False),
+        ({**BASE, "endingOffsets": "latest"}, True),
+        ({**BASE, "maxMessagesPerTrigger": "10"}, False),
+        ({**BASE, "maxMessagesPerTrigger": "0"}, True),
+        ({**BASE, "tags": "x", "sql": "a > 1"}, True),
+        ({**BASE, "tags": "||"}, True),
+        ({**BASE, "startingOffsets": "earliest", "startingTimestamp": "1"}, True),
+        ({**BASE, "accessKey": "k"}, True),
+        ({**BASE, "failOnDataLoss": "maybe"}, True),
+        ({**BASE, "startingOfsets": "earliest"}, True),
+    ]:
+        with pytest.raises(SourceError):
+            SourceOptions.parse(bad, streaming=streaming)
+
+
+def test_limit_offsets_shares_by_backlog() -> None:
+    start = {mq(0): 0, mq(1): 100, mq(2): 50}
+    latest = {mq(0): 1000, mq(1): 100, mq(2): 150, mq(3): 10}
+    # Everything fits.
+    assert limit_offsets(start | {mq(3): 0}, latest, 10_000) == latest
+    end = limit_offsets(start | {mq(3): 0}, latest, 111)
+    assert sum(end[q] - (start | {mq(3): 0})[q] for q in latest) == 111
+    assert end[mq(1)] == 100
+    assert end[mq(0)] == 100 and end[mq(2)] == 60 and end[mq(3)] == 1
+    # One message at a time still moves forward, never past the latest offset.
+    fill = dict(start) | {mq(3): 0}
+    for _ in range(50):
+        nxt = limit_offsets(fill, latest, 1)
+        assert sum(nxt.values()) == sum(fill.values()) + 1
+        assert all(fill[q] <= nxt[q] <= latest[q] for q in latest)
+        fill = nxt
+    assert LATEST == -1
