@@ -25,6 +25,7 @@ import json
 import os
 import ssl as _ssl
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -32,10 +33,11 @@ from typing import Any, Literal
 
 import structlog
 
-from rmq_async.client.api import PullStatus
+from rmq_async.client.api import PendingPull, PullStatus
 from rmq_async.client.errors import MQClientError, NoRouteError
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import Credentials, default_client_ip
+from rmq_async.protocol.bodies import ConsumerData, HeartbeatData
 from rmq_async.protocol.filter import SubscriptionData, build_subscription, tag_matches
 from rmq_async.protocol.types import MessageExt, MessageQueue
 
@@ -43,6 +45,7 @@ __all__ = [
     "EARLIEST",
     "LATEST",
     "DataLossError",
+    "announce_group",
     "Position",
     "SourceError",
     "SourceOptions",
@@ -68,6 +71,7 @@ LATEST = -1
 DEFAULT_GROUP = "rmq_async_spark_source"
 DEFAULT_PULL_BATCH = 32
 DEFAULT_CHUNK_ROWS = 10_000
+DEFAULT_PULL_DEPTH = 4
 
 OffsetsJson = dict[str, dict[str, int]]
 
@@ -209,7 +213,7 @@ _KNOWN = {
     "namesrv", "topics", "tags", "sql", "startingoffsets", "endingoffsets", "startingtimestamp",
     "endingtimestamp", "maxmessagespertrigger", "failondataloss", "committogroup", "group",
     "accesskey", "secretkey", "securitytoken", "tls", "tlsverify", "tlscafile", "apitimeout",
-    "pullbatchsize", "chunkrows", "path",
+    "pullbatchsize", "pulldepth", "chunkrows", "path",
 }
 
 
@@ -238,6 +242,7 @@ class SourceOptions:
     tls_ca_file: str | None = None
     api_timeout: float = 10.0
     pull_batch_size: int = DEFAULT_PULL_BATCH
+    pull_depth: int = DEFAULT_PULL_DEPTH
     chunk_rows: int = DEFAULT_CHUNK_ROWS
 
     @classmethod
@@ -304,6 +309,7 @@ class SourceOptions:
             tls_ca_file=opts.get("tlscafile"),
             api_timeout=api_timeout,
             pull_batch_size=_positive_int(opts, "pullBatchSize") or DEFAULT_PULL_BATCH,
+            pull_depth=_positive_int(opts, "pullDepth") or DEFAULT_PULL_DEPTH,
             chunk_rows=_positive_int(opts, "chunkRows") or DEFAULT_CHUNK_ROWS,
         )
 
@@ -454,6 +460,24 @@ def limit_offsets(start: Mapping[MessageQueue, int], latest: Mapping[MessageQueu
     return {mq: (start[mq] + grant[mq] if mq in start else latest[mq]) for mq in latest}
 
 
+async def announce_group(opts: SourceOptions, group: str, addrs: Iterable[str]) -> None:
+    """Make ``group`` known to the brokers as a pull-style group, as a lite pull consumer would.
+
+    One heartbeat per broker from a client of its own, which then disconnects (so the brokers
+    drop it from the group's members again). The broker creates the group's retry topic on the
+    heartbeat; ``mqadmin consumerProgress`` needs it to report the group's offsets.
+    """
+    client = open_client(opts, "group")
+    data = HeartbeatData(client_id=client.client_id, consumer_data_set=[ConsumerData(
+        group_name=group, consume_type="CONSUME_ACTIVELY", message_model="CLUSTERING",
+        consume_from_where="CONSUME_FROM_LAST_OFFSET",
+        subscription_data_set=[opts.subscription(t) for t in opts.topics])])
+    try:
+        await asyncio.gather(*(client.api.heartbeat(addr, data) for addr in sorted(set(addrs))))
+    finally:
+        await client.close()
+
+
 # ---------------------------------------------------------------------- reading a range
 
 
@@ -477,52 +501,91 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
     (``spark_source.data_loss``) and skipped; so is a queue whose max fell below ``end``.
     ``fresh_queue``: the queue appeared after the query started and is read from its first
     offset, so offsets below its min are not a loss.
+
+    Without a filter, offsets map one to one to messages, so ``pullDepth`` pulls of consecutive
+    slices are kept in flight; a slice the broker answers only in part (its per-pull byte cap)
+    is completed by a pull for the rest, ahead of the others. With a filter the broker decides
+    where each pull ends, and pulls go one at a time.
     """
     rows_per_chunk = chunk_rows or opts.chunk_rows
     sub = opts.subscription(mq.topic)
     filtered = opts.filtered
+    depth = 1 if filtered else opts.pull_depth
     addr = await client.find_broker_master(mq.broker_name, mq.topic)
-    offset = start
-    chunk: list[MessageExt] = []
-    while offset < end:
-        want = min(opts.pull_batch_size, end - offset)
-        result = await client.api.pull_message(
-            addr, group=opts.group, mq=mq, queue_offset=offset, max_msg_nums=want,
+    api = client.api
+    inflight: deque[tuple[int, int, PendingPull]] = deque()
+
+    async def send(at: int, want: int) -> tuple[int, int, PendingPull]:
+        pending = await api.start_pull(
+            addr, group=opts.group, mq=mq, queue_offset=at, max_msg_nums=want,
             suspend_timeout=0.0, timeout=opts.api_timeout, subscription=sub)
-        status = result.status
-        nxt = result.next_begin_offset
-        if status is PullStatus.FOUND:
-            msgs = result.decode()
-            if msgs and not filtered and msgs[0].queue_offset > offset:
-                _lost(opts, mq, offset, min(msgs[0].queue_offset, end), "hole in the queue")
-            for m in msgs:
-                if m.queue_offset >= end:
-                    break
-                if m.queue_offset < offset:
-                    continue
-                if filtered and not tag_matches(sub, m.tags):
-                    continue
-                m.broker_name = mq.broker_name
-                chunk.append(m)
-            top = msgs[-1].queue_offset + 1 if msgs else offset
-            offset = max(nxt, top, offset + (1 if not msgs else 0))
-            if len(chunk) >= rows_per_chunk:
-                yield chunk
-                chunk = []
-        elif status is PullStatus.NO_MATCHED_MSG and nxt > offset:
-            offset = nxt
-        elif status is PullStatus.OFFSET_ILLEGAL and nxt > offset:
-            if not fresh_queue or offset != start:
-                _lost(opts, mq, offset, min(nxt, end), f"below the queue's min offset {result.min_offset}")
-            offset = nxt
-        elif status is PullStatus.NO_NEW_MSG and nxt > offset:
-            _lost(opts, mq, offset, min(nxt, end), "no message at this offset")
-            offset = nxt
-        else:
-            # The queue ends before the planned range does (max offset went down).
-            _lost(opts, mq, offset, end,
-                  f"{status.value}: the queue's max offset is {result.max_offset}")
-            break
+        return at, want, pending
+
+    def drop_inflight() -> None:
+        while inflight:
+            inflight.popleft()[2].cancel()
+
+    offset = start
+    planned = start  # every offset below this one has a pull in flight (or is done)
+    chunk: list[MessageExt] = []
+    try:
+        while offset < end:
+            while len(inflight) < depth and planned < end:
+                want = min(opts.pull_batch_size, end - planned)
+                inflight.append(await send(planned, want))
+                planned += want
+            at, want, pending = inflight.popleft()
+            result = await pending.result()
+            status = result.status
+            nxt = result.next_begin_offset
+            if status is PullStatus.FOUND:
+                msgs = result.decode()
+                expect = offset
+                for m in msgs:
+                    off = m.queue_offset
+                    if off >= end:
+                        break
+                    if off < expect:
+                        continue
+                    if off > expect and not filtered:
+                        _lost(opts, mq, expect, off, "hole in the queue")
+                    expect = off + 1
+                    if filtered and not tag_matches(sub, m.tags):
+                        continue
+                    m.broker_name = mq.broker_name
+                    chunk.append(m)
+                top = msgs[-1].queue_offset + 1 if msgs else offset
+                offset = max(nxt, top, offset + (1 if not msgs else 0))
+                if offset < at + want:
+                    # Answered in part: fetch the rest of this slice before the next ones.
+                    inflight.appendleft(await send(offset, at + want - offset))
+                elif offset > at + want:
+                    drop_inflight()
+                    planned = offset
+                if len(chunk) >= rows_per_chunk:
+                    yield chunk
+                    chunk = []
+                continue
+            # Anything but FOUND: settle this offset alone, then plan again from where it ends.
+            drop_inflight()
+            if status is PullStatus.NO_MATCHED_MSG and nxt > offset:
+                offset = nxt
+            elif status is PullStatus.OFFSET_ILLEGAL and nxt > offset:
+                if not fresh_queue or offset != start:
+                    _lost(opts, mq, offset, min(nxt, end),
+                          f"below the queue's min offset {result.min_offset}")
+                offset = nxt
+            elif status is PullStatus.NO_NEW_MSG and nxt > offset:
+                _lost(opts, mq, offset, min(nxt, end), "no message at this offset")
+                offset = nxt
+            else:
+                # The queue ends before the planned range does (max offset went down).
+                _lost(opts, mq, offset, end,
+                      f"{status.value}: the queue's max offset is {result.max_offset}")
+                break
+            planned = offset
+    finally:
+        drop_inflight()
     if chunk:
         yield chunk
 

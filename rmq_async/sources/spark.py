@@ -132,6 +132,7 @@ from rmq_async.sources.ranges import (
     DataLossError,
     SourceError,
     SourceOptions,
+    announce_group,
     limit_offsets,
     list_queues,
     offsets_from_json,
@@ -317,9 +318,12 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._runner: asyncio.Runner | None = None
         self._client: ClientInstance | None = None
         self._target: dict[MessageQueue, int] | None = None
+        self._group_offsets: dict[MessageQueue, int] | None = None
+        self._group_announced = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"opts": self.opts, "_runner": None, "_client": None, "_target": None}
+        return {"opts": self.opts, "_runner": None, "_client": None, "_target": None,
+                "_group_offsets": None, "_group_announced": False}
 
     def _run(self, work: Callable[[ClientInstance], Coroutine[Any, Any, T]]) -> T:
         if self._runner is None:
@@ -352,6 +356,10 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         begin = offsets_from_json(start)
+        # Spark tells a source about a committed batch (commit) only when it plans the next
+        # one with new data; ``start`` here is always the end of the last committed batch, so
+        # the group also catches up when the stream has (and on the last round of availableNow).
+        self._commit_to_group(begin)
         latest = dict(self._target) if self._target is not None else self._run(self._latest)
         # A queue never goes backwards, and one that left the route keeps its offset.
         for mq, off in begin.items():
@@ -377,12 +385,19 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return _read_partition(self.opts, partition)
 
     def commit(self, end: dict[str, Any]) -> None:
+        self._commit_to_group(offsets_from_json(end))
+
+    def _commit_to_group(self, offsets: dict[MessageQueue, int]) -> None:
         group = self.opts.commit_to_group
-        if group is None:
+        if group is None or not offsets or offsets == self._group_offsets:
             return
-        offsets = offsets_from_json(end)
 
         async def work(client: ClientInstance) -> None:
+            if not self._group_announced:
+                addrs = [await client.find_broker_master(mq.broker_name, mq.topic) for mq in offsets]
+                await announce_group(self.opts, group, addrs)
+                self._group_announced = True
+
             async def one(mq: MessageQueue, off: int) -> None:
                 addr = await client.find_broker_master(mq.broker_name, mq.topic)
                 await client.api.update_consumer_offset(addr, group, mq, off, oneway=False)
@@ -395,7 +410,9 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             log.warning("spark_source.commit_to_group_failed", group=group,
                         error=f"{type(exc).__name__}: {exc}")
             return
-        log.info("spark_source.committed_to_group", group=group, queues=len(offsets))
+        self._group_offsets = dict(offsets)
+        log.info("spark_source.committed_to_group", group=group, queues=len(offsets),
+                 offsets=sum(offsets.values()))
 
     def stop(self) -> None:
         runner, client = self._runner, self._client

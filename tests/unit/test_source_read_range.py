@@ -1,0 +1,158 @@
+"""``read_range`` against a scripted queue: pipelined pulls, partial answers, gaps, filters."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from rmq_async.client.api import PullStatus
+from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.sources.ranges import DataLossError, SourceOptions, read_range
+
+MQ = MessageQueue("t", "broker-a", 3)
+
+
+@dataclass
+class Answer:
+    status: PullStatus
+    next_begin_offset: int
+    msgs: list[MessageExt]
+    min_offset: int = 0
+    max_offset: int = 0
+
+    def decode(self) -> list[MessageExt]:
+        return [MessageExt(m.topic, m.body, queue_id=m.queue_id, queue_offset=m.queue_offset,
+                           properties=dict(m.properties)) for m in self.msgs]
+
+
+@dataclass
+class FakeQueue:
+    """Offsets ``low..high-1`` minus ``holes``; each pull returns at most ``cap`` messages."""
+
+    low: int
+    high: int
+    cap: int = 32
+    holes: set[int] = field(default_factory=set)
+    tags: dict[int, str] = field(default_factory=dict)
+    pulls: list[tuple[int, int]] = field(default_factory=list)
+    max_inflight: int = 0
+    _inflight: int = 0
+
+    def message(self, off: int) -> MessageExt:
+        props = {"TAGS": self.tags[off]} if off in self.tags else {}
+        return MessageExt("t", f"m{off}".encode(), queue_id=MQ.queue_id, queue_offset=off,
+                          properties=props)
+
+    def answer(self, at: int, want: int, expression: str) -> Answer:
+        if at < self.low:
+            return Answer(PullStatus.OFFSET_ILLEGAL, self.low, [], self.low, self.high)
+        if at > self.high:
+            return Answer(PullStatus.OFFSET_ILLEGAL, self.high, [], self.low, self.high)
+        if at == self.high:
+            return Answer(PullStatus.NO_NEW_MSG, at, [], self.low, self.high)
+        msgs: list[MessageExt] = []
+        off = at
+        wanted = {t.strip() for t in expression.split("||")} if expression != "*" else None
+        while off < self.high and len(msgs) < min(want, self.cap):
+            if off not in self.holes and (wanted is None or self.tags.get(off) in wanted):
+                msgs.append(self.message(off))
+            off += 1
+        if not msgs:
+            return Answer(PullStatus.NO_MATCHED_MSG, off, [], self.low, self.high)
+        return Answer(PullStatus.FOUND, msgs[-1].queue_offset + 1, msgs, self.low, self.high)
+
+
+class FakePending:
+    def __init__(self, queue: FakeQueue, answer: Answer) -> None:
+        self.queue = queue
+        self.answer = answer
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        if not self.cancelled:
+            self.cancelled = True
+            self.queue._inflight -= 1
+
+    async def result(self) -> Answer:
+        await asyncio.sleep(0)
+        assert not self.cancelled
+        self.queue._inflight -= 1
+        return self.answer
+
+
+class FakeApi:
+    def __init__(self, queue: FakeQueue) -> None:
+        self.queue = queue
+
+    async def start_pull(self, addr: str, *, mq: MessageQueue, queue_offset: int,
+                         max_msg_nums: int, subscription: Any, **_: Any) -> FakePending:
+        q = self.queue
+        q.pulls.append((queue_offset, max_msg_nums))
+        q._inflight += 1
+        q.max_inflight = max(q.max_inflight, q._inflight)
+        return FakePending(q, q.answer(queue_offset, max_msg_nums, subscription.sub_string))
+
+
+class FakeClient:
+    def __init__(self, queue: FakeQueue) -> None:
+        self.api = FakeApi(queue)
+
+    async def find_broker_master(self, broker_name: str, topic: str | None = None) -> str:
+        return "127.0.0.1:10911"
+
+
+def options(**extra: str) -> SourceOptions:
+    return SourceOptions.parse({"namesrv": "127.0.0.1:9876", "topics": "t", **extra},
+                               streaming=False)
+
+
+async def read(queue: FakeQueue, opts: SourceOptions, start: int, end: int,
+               chunk_rows: int = 100, fresh: bool = False) -> list[list[int]]:
+    out = []
+    async for chunk in read_range(FakeClient(queue), opts, MQ, start, end,  # type: ignore[arg-type]
+                                  chunk_rows=chunk_rows, fresh_queue=fresh):
+        assert all(m.broker_name == "broker-a" for m in chunk)
+        out.append([m.queue_offset for m in chunk])
+    return out
+
+
+async def test_pipelined_pulls_read_exactly_the_range_in_chunks() -> None:
+    q = FakeQueue(0, 1000)
+    chunks = await read(q, options(), 17, 905, chunk_rows=200)
+    assert [o for c in chunks for o in c] == list(range(17, 905))
+    assert all(len(c) >= 200 for c in chunks[:-1])
+    assert q.max_inflight == 4  # pullDepth
+    assert sum(n for _, n in q.pulls) == 905 - 17  # no offset asked twice
+
+
+async def test_partial_answers_are_completed_before_later_slices() -> None:
+    q = FakeQueue(0, 500, cap=10)  # the broker answers at most 10 per pull
+    chunks = await read(q, options(pullBatchSize="32"), 0, 500)
+    assert [o for c in chunks for o in c] == list(range(500))
+
+
+async def test_filtered_reads_go_one_pull_at_a_time() -> None:
+    q = FakeQueue(0, 300, tags={i: ("a" if i % 3 == 0 else "b") for i in range(300)})
+    chunks = await read(q, options(tags="a"), 5, 290)
+    assert [o for c in chunks for o in c] == [i for i in range(5, 290) if i % 3 == 0]
+    assert q.max_inflight == 1
+
+
+async def test_gone_offsets_fail_or_are_skipped() -> None:
+    q = FakeQueue(100, 400, holes={250, 251})
+    with pytest.raises(DataLossError, match=r"offsets 50\.\.99 .* are gone"):
+        await read(q, options(), 50, 300)
+    with pytest.raises(DataLossError, match=r"offsets 250\.\.251 .*hole in the queue"):
+        await read(q, options(), 200, 300)
+    lenient = options(failOnDataLoss="false")
+    got = [o for c in await read(q, lenient, 50, 300) for o in c]
+    assert got == [i for i in range(100, 300) if i not in (250, 251)]
+    # A queue that appeared after the query started: its min offset is where it begins.
+    assert [o for c in await read(q, options(), 0, 120, fresh=True) for o in c] == list(range(100, 120))
+    # The queue's max fell below the planned end.
+    with pytest.raises(DataLossError, match=r"offsets 400\.\.449"):
+        await read(q, options(), 390, 450)
+    assert [o for c in await read(q, lenient, 390, 450) for o in c] == list(range(390, 400))
