@@ -6,18 +6,22 @@ default run reads 40,000.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pytest
+from structlog.testing import capture_logs
 
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.protocol.types import MessageExt, MessageQueue
 from rmq_async.sinks._arrow import messages_to_arrow
 from rmq_async.sinks.spark import SPARK_SCHEMA
+from rmq_async.sources.ranges import DataLossError, SourceOptions, read_range_all
 from rmq_async.sources.spark import spark_arrow_schema
 from tests.helpers import AdminClient, produce, simple_messages
 from tests.spark_source.session import FULL
@@ -94,3 +98,62 @@ async def test_batch_read_between_offsets_gives_exactly_those_rows(
     print(f"\nbatch read: {BATCH_MESSAGES} produced in {produced:.1f}s; "
           f"{got.num_rows} rows read by Spark in {read_s:.1f}s "
           f"({got.num_rows / read_s:,.0f} rows/s incl. planning and toArrow)")
+
+
+@pytest.mark.timeout(120)
+async def test_starting_timestamp_matches_the_brokers_search(
+        rocketmq: LocalRocketMQ, topic: str, spark: SparkSession) -> None:
+    ns = rocketmq.namesrv_addr
+    await produce(ns, topic, simple_messages(topic, 2_000, prefix="before"), batch=64)
+    await asyncio.sleep(0.05)
+    async with AdminClient(ns) as admin:
+        before = await admin.read_all(topic)
+        cut = max(m.store_timestamp for m in before) + 1
+    await asyncio.sleep(0.05)
+    await produce(ns, topic, simple_messages(topic, 2_000, prefix="after"), batch=64)
+    async with AdminClient(ns) as admin:
+        answers = {}
+        for mq in await admin.queues(topic):
+            addr = await admin.instance.find_broker_master(mq.broker_name, topic)
+            answers[mq.queue_id] = await admin.instance.api.search_offset(addr, mq, cut)
+        maxes = {mq.queue_id: off for mq, off in (await admin.max_offsets(topic)).items()}
+
+    for option, value in [("startingTimestamp", str(cut)),
+                          ("startingOffsets", datetime.fromtimestamp(cut / 1000, UTC).isoformat())]:
+        df = (spark.read.format("rocketmq").option("namesrv", ns).option("topics", topic)
+              .option(option, value).load())
+        table = df.select("queue_id", "queue_offset", "body", "store_timestamp").toArrow()
+        firsts: dict[int, int] = {}
+        counts: dict[int, int] = {}
+        for qid, off in zip(table.column("queue_id").to_pylist(),
+                            table.column("queue_offset").to_pylist(), strict=True):
+            firsts[qid] = min(off, firsts.get(qid, off))
+            counts[qid] = counts.get(qid, 0) + 1
+        for qid, answer in answers.items():
+            assert counts.get(qid, 0) == maxes[qid] - answer
+            if counts.get(qid):
+                assert firsts[qid] == answer
+        # The broker's answer for that time: exactly the messages stored after the cut.
+        assert sorted(b[:5] for b in table.column("body").to_pylist()) == [b"after"] * 2_000
+
+
+@pytest.mark.timeout(60)
+async def test_offsets_gone_fail_or_skip_per_fail_on_data_loss(
+        rocketmq: LocalRocketMQ, topic: str) -> None:
+    """A range the queue no longer covers (here: past its max, as after the queue was recreated)."""
+    ns = rocketmq.namesrv_addr
+    await produce(ns, topic, simple_messages(topic, 80), batch=16)
+    async with AdminClient(ns) as admin:
+        maxes = await admin.max_offsets(topic)
+    mq = max(maxes, key=lambda q: maxes[q])
+    top = maxes[mq]
+    opts = SourceOptions.parse({"namesrv": ns, "topics": topic}, streaming=False)
+    assert len(await read_range_all(opts, mq, 0, top)) == top
+    with pytest.raises(DataLossError, match=r"are gone"):
+        await read_range_all(opts, mq, top + 5, top + 10)
+    lenient = SourceOptions.parse({"namesrv": ns, "topics": topic, "failOnDataLoss": "false"},
+                                  streaming=False)
+    with capture_logs() as logs:
+        assert await read_range_all(lenient, mq, top + 5, top + 10) == []
+    lost = [e for e in logs if e["event"] == "spark_source.data_loss"]
+    assert len(lost) == 1 and lost[0]["first"] == top + 5 and lost[0]["last"] == top + 9
