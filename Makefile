@@ -32,6 +32,13 @@ test-unit-pure: $(STAMP)
 chaos: setup
 	RMQ_CHAOS_FULL=1 $(PY) -m pytest -ra -p no:cacheprovider --durations=25 tests/chaos $(PYTEST_ARGS)
 
+# The Spark source (tests/spark_source) at the acceptance sizes: a batch read of 200,000
+# messages, a stream of 500,000 x 1 KiB with the driver killed mid-stream, 200,000 on a
+# standalone cluster. make test runs them at small sizes.
+.PHONY: test-spark-source-full
+test-spark-source-full: setup
+	RMQ_SPARK_SOURCE_FULL=1 $(PY) -m pytest -ra -p no:cacheprovider --durations=25 tests/spark_source $(PYTEST_ARGS)
+
 # One million generated inputs through the frame, header, JSON body and stored-record decoders
 # (tests/fuzz/fuzz_decoders.py; make test runs 20,000 of them in tests/unit/test_fuzz_smoke.py).
 .PHONY: fuzz
