@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import ssl as _ssl
 import time
 from collections import deque
@@ -34,12 +35,15 @@ from typing import Any, Literal
 import structlog
 
 from rmq_async.client.api import PendingPull, PullStatus
-from rmq_async.client.errors import MQClientError, NoRouteError
+from rmq_async.client.errors import MQClientError, NoRouteError, broker_error
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import Credentials, default_client_ip
 from rmq_async.protocol.bodies import ConsumerData, HeartbeatData
+from rmq_async.protocol.codes import RequestCode, ResponseCode
+from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.filter import SubscriptionData, build_subscription, tag_matches
 from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.remoting.errors import RemotingError
 
 __all__ = [
     "EARLIEST",
@@ -51,6 +55,7 @@ __all__ = [
     "SourceOptions",
     "limit_offsets",
     "list_queues",
+    "matching_topics",
     "offsets_from_json",
     "offsets_to_json",
     "open_client",
@@ -59,6 +64,7 @@ __all__ = [
     "queue_key",
     "read_range",
     "resolve_offsets",
+    "source_topics",
 ]
 
 log = structlog.get_logger(__name__)
@@ -213,7 +219,7 @@ _KNOWN = {
     "namesrv", "topics", "tags", "sql", "startingoffsets", "endingoffsets", "startingtimestamp",
     "endingtimestamp", "maxmessagespertrigger", "failondataloss", "committogroup", "group",
     "accesskey", "secretkey", "securitytoken", "tls", "tlsverify", "tlscafile", "apitimeout",
-    "pullbatchsize", "pulldepth", "chunkrows", "path",
+    "pullbatchsize", "pulldepth", "chunkrows", "path", "topicpattern",
 }
 
 
@@ -228,6 +234,7 @@ class SourceOptions:
     topics: tuple[str, ...]
     starting: Position
     ending: Position | None = None
+    topic_pattern: str | None = None
     tags: str | None = None
     sql: str | None = None
     max_messages_per_trigger: int | None = None
@@ -256,8 +263,15 @@ class SourceOptions:
         if not namesrv:
             raise SourceError("option namesrv is required (name server host:port[;host:port])")
         topics = tuple(t.strip() for t in opts.get("topics", "").split(",") if t.strip())
-        if not topics:
-            raise SourceError("option topics is required (one or more topic names, comma separated)")
+        pattern = opts.get("topicpattern")
+        if bool(topics) == bool(pattern):
+            raise SourceError("give exactly one of the options topics (one or more topic names, "
+                              "comma separated) and topicPattern (a regular expression)")
+        if pattern:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise SourceError(f"topicPattern: {exc}")
         if "tags" in opts and "sql" in opts:
             raise SourceError("options tags and sql exclude each other")
         starting = cls._position(opts, "startingOffsets", "startingTimestamp",
@@ -285,7 +299,7 @@ class SourceOptions:
         tags = opts.get("tags")
         sql = opts.get("sql")
         try:
-            for topic in topics:
+            for topic in topics or ("*",):
                 build_subscription(topic, sql if sql is not None else tags,
                                    expression_type="SQL92" if sql is not None else None)
         except ValueError as exc:
@@ -293,6 +307,7 @@ class SourceOptions:
         return cls(
             namesrv=namesrv,
             topics=topics,
+            topic_pattern=pattern or None,
             starting=starting,
             ending=ending,
             tags=tags,
@@ -368,6 +383,32 @@ def open_client(opts: SourceOptions, role: str) -> ClientInstance:
 
 
 # ---------------------------------------------------------------------- planning
+
+
+async def matching_topics(client: ClientInstance, pattern: str) -> list[str]:
+    """The topics the name servers know whose whole name matches ``pattern``, sorted."""
+    regex = re.compile(pattern)
+    errors: list[str] = []
+    for addr in client.namesrv_addrs:
+        request = RemotingCommand.request(RequestCode.GET_ALL_TOPIC_LIST_FROM_NAMESERVER)
+        try:
+            resp = await client.remoting.invoke(addr, request, client.api.timeout)
+        except (RemotingError, MQClientError) as exc:
+            errors.append(f"{addr}: {exc}")
+            continue
+        if resp.code != ResponseCode.SUCCESS:
+            raise broker_error(resp.code, resp.remark, addr=addr,
+                               request="GET_ALL_TOPIC_LIST_FROM_NAMESERVER")
+        names = json.loads(resp.body or b"{}").get("topicList") or []
+        return sorted(t for t in names if isinstance(t, str) and regex.fullmatch(t))
+    raise MQClientError("no name server answered the topic list: " + "; ".join(errors))
+
+
+async def source_topics(client: ClientInstance, opts: SourceOptions) -> list[str]:
+    """``topics``, or the topics matching ``topicPattern`` right now."""
+    if opts.topic_pattern is None:
+        return list(opts.topics)
+    return await matching_topics(client, opts.topic_pattern)
 
 
 async def list_queues(client: ClientInstance, topics: Iterable[str]) -> list[MessageQueue]:
@@ -460,7 +501,8 @@ def limit_offsets(start: Mapping[MessageQueue, int], latest: Mapping[MessageQueu
     return {mq: (start[mq] + grant[mq] if mq in start else latest[mq]) for mq in latest}
 
 
-async def announce_group(opts: SourceOptions, group: str, addrs: Iterable[str]) -> None:
+async def announce_group(opts: SourceOptions, group: str, addrs: Iterable[str],
+                         topics: Iterable[str]) -> None:
     """Make ``group`` known to the brokers as a pull-style group, as a lite pull consumer would.
 
     One heartbeat per broker from a client of its own, which then disconnects (so the brokers
@@ -471,7 +513,7 @@ async def announce_group(opts: SourceOptions, group: str, addrs: Iterable[str]) 
     data = HeartbeatData(client_id=client.client_id, consumer_data_set=[ConsumerData(
         group_name=group, consume_type="CONSUME_ACTIVELY", message_model="CLUSTERING",
         consume_from_where="CONSUME_FROM_LAST_OFFSET",
-        subscription_data_set=[opts.subscription(t) for t in opts.topics])])
+        subscription_data_set=[opts.subscription(t) for t in sorted(topics)])])
     try:
         await asyncio.gather(*(client.api.heartbeat(addr, data) for addr in sorted(set(addrs))))
     finally:

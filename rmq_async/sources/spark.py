@@ -54,8 +54,10 @@ Options (names are case-insensitive)
 ------------------------------------
 ``namesrv`` (required)
     Name server address(es), ``host:port``, several separated by ``;``.
-``topics`` (required)
-    One or more topics, comma separated.
+``topics`` or ``topicPattern`` (one of them is required)
+    One or more topics, comma separated; or a regular expression that whole topic names match
+    (the name servers' topic list, read again at every micro-batch: matching topics created
+    later are read from their first offset).
 ``tags`` / ``sql``
     A tag expression (``"created || paid"``) or an SQL92 expression (the broker needs
     ``enablePropertyFilter=true``) that the broker filters on; not both.
@@ -142,6 +144,7 @@ from rmq_async.sources.ranges import (
     queue_key,
     read_range,
     resolve_offsets,
+    source_topics,
 )
 
 if TYPE_CHECKING:
@@ -242,6 +245,11 @@ async def _next_chunk(chunks: AsyncGenerator[list[MessageExt], None]) -> list[Me
     return await anext(chunks, None)
 
 
+async def _bounds(client: ClientInstance, opts: SourceOptions) -> dict[MessageQueue, tuple[int, int]]:
+    """Min and max offset of every queue the source reads right now."""
+    return await queue_bounds(client, await list_queues(client, await source_topics(client, opts)))
+
+
 async def _new_client(opts: SourceOptions, role: str) -> ClientInstance:
     return open_client(opts, role)
 
@@ -290,11 +298,11 @@ class RocketMQBatchReader(DataSourceReader):
     async def _plan(self, client: ClientInstance) -> list[QueueRange]:
         opts = self.opts
         assert opts.ending is not None
-        bounds = await queue_bounds(client, await list_queues(client, opts.topics))
+        bounds = await _bounds(client, opts)
         start = await resolve_offsets(client, opts.starting, bounds, default=EARLIEST)
         end = await resolve_offsets(client, opts.ending, bounds, default=-1)
         parts = _ranges(start, end)
-        log.info("spark_source.planned", kind="batch", topics=list(opts.topics),
+        log.info("spark_source.planned", kind="batch", topics=sorted({mq.topic for mq in bounds}),
                  queues=len(bounds), partitions=len(parts),
                  offsets=sum(p.end - p.start for p in parts))
         return parts
@@ -334,17 +342,16 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._runner.run(work(client))
 
     async def _latest(self, client: ClientInstance) -> dict[MessageQueue, int]:
-        bounds = await queue_bounds(client, await list_queues(client, self.opts.topics))
+        bounds = await _bounds(client, self.opts)
         return {mq: high for mq, (_, high) in bounds.items()}
 
     def initialOffset(self) -> dict[str, Any]:
         async def work(client: ClientInstance) -> dict[MessageQueue, int]:
-            bounds = await queue_bounds(client, await list_queues(client, self.opts.topics))
+            bounds = await _bounds(client, self.opts)
             return await resolve_offsets(client, self.opts.starting, bounds, default=EARLIEST)
 
         offsets = self._run(work)
-        log.info("spark_source.initial_offsets", topics=list(self.opts.topics),
-                 offsets=offsets_to_json(offsets))
+        log.info("spark_source.initial_offsets", offsets=offsets_to_json(offsets))
         return offsets_to_json(offsets)
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -395,7 +402,7 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         async def work(client: ClientInstance) -> None:
             if not self._group_announced:
                 addrs = [await client.find_broker_master(mq.broker_name, mq.topic) for mq in offsets]
-                await announce_group(self.opts, group, addrs)
+                await announce_group(self.opts, group, addrs, {mq.topic for mq in offsets})
                 self._group_announced = True
 
             async def one(mq: MessageQueue, off: int) -> None:

@@ -65,6 +65,8 @@ def test_options_defaults_and_checks() -> None:
     assert SourceOptions.parse({**BASE, "startingTimestamp": "5"}, streaming=True).starting == \
         Position("timestamp", timestamp_ms=5)
     assert SourceOptions.parse({**BASE, "tls": "true", "tlsVerify": "false"}, streaming=True).tls
+    by_pattern = SourceOptions.parse({"namesrv": "x:1", "topicPattern": "orders-.*"}, streaming=True)
+    assert by_pattern.topics == () and by_pattern.topic_pattern == "orders-.*"
     for bad, streaming in [
         ({"topics": "a"}, False),
         ({"namesrv": "x:1"}, False),
@@ -79,6 +81,8 @@ def test_options_defaults_and_checks() -> None:
         ({**BASE, "accessKey": "k"}, True),
         ({**BASE, "failOnDataLoss": "maybe"}, True),
         ({**BASE, "startingOfsets": "earliest"}, True),
+        ({**BASE, "topicPattern": "a.*"}, True),
+        ({"namesrv": "x:1", "topicPattern": "a[("}, True),
     ]:
         with pytest.raises(SourceError):
             SourceOptions.parse(bad, streaming=streaming)
