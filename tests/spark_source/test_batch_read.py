@@ -23,7 +23,7 @@ from rmq_async.sinks._arrow import messages_to_arrow
 from rmq_async.sinks.spark import SPARK_SCHEMA
 from rmq_async.sources.ranges import DataLossError, SourceOptions, read_range_all
 from rmq_async.sources.spark import spark_arrow_schema
-from tests.helpers import AdminClient, produce, simple_messages
+from tests.helpers import AdminClient, produce, simple_messages, unique
 from tests.spark_source.session import FULL
 
 if TYPE_CHECKING:
@@ -157,3 +157,40 @@ async def test_offsets_gone_fail_or_skip_per_fail_on_data_loss(
         assert await read_range_all(lenient, mq, top + 5, top + 10) == []
     lost = [e for e in logs if e["event"] == "spark_source.data_loss"]
     assert len(lost) == 1 and lost[0]["first"] == top + 5 and lost[0]["last"] == top + 9
+
+
+@pytest.mark.timeout(60)
+async def test_tag_filter_and_tls_on_a_range(rocketmq: LocalRocketMQ, topic: str) -> None:
+    """The broker filters on ``tags`` (re-checked on the client); ``tls`` reads over TLS (the dev
+    broker serves TLS and plain connections alike)."""
+    ns = rocketmq.namesrv_addr
+    msgs = [*simple_messages(topic, 300, tags="a", prefix="a"),
+            *simple_messages(topic, 300, tags="b", prefix="b"),
+            *simple_messages(topic, 30, prefix="none")]
+    random.Random(3).shuffle(msgs)
+    await produce(ns, topic, msgs, batch=16)
+    async with AdminClient(ns) as admin:
+        maxes = await admin.max_offsets(topic)
+    got: dict[str, list[bytes]] = {}
+    for name, extra in [("tags", {"tags": "a || c"}),
+                        ("tls", {"tls": "true", "tlsVerify": "false"})]:
+        opts = SourceOptions.parse({"namesrv": ns, "topics": topic, **extra}, streaming=False)
+        got[name] = [m.body[:1] for mq, top in maxes.items()
+                     for m in await read_range_all(opts, mq, 0, top)]
+    assert got["tags"] == [b"a"] * 300
+    assert sorted(got["tls"]) == sorted(m.body[:1] for m in msgs)
+
+
+@pytest.mark.timeout(60)
+async def test_topic_pattern_reads_every_matching_topic(
+        rocketmq: LocalRocketMQ, spark: SparkSession) -> None:
+    ns = rocketmq.namesrv_addr
+    prefix = unique("TP")
+    names = [f"{prefix}_a", f"{prefix}_b", f"{prefix}x_c"]
+    for name in names:
+        await rocketmq.create_topic(name, queues=2)
+        await produce(ns, name, simple_messages(name, 50, prefix=name[-1]), batch=16)
+    df = (spark.read.format("rocketmq").option("namesrv", ns)
+          .option("topicPattern", f"{prefix}_.*").load())
+    counts = {r["topic"]: r["count"] for r in df.groupBy("topic").count().collect()}
+    assert counts == {names[0]: 50, names[1]: 50}
