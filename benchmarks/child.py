@@ -7,8 +7,9 @@
   born-to-listener and store-to-listener times);
 * ``raw``: a bare loop of PULL_MESSAGE calls, one in flight per queue, with or without decoding
   the stored messages: no rebalance, no process queue, no listener;
-* ``spark``: the Spark sink into Parquet, and plain Spark writing the same rows from in-memory
-  Arrow tables.
+* ``spark``: the Spark sink into Parquet, plain Spark writing the same rows from in-memory
+  Arrow tables, and the RocketMQ source (``format("rocketmq")``, a stream with trigger
+  availableNow) reading the topic on Spark's executors into Parquet.
 
 It speaks the line protocol of :mod:`benchlib` on standard output.
 """
@@ -215,6 +216,8 @@ async def run_raw(spec: dict[str, Any]) -> dict[str, Any]:
 def _spark_session(app: str) -> Any:
     from pyspark.sql import SparkSession
 
+    # The RocketMQ source runs in Spark's Python workers: they must import rmq_async.
+    os.environ["PYSPARK_PYTHON"] = sys.executable
     session = (
         SparkSession.builder.master("local[2]")
         .appName(app)
@@ -223,6 +226,7 @@ def _spark_session(app: str) -> Any:
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.default.parallelism", "2")
         .config("spark.driver.memory", "2g")
+        .config("spark.pyspark.python", sys.executable)
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")
@@ -317,12 +321,31 @@ def _verify_parquet(spark: Any, path: Path, expected: int) -> tuple[bool, str]:
     return False, f"parquet holds {rows} rows, {distinct} distinct of {expected}"
 
 
+def _source_stream(spark: Any, spec: dict[str, Any], path: Path, checkpoint: Path) -> int:
+    """The RocketMQ source (format rocketmq) streamed into Parquet until the topic is drained:
+    micro-batches of ``batch_rows`` offsets, trigger availableNow; returns the rows read."""
+    query = (spark.readStream.format("rocketmq")
+             .option("namesrv", spec["namesrv"])
+             .option("topics", spec["topic"])
+             .option("startingOffsets", "earliest")
+             .option("maxMessagesPerTrigger", str(spec["batch_rows"]))
+             .load()
+             .writeStream.format("parquet")
+             .option("path", str(path))
+             .option("checkpointLocation", str(checkpoint))
+             .trigger(availableNow=True)
+             .start())
+    query.awaitTermination()
+    return sum(int(p.numInputRows) for p in query.recentProgress)
+
+
 def _write_parquet(spark: Any, table: Any, path: Path) -> None:
     spark.createDataFrame(table).write.mode("append").parquet(str(path))
 
 
 async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
     from rmq_async.sinks.spark import messages_to_arrow
+    from rmq_async.sources.spark import register
 
     out_dir = Path(spec["work_dir"])
     await asyncio.to_thread(out_dir.mkdir, parents=True, exist_ok=True)
@@ -331,6 +354,7 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
     t_start = time.perf_counter()
     spark = await asyncio.to_thread(_spark_session, "rmq_async-bench")
     session_seconds = time.perf_counter() - t_start
+    await asyncio.to_thread(register, spark)
     runs: list[dict[str, Any]] = []
     try:
         # The in-memory Arrow tables of the baseline: the same rows, built before timing.
@@ -373,6 +397,20 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
                          "batches": len(tables),
                          "rows_per_s": round(done_rows / seconds, 1) if seconds > 0 else 0.0})
             shutil.rmtree(path, ignore_errors=True)
+
+            emit(f"PHASE source round {rnd + 1}")
+            path = out_dir / f"source-{rnd}"
+            checkpoint = out_dir / f"source-checkpoint-{rnd}"
+            t = time.perf_counter()
+            rows = await asyncio.to_thread(_source_stream, spark, spec, path, checkpoint)
+            seconds = time.perf_counter() - t
+            emit(f"PROGRESS {rows}")
+            ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
+            runs.append({"contender": "spark-source", "round": rnd + 1, "ok": ok,
+                         "reason": reason, "rows": rows, "seconds": round(seconds, 3),
+                         "rows_per_s": round(rows / seconds, 1) if seconds > 0 else 0.0})
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(checkpoint, ignore_errors=True)
     finally:
         await asyncio.to_thread(spark.stop)
         shutil.rmtree(out_dir, ignore_errors=True)
