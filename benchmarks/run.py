@@ -96,7 +96,7 @@ def plan(quick: bool, rounds: int | None) -> list[Scenario]:
             Scenario("latency", "Latency at 2,000 msg/s for 3 s, 1 KiB (quick)", "latency",
                      6_000, 1024, r, ["rmq_async", "rmq_async-tuned", "java", "java-tuned"],
                      rate=2_000, warmup_seconds=1.0),
-            Scenario("spark", "Spark sink: 40,000 x 1 KiB into Parquet (quick)", "spark",
+            Scenario("spark", "Spark sink, source, plain: 40,000 x 1 KiB into Parquet (quick)", "spark",
                      40_000, 1024, 1, [], batch_rows=10_000),
         ]
     r = rounds or 3
@@ -110,7 +110,7 @@ def plan(quick: bool, rounds: int | None) -> list[Scenario]:
                  r, consumers[:4]),
         Scenario("latency", "Latency at 5,000 msg/s for 8 s, 1 KiB", "latency", 40_000, 1024,
                  r, consumers, rate=5_000, warmup_seconds=2.0),
-        Scenario("spark", "Spark sink: 1,000,000 x 1 KiB into Parquet", "spark", 1_000_000,
+        Scenario("spark", "Spark sink, source, plain: 1,000,000 x 1 KiB into Parquet", "spark", 1_000_000,
                  1024, 1, [], batch_rows=50_000),
     ]
 
