@@ -40,7 +40,9 @@ SEARCH_OFFSET_BY_TIMESTAMP), and plans one Spark partition per queue with messag
 own, pulls exactly ``[start, end)`` of its queue with plain PULL_MESSAGE calls (no consumer
 group rebalance, nothing committed), decodes the stored records, converts them column by column
 to Arrow (:func:`rmq_async.sinks._arrow.messages_to_arrow`) and yields record batches of
-``chunkRows`` rows.
+``chunkRows`` rows. The planning (driver side) and the reads (executors) run in Spark's Python
+workers, which must import rmq_async: point ``spark.pyspark.python`` (or ``PYSPARK_PYTHON``) at
+an interpreter that has it, on every machine of the cluster.
 
 In a stream, Spark's checkpoint owns the offsets: each micro-batch's end offsets are written to
 the offset log before the batch runs, so a restarted query re-plans the same ranges for a batch
@@ -48,7 +50,13 @@ that did not commit and continues after the last committed one. With an exactly-
 (Spark's file sink, Delta) the output holds every message once. ``commitToGroup`` additionally
 writes the end offsets of each committed micro-batch to that consumer group on the brokers
 (UPDATE_CONSUMER_OFFSET), for ``mqadmin consumerProgress`` and lag dashboards; the group's
-offsets are never read back.
+offsets are never read back. Spark tells a source about a committed micro-batch when it plans
+the next one, so the offsets are written then, and also whenever the source is asked for new
+data (its start is the last committed end): a stream that has caught up shows no lag. Before
+the first write the source sends the brokers one heartbeat for the group (as a pull consumer,
+from a connection it closes right away), which makes the broker create the group's retry
+topic that ``consumerProgress`` needs. Use a group of its own: push consumers in the same
+group would count that client while it is connected.
 
 Options (names are case-insensitive)
 ------------------------------------
