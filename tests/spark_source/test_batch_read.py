@@ -24,6 +24,7 @@ from rmq_async.sinks.spark import SPARK_SCHEMA
 from rmq_async.sources.ranges import DataLossError, SourceOptions, read_range_all
 from rmq_async.sources.spark import spark_arrow_schema
 from tests.helpers import AdminClient, produce, simple_messages, unique
+from tests.spark_source.common import stored_offsets
 from tests.spark_source.session import FULL
 
 if TYPE_CHECKING:
@@ -53,8 +54,8 @@ async def test_batch_read_between_offsets_gives_exactly_those_rows(
     t0 = time.monotonic()
     await produce(rocketmq.namesrv_addr, topic, simple_messages(topic, BATCH_MESSAGES, size=100),
                   batch=256, concurrency=4)
+    maxes = await stored_offsets(rocketmq.namesrv_addr, topic, BATCH_MESSAGES)
     async with AdminClient(rocketmq.namesrv_addr) as admin:
-        maxes = await admin.max_offsets(topic)
         everything = await admin.read_all(topic)
     assert sum(maxes.values()) == BATCH_MESSAGES == len(everything)
     produced = time.monotonic() - t0
@@ -105,12 +106,14 @@ async def test_starting_timestamp_matches_the_brokers_search(
         rocketmq: LocalRocketMQ, topic: str, spark: SparkSession) -> None:
     ns = rocketmq.namesrv_addr
     await produce(ns, topic, simple_messages(topic, 2_000, prefix="before"), batch=64)
+    await stored_offsets(ns, topic, 2_000)
     await asyncio.sleep(0.05)
     async with AdminClient(ns) as admin:
         before = await admin.read_all(topic)
         cut = max(m.store_timestamp for m in before) + 1
     await asyncio.sleep(0.05)
     await produce(ns, topic, simple_messages(topic, 2_000, prefix="after"), batch=64)
+    await stored_offsets(ns, topic, 4_000)
     async with AdminClient(ns) as admin:
         answers = {}
         for mq in await admin.queues(topic):
@@ -143,8 +146,7 @@ async def test_offsets_gone_fail_or_skip_per_fail_on_data_loss(
     """A range the queue no longer covers (here: past its max, as after the queue was recreated)."""
     ns = rocketmq.namesrv_addr
     await produce(ns, topic, simple_messages(topic, 80), batch=16)
-    async with AdminClient(ns) as admin:
-        maxes = await admin.max_offsets(topic)
+    maxes = await stored_offsets(ns, topic, 80)
     mq = max(maxes, key=lambda q: maxes[q])
     top = maxes[mq]
     opts = SourceOptions.parse({"namesrv": ns, "topics": topic}, streaming=False)
@@ -169,8 +171,7 @@ async def test_tag_filter_and_tls_on_a_range(rocketmq: LocalRocketMQ, topic: str
             *simple_messages(topic, 30, prefix="none")]
     random.Random(3).shuffle(msgs)
     await produce(ns, topic, msgs, batch=16)
-    async with AdminClient(ns) as admin:
-        maxes = await admin.max_offsets(topic)
+    maxes = await stored_offsets(ns, topic, len(msgs))
     got: dict[str, list[bytes]] = {}
     for name, extra in [("tags", {"tags": "a || c"}),
                         ("tls", {"tls": "true", "tlsVerify": "false"})]:
@@ -190,6 +191,7 @@ async def test_topic_pattern_reads_every_matching_topic(
     for name in names:
         await rocketmq.create_topic(name, queues=2)
         await produce(ns, name, simple_messages(name, 50, prefix=name[-1]), batch=16)
+        await stored_offsets(ns, name, 50)
     df = (spark.read.format("rocketmq").option("namesrv", ns)
           .option("topicPattern", f"{prefix}_.*").load())
     counts = {r["topic"]: r["count"] for r in df.groupBy("topic").count().collect()}

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from rmq_async.devbroker import LocalRocketMQ
-from tests.helpers import AdminClient, produce, simple_messages, wait_until
+from tests.helpers import produce, simple_messages, wait_until
+from tests.spark_source.common import stored_offsets
 from tests.spark_source.session import FULL
 from tests.spark_source.test_stream import check_exactly_once, driver
 
@@ -85,8 +86,7 @@ async def test_stream_on_a_standalone_cluster_reads_on_both_workers(
     ns = rocketmq.namesrv_addr
     t0 = time.monotonic()
     await produce(ns, topic, simple_messages(topic, CLUSTER_MESSAGES, size=100), batch=128)
-    async with AdminClient(ns) as admin:
-        maxes = await admin.max_offsets(topic)
+    maxes = await stored_offsets(ns, topic, CLUSTER_MESSAGES)
     assert sum(maxes.values()) == CLUSTER_MESSAGES
 
     port = _free_port()

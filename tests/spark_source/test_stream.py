@@ -25,6 +25,7 @@ import pytest
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.protocol.types import MessageQueue
 from tests.helpers import AdminClient, produce, simple_messages, unique, wait_until
+from tests.spark_source.common import stored_offsets
 from tests.spark_source.session import FULL
 
 if TYPE_CHECKING:
@@ -146,8 +147,7 @@ async def test_stream_killed_mid_stream_restarts_from_checkpoint_exactly_once(
         if producer is not None:
             producer.cancel()
     kill_at = time.monotonic() - t0
-    async with AdminClient(ns) as admin:
-        maxes = await admin.max_offsets(topic)
+    maxes = await stored_offsets(ns, topic, STREAM_MESSAGES)
     assert sum(maxes.values()) == STREAM_MESSAGES
 
     async with driver({**spec, "available_now": True}, log) as run:
