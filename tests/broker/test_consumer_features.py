@@ -222,6 +222,9 @@ async def _java_first_offsets(java_programs, namesrv: str, topic: str, mode: str
         # Messages from every queue, or 3 quiet seconds at most 20 s in (a loaded machine
         # slows the JVM down; a fixed pause made this flaky).
         await _settle(lambda: len(first_offsets()), 4)
+        # The JVM consumes on 20 threads: a queue's first message may print just after its
+        # second one. The lowest offset per queue is read once the output had time to follow.
+        await asyncio.sleep(1.5)
         return first_offsets()
 
 
