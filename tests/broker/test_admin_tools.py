@@ -207,7 +207,18 @@ async def test_reset_offset_by_time_server_side_and_pushed(rocketmq: LocalRocket
             out = await rocketmq.mqadmin("resetOffsetByTime", "-g", group, "-t", topic,
                                          "-s", str(t_b))
             _no_java_error(out)
-            await wait_until(lambda: sum(seen.values()) >= 120, 30, what="b consumed again")
+            try:
+                await wait_until(lambda: sum(seen.values()) >= 120, 30, what="b consumed again")
+            except AssertionError as exc:
+                # What the consumer did meanwhile, for the report (the logs are captured).
+                events = [(e["event"], e.get("queue"), e.get("offset"), e.get("next_offset"))
+                          for e in logs if e["event"].startswith(("pull.", "rebalance.",
+                                                                  "offset"))]
+                per_batch = collections.Counter({k[:2]: 0 for k in seen})
+                for key, n in seen.items():
+                    per_batch[key[:2]] += n
+                raise AssertionError(f"{exc}; mqadmin: {out!r}; deliveries per batch "
+                                     f"{dict(per_batch)}; events {events}") from None
         assert any(e["event"] == "pull.offset_illegal" for e in logs)
         assert not any(e["event"] == "admin.reset_offset" for e in logs)
         a_keys = [k for k in seen if k.startswith(b"a_")]
