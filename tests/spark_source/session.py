@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import TYPE_CHECKING
+
+from tests.spark.session import local_spark
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -14,27 +15,15 @@ FULL = os.environ.get("RMQ_SPARK_SOURCE_FULL") == "1"
 
 
 def source_spark(app_name: str = "rmq_async-source-tests") -> SparkSession:
-    """A quiet local session with the ``rocketmq`` format registered.
+    """The tests' local session (:func:`tests.spark.session.local_spark`) with the ``rocketmq``
+    format registered.
 
     The data source runs in Spark's Python workers (planning on the driver side, reads in the
-    executors); they must import rmq_async, so they run the interpreter of the tests.
+    executors); they must import rmq_async, so they run the interpreter of the tests, which
+    ``local_spark`` sets.
     """
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
-
     from rmq_async.sources.spark import register
 
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName(app_name)
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.default.parallelism", "2")
-        .config("spark.pyspark.python", sys.executable)
-        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
+    session = local_spark(app_name)
     register(session)
     return session
