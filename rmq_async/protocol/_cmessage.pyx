@@ -10,13 +10,20 @@ Messages are created without running ``MessageExt.__init__``: the object is allo
 slots are filled directly. They are not tracked by the cycle collector: a decoded message refers
 only to strings, bytes, integers and dicts of strings, so it cannot be part of a reference cycle
 (CPython leaves tuples and dicts of such values untracked for the same reason), and a consumer
-holding many thousands of them does not make every full collection walk them all. The slot offsets are read from the class's member descriptors when
-this module is imported, and the import fails (so the pure decoder is used) if the class does
-not have the expected layout.
+holding many thousands of them does not make every full collection walk them all. The slot
+offsets are read from the class's member descriptors when this module is imported, and the
+import fails (so the pure decoder is used) if the class does not have the expected layout.
 """
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from cpython.bytes cimport (
+    PyBytes_AS_STRING,
+    PyBytes_CheckExact,
+    PyBytes_FromStringAndSize,
+    PyBytes_GET_SIZE,
+)
 from cpython.list cimport PyList_Append, PyList_GET_SIZE
+from cpython.long cimport PyLong_AsLongLong
 from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
 from cpython.unicode cimport (
     PyUnicode_DATA,
@@ -28,7 +35,8 @@ from cpython.unicode cimport (
 )
 from libc.stdint cimport int16_t, int32_t, int64_t, uint32_t, uint64_t
 from libc.stdio cimport snprintf
-from libc.string cimport memcmp
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcmp, memcpy, memset
 
 from types import MemberDescriptorType
 
@@ -45,6 +53,9 @@ cdef extern from "Python.h":
         PyMemberDef *d_member
     object PyType_GenericAlloc(type t, Py_ssize_t nitems)
     void PyObject_GC_UnTrack(void *op)
+    const char *PyUnicode_AsUTF8AndSize(object text, Py_ssize_t *size) except NULL
+    bint PyUnicode_CheckExact(object o)
+    bint PyLong_CheckExact(object o)
 
 
 cdef enum:
@@ -507,19 +518,6 @@ def decode_records(bytes data not None, list out not None, bint decompress, bint
 # from ``msg.properties``, the Python parse. Then, without the GIL, every output size is
 # measured, the buffers are allocated (with the GIL, uninitialised) and filled.
 
-from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
-from cpython.bytes cimport PyBytes_CheckExact
-from cpython.long cimport PyLong_AsLongLong
-from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy, memset
-
-
-cdef extern from "Python.h":
-    const char *PyUnicode_AsUTF8AndSize(object text, Py_ssize_t *size) except NULL
-    bint PyUnicode_CheckExact(object o)
-    bint PyLong_CheckExact(object o)
-
-
 cdef struct Span:
     const char *p
     Py_ssize_t n
@@ -750,38 +748,13 @@ cdef int _read_row(object msg, Row *row, list refs) except -1:
     return 0
 
 
-cdef int _pairs_from_dict(object msg, Row *row, Entries *entries, list refs) except -1:
-    cdef Span name_span, value_span
-    props = msg.properties
-    if type(props) is not dict:
-        raise TypeError("properties is not a dict")
-    row.first_entry = entries.size
-    for name, value in (<dict> props).items():
-        if not (PyUnicode_CheckExact(name) and PyUnicode_CheckExact(value)):
-            raise TypeError("a property is not a str")
-        name_span = _utf8(name)
-        value_span = _utf8(value)
-        if _entries_push(entries, name_span.p, name_span.n, value_span.p, value_span.n) < 0:
-            raise MemoryError()
-        refs.append(name)
-        refs.append(value)
-    row.n_entries = entries.size - row.first_entry
-    row.props_state = PROPS_READY
-    return 0
-
-
-cdef int _apply_pending(object msg, Row *row, Entries *entries, list refs) except -1:
-    # The row's raw pairs with the pending properties set over them (``dict.update``): a name
-    # already there keeps its place and takes the new value, a new name goes last.
-    cdef Py_ssize_t i, first = entries.size
+cdef int _set_pairs(dict pairs, Py_ssize_t first, Entries *entries, list refs) except -1:
+    # ``dict.update`` of the entries from ``first`` on with ``pairs``: a name already there takes
+    # the new value in its place, a new name goes last.
+    cdef Py_ssize_t i
     cdef Span name_span, value_span
     cdef bint found
-    for i in range(row.first_entry, row.first_entry + row.n_entries):
-        # Pushed by index: the push may move the array.
-        if _entries_push(entries, entries.items[i].name.p, entries.items[i].name.n,
-                         entries.items[i].value.p, entries.items[i].value.n) < 0:
-            raise MemoryError()
-    for name, value in (<dict> _get(msg, S_PROPS_PENDING)).items():
+    for name, value in pairs.items():
         if not (PyUnicode_CheckExact(name) and PyUnicode_CheckExact(value)):
             raise TypeError("a property is not a str")
         name_span = _utf8(name)
@@ -797,6 +770,30 @@ cdef int _apply_pending(object msg, Row *row, Entries *entries, list refs) excep
         if not found and _entries_push(entries, name_span.p, name_span.n, value_span.p,
                                        value_span.n) < 0:
             raise MemoryError()
+    return 0
+
+
+cdef int _pairs_from_dict(object msg, Row *row, Entries *entries, list refs) except -1:
+    # The pairs of ``msg.properties``, the Python parse (pending properties included).
+    props = msg.properties
+    if type(props) is not dict:
+        raise TypeError("properties is not a dict")
+    row.first_entry = entries.size
+    _set_pairs(<dict> props, row.first_entry, entries, refs)
+    row.n_entries = entries.size - row.first_entry
+    row.props_state = PROPS_READY
+    return 0
+
+
+cdef int _apply_pending(object msg, Row *row, Entries *entries, list refs) except -1:
+    # The row's raw pairs, copied to the end, with the pending properties set over them.
+    cdef Py_ssize_t i, first = entries.size
+    for i in range(row.first_entry, row.first_entry + row.n_entries):
+        # Pushed by index: the push may move the array.
+        if _entries_push(entries, entries.items[i].name.p, entries.items[i].name.n,
+                         entries.items[i].value.p, entries.items[i].value.n) < 0:
+            raise MemoryError()
+    _set_pairs(<dict> _get(msg, S_PROPS_PENDING), first, entries, refs)
     row.first_entry = first
     row.n_entries = entries.size - first
     row.props_state = PROPS_READY
