@@ -149,10 +149,20 @@ def _convert(msgs: Sequence[MessageExt]) -> pa.Table:
     return _convert_values(msgs)
 
 
-def _string(count: int, offsets: bytearray, data: bytearray) -> pa.Array:
+def _variable(kind: pa.DataType, count: int, offsets: bytearray, data: bytearray,
+              valid: bytearray | None = None, null_count: int = 0) -> pa.Array:
+    """A string or binary array of offsets and data (and a validity bitmap when it has nulls)."""
     return pa.Array.from_buffers(
-        pa.string(), count, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+        kind,
+        count,
+        [None if valid is None else pa.py_buffer(valid), pa.py_buffer(offsets),
+         pa.py_buffer(data)],
+        null_count=null_count,
     )
+
+
+def _string(count: int, offsets: bytearray, data: bytearray) -> pa.Array:
+    return _variable(pa.string(), count, offsets, data)
 
 
 def _fixed(kind: pa.DataType, count: int, data: bytearray) -> pa.Array:
@@ -163,13 +173,7 @@ def _from_buffers(b: dict[str, Any]) -> pa.Table:
     """The table of the compiled converter's buffers (see ``message_columns``); no copies."""
     n = b["rows"]
     valid, tag_offsets, tag_data = b["tags"]
-    tags = pa.Array.from_buffers(
-        pa.string(),
-        n,
-        [None if valid is None else pa.py_buffer(valid), pa.py_buffer(tag_offsets),
-         pa.py_buffer(tag_data)],
-        null_count=b["tags_null"],
-    )
+    tags = _variable(pa.string(), n, tag_offsets, tag_data, valid, b["tags_null"])
     list_offsets, token_offsets, token_data = b["keys"]
     keys = pa.Array.from_buffers(
         _KEYS_TYPE,
@@ -197,9 +201,7 @@ def _from_buffers(b: dict[str, Any]) -> pa.Table:
         _string(n, *b["offset_msg_id"]),
         tags,
         keys,
-        pa.Array.from_buffers(
-            pa.binary(), n, [None, pa.py_buffer(b["body"][0]), pa.py_buffer(b["body"][1])]
-        ),
+        _variable(pa.binary(), n, *b["body"]),
         properties,
         _fixed(_TIMESTAMP, n, *b["born_timestamp"]),
         _fixed(_TIMESTAMP, n, *b["store_timestamp"]),
