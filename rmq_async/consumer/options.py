@@ -151,6 +151,22 @@ class Credentials:
         fields.pop("Signature", None)
         fields["Signature"] = self.signature(fields, body)
 
+    def rpc_hook(self) -> Callable[[Any], None]:
+        """A hook that signs each outgoing command with these credentials.
+
+        It adds ``AccessKey`` [``SecurityToken``] and ``Signature`` to the command's
+        ``ext_fields`` (creating the dict if it is ``None``), signing over its ``body``.
+        """
+
+        def sign(cmd: Any) -> None:
+            fields = cmd.ext_fields
+            if fields is None:
+                fields = {}
+                cmd.ext_fields = fields
+            self.sign_fields(fields, cmd.body)
+
+        return sign
+
     @classmethod
     def coerce(cls, value: object) -> Credentials | None:
         if value is None or isinstance(value, Credentials):
@@ -559,23 +575,9 @@ class ConsumerOptions:
         return self.max_reconsume_times
 
     def rpc_hook(self) -> Callable[[Any], None] | None:
-        """A hook that ACL-signs each outgoing command, or ``None`` without credentials.
-
-        The hook adds ``AccessKey`` [``SecurityToken``] and ``Signature`` to the command's
-        ``ext_fields`` (creating the dict if it is ``None``), signing over its ``body``.
-        """
-        creds = self.credentials
-        if creds is None:
-            return None
-
-        def sign(cmd: Any) -> None:
-            fields = cmd.ext_fields
-            if fields is None:
-                fields = {}
-                cmd.ext_fields = fields
-            creds.sign_fields(fields, cmd.body)
-
-        return sign
+        """A hook that ACL-signs each outgoing command (:meth:`Credentials.rpc_hook`), or
+        ``None`` without credentials."""
+        return None if self.credentials is None else self.credentials.rpc_hook()
 
     def replace(self, **changes: Any) -> ConsumerOptions:
         """A copy with some options changed (validated like the original)."""

@@ -365,18 +365,8 @@ def _ssl_context(opts: SourceOptions) -> _ssl.SSLContext | None:
 
 def open_client(opts: SourceOptions, role: str) -> ClientInstance:
     """A short-lived client for one planning step or one partition read (call inside a loop)."""
-    creds = (Credentials(opts.access_key, opts.secret_key, opts.security_token)
-             if opts.access_key and opts.secret_key else None)
-    hook = None
-    if creds is not None:
-        signer = creds
-
-        def hook(cmd: Any) -> None:
-            fields = cmd.ext_fields
-            if fields is None:
-                fields = cmd.ext_fields = {}
-            signer.sign_fields(fields, cmd.body)
-
+    hook = (Credentials(opts.access_key, opts.secret_key, opts.security_token).rpc_hook()
+            if opts.access_key and opts.secret_key else None)
     client_id = f"{default_client_ip()}@spark-source-{role}-{os.getpid()}"
     return ClientInstance(opts.namesrv, client_id, rpc_hook=hook, ssl=_ssl_context(opts),
                           api_timeout=opts.api_timeout)
