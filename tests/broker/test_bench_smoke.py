@@ -66,7 +66,8 @@ def _tables(markdown: str) -> list[list[list[str]]]:
 def test_bench_quick_writes_wellformed_outputs(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, str(RUNNER), "--quick", "--out", str(out)],
+        # A quarter of the quick sizes: this checks the harness and its outputs, not speeds.
+        [sys.executable, str(RUNNER), "--quick", "--scale", "0.25", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"

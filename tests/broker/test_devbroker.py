@@ -337,40 +337,51 @@ _ACL_CLIENT = textwrap.dedent("""\
     import org.apache.rocketmq.remoting.RPCHook;
     import org.apache.rocketmq.tools.admin.DefaultMQAdminExt;
 
-    /** args: namesrv broker topic mode(send|create) [accessKey secretKey] */
+    /**
+     * args: namesrv broker topic probe...; a probe is mode(send|create)[:accessKey:secretKey].
+     * Prints one line per probe, in order: "OK ..." or "DENIED <root cause>".
+     */
     public class AclProbe {
         public static void main(String[] a) throws Exception {
-            RPCHook hook = a.length > 5
-                ? new AclClientRPCHook(new SessionCredentials(a[4], a[5])) : null;
+            for (int i = 3; i < a.length; i++) {
+                String[] probe = a[i].split(":", -1);
+                System.out.println(run(a[0], a[1], a[2], probe));
+                System.out.flush();
+            }
+        }
+
+        static String run(String namesrv, String broker, String topic, String[] probe) {
+            RPCHook hook = probe.length > 2
+                ? new AclClientRPCHook(new SessionCredentials(probe[1], probe[2])) : null;
             try {
-                if (a[3].equals("send")) {
+                if (probe[0].equals("send")) {
                     DefaultMQProducer p = new DefaultMQProducer("acl_probe_pg", hook);
-                    p.setNamesrvAddr(a[0]);
+                    p.setNamesrvAddr(namesrv);
                     p.setRetryTimesWhenSendFailed(0);
+                    p.setInstanceName("probe" + System.nanoTime());
                     p.start();
                     try {
-                        System.out.println("OK " + p.send(new Message(a[2], "x".getBytes()))
-                            .getSendStatus());
+                        return "OK " + p.send(new Message(topic, "x".getBytes())).getSendStatus();
                     } finally {
                         p.shutdown();
                     }
-                } else {
-                    DefaultMQAdminExt admin = new DefaultMQAdminExt(hook, 5000);
-                    admin.setNamesrvAddr(a[0]);
-                    admin.start();
-                    try {
-                        admin.createAndUpdateTopicConfig(a[1], new TopicConfig(a[2], 2, 2));
-                        System.out.println("OK created");
-                    } finally {
-                        admin.shutdown();
-                    }
+                }
+                DefaultMQAdminExt admin = new DefaultMQAdminExt(hook, 5000);
+                admin.setNamesrvAddr(namesrv);
+                admin.setInstanceName("probe" + System.nanoTime());
+                admin.start();
+                try {
+                    admin.createAndUpdateTopicConfig(broker, new TopicConfig(topic, 2, 2));
+                    return "OK created";
+                } finally {
+                    admin.shutdown();
                 }
             } catch (Exception e) {
                 Throwable root = e;
                 while (root.getCause() != null) {
                     root = root.getCause();
                 }
-                System.out.println("DENIED " + String.valueOf(root.getMessage()).split("\\n")[0]);
+                return "DENIED " + String.valueOf(root.getMessage()).split("\\n")[0];
             }
         }
     }
@@ -388,22 +399,22 @@ async def test_acl_account(tmp_path: Path, admin: bool) -> None:
         row = next(line.split() for line in users.splitlines() if line.startswith("alice "))
         assert row[2] == ("Super" if admin else "Normal")
 
-        classes = await compile_java([src], rmq.lib_dir, tmp_path / "classes")
+        classes = await compile_java([src], rmq.lib_dir)  # cached: both cases share it
         cp = classpath(rmq.lib_dir, classes)
-
-        async def probe(mode: str, *creds: str) -> str:
-            rc, out, err = await run_java(
-                "AclProbe", [rmq.namesrv_addr, rmq.broker_addr, "T_acl", mode, *creds], cp,
-                timeout=60,
-            )
-            assert rc == 0, err
-            return out.strip().splitlines()[-1]
-
-        assert await probe("send", "alice", "alice-secret-1") == "OK SEND_OK"
-        assert (await probe("send")).startswith("DENIED")
-        assert (await probe("send", "alice", "wrong-secret")).startswith("DENIED")
-        assert (await probe("send", "mallory", "alice-secret-1")).startswith("DENIED")
-        created = await probe("create", "alice", "alice-secret-1")
+        # All probes in one JVM: a JVM start per probe cost most of this test's time.
+        probes = ["send:alice:alice-secret-1", "send", "send:alice:wrong-secret",
+                  "send:mallory:alice-secret-1", "create:alice:alice-secret-1"]
+        rc, out, err = await run_java(
+            "AclProbe", [rmq.namesrv_addr, rmq.broker_addr, "T_acl", *probes], cp, timeout=90,
+        )
+        assert rc == 0, err
+        lines = [line for line in out.splitlines() if line.startswith(("OK", "DENIED"))]
+        assert len(lines) == len(probes), out
+        sent_ok, anonymous, wrong_secret, wrong_user, created = lines
+        assert sent_ok == "OK SEND_OK"
+        assert anonymous.startswith("DENIED")
+        assert wrong_secret.startswith("DENIED")
+        assert wrong_user.startswith("DENIED")
         if admin:
             assert created == "OK created"
         else:
