@@ -1,10 +1,23 @@
 """rmq_async: an asyncio-native push consumer for Apache RocketMQ, speaking its protocol itself."""
 
-from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError, NoRouteError
+from rmq_async.client.errors import (
+    MQBrokerError,
+    MQClientError,
+    NameServerUnavailable,
+    NoPermissionError,
+    NoRouteError,
+)
 from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
-from rmq_async.consumer.options import ConsumeFromWhere, MessageModel
+from rmq_async.consumer.options import ConsumeFromWhere, InvalidOptionError, MessageModel
 from rmq_async.consumer.push import PushConsumer
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
+from rmq_async.devbroker.errors import DevBrokerError
+from rmq_async.errors import (
+    IllegalStateError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    RocketMQError,
+)
 from rmq_async.producer import Producer
 from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.types import Message, MessageExt, MessageQueue
@@ -24,12 +37,18 @@ __all__ = [
     "ConsumeResult",
     "ConsumerError",
     "ConsumerErrorKind",
+    "DevBrokerError",
+    "IllegalStateError",
+    "InvalidArgumentError",
+    "InvalidOptionError",
+    "InvalidTypeError",
     "MQBrokerError",
     "MQClientError",
     "Message",
     "MessageExt",
     "MessageModel",
     "MessageQueue",
+    "NameServerUnavailable",
     "NoPermissionError",
     "NoRouteError",
     "Producer",
@@ -38,5 +57,6 @@ __all__ = [
     "RemotingConnectError",
     "RemotingError",
     "RemotingTimeout",
+    "RocketMQError",
     "__version__",
 ]

@@ -21,6 +21,8 @@ import structlog
 from rmq_async.client.api import SendResult
 from rmq_async.client.errors import MQBrokerError, MQClientError
 from rmq_async.client.instance import ClientInstance
+from rmq_async.consumer.options import InvalidOptionError
+from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.codes import MessageSysFlag
 from rmq_async.protocol.filter import java_string_hash
 from rmq_async.protocol.message import UniqKeyGenerator, encode_batch, encode_properties
@@ -65,7 +67,8 @@ class Producer:
                  instance_name: str | None = None, **options: Any) -> None:
         unknown = set(options) - set(ProducerOptions.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown producer option(s): {', '.join(sorted(unknown))}")
+            names = ", ".join(sorted(unknown))
+            raise InvalidOptionError(names, "unknown producer option(s)")
         self.options = ProducerOptions(**options)
         self.group = group
         import os
@@ -108,7 +111,7 @@ class Producer:
         if not msg.body:
             # The broker cannot store a single message without a body (Java refuses it too:
             # "the message body length is zero"); inside a batch an empty body is fine.
-            raise ValueError("the message body is empty; send it with send_batch() or add a body")
+            raise InvalidArgumentError("the message body is empty; send it with send_batch() or add a body")
         props = msg.all_properties()
         props.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id())
         props.setdefault(PROPERTY_WAIT, "true")
@@ -118,7 +121,7 @@ class Producer:
             body = zlib.compress(body, self.options.compress_level)
             sys_flag |= MessageSysFlag.COMPRESSED_FLAG | MessageSysFlag.COMPRESSION_ZLIB_TYPE
         if len(body) > self.options.max_message_size:
-            raise ValueError(f"message body of {len(body)} bytes exceeds max_message_size")
+            raise InvalidArgumentError(f"message body of {len(body)} bytes exceeds max_message_size")
         return await self._send_with_retry(
             msg.topic, queue, msg, selector, body, encode_properties(props), sys_flag, msg.flag,
             batch=False,
@@ -128,19 +131,19 @@ class Producer:
                          queue: MessageQueue | None = None) -> SendResult:
         """Send several messages of one topic in one request (SEND_BATCH_MESSAGE)."""
         if not msgs:
-            raise ValueError("empty batch")
+            raise InvalidArgumentError("empty batch")
         topic = msgs[0].topic
         prepared: list[Message] = []
         for m in msgs:
             if m.topic != topic:
-                raise ValueError("all messages of a batch must have the same topic")
+                raise InvalidArgumentError("all messages of a batch must have the same topic")
             props = m.all_properties()
             props.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id())
             props.setdefault(PROPERTY_WAIT, "true")
             prepared.append(Message(topic, m.body, properties=props, flag=m.flag))
         body = encode_batch(prepared)
         if len(body) > self.options.max_message_size:
-            raise ValueError(f"batch of {len(body)} bytes exceeds max_message_size")
+            raise InvalidArgumentError(f"batch of {len(body)} bytes exceeds max_message_size")
         return await self._send_with_retry(
             topic, queue, None, None, body, "", 0, 0, batch=True,
         )

@@ -1,6 +1,10 @@
 """Test-suite wiring: the real local RocketMQ fixtures (``rocketmq``, ``topic``)."""
 
-pytest_plugins = ["rmq_async.devbroker.pytest_plugin", "tests.hang_report"]
+pytest_plugins = [
+    "rmq_async.devbroker.pytest_plugin",
+    "tests.hang_report",
+    "tests.error_tree",
+]
 
 import logging  # noqa: E402
 

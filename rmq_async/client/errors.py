@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from rmq_async.errors import RocketMQError
 from rmq_async.protocol.codes import ResponseCode
 
 
-class MQClientError(Exception):
+class MQClientError(RocketMQError):
     """Base class of the client layer's errors."""
 
 

@@ -13,6 +13,7 @@ import structlog
 
 from rmq_async.client.api import MQClientAPI
 from rmq_async.client.errors import MQClientError, NoRouteError
+from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.bodies import (
     HeartbeatData,
     TopicRouteData,
@@ -283,9 +284,9 @@ def parse_namesrv(namesrv: str | list[str]) -> list[str]:
         parts = [p.strip() for p in namesrv]
     addrs = [p for p in parts if p]
     if not addrs:
-        raise ValueError("at least one name server address (host:port) is required")
+        raise InvalidArgumentError("at least one name server address (host:port) is required")
     for a in addrs:
         host, sep, port = a.rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise ValueError(f"name server address must be host:port, got {a!r}")
+            raise InvalidArgumentError(f"name server address must be host:port, got {a!r}")
     return addrs

@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import structlog
 
+from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.types import MessageQueue, java_string_sort_key
 
 log = structlog.get_logger(__name__)
@@ -89,11 +90,11 @@ def _check(
     the broker has not seen its first heartbeat.
     """
     if not current_cid:
-        raise ValueError("current client id is empty")
+        raise InvalidArgumentError("current client id is empty")
     if not mq_all:
-        raise ValueError("mq_all is empty")
+        raise InvalidArgumentError("mq_all is empty")
     if not cid_all:
-        raise ValueError("cid_all is empty")
+        raise InvalidArgumentError("cid_all is empty")
     if current_cid not in cid_all:
         log.info(
             "allocate.client_not_in_group",
@@ -274,13 +275,13 @@ class AllocateMachineRoomNearby:
         for mq in mq_all:
             room = self.resolver.broker_room(mq)
             if not room:
-                raise ValueError(f"machine room is empty for queue {mq}")
+                raise InvalidArgumentError(f"machine room is empty for queue {mq}")
             room_queues.setdefault(room, []).append(mq)
         room_clients: dict[str, list[str]] = {}
         for cid in cid_all:
             room = self.resolver.consumer_room(cid)
             if not room:
-                raise ValueError(f"machine room is empty for client id {cid}")
+                raise InvalidArgumentError(f"machine room is empty for client id {cid}")
             room_clients.setdefault(room, []).append(cid)
 
         result: list[MessageQueue] = []
@@ -321,7 +322,7 @@ class AllocateConsistentHash:
         self, virtual_nodes: int = 10, hash_fn: Callable[[str], int] = md5_hash
     ) -> None:
         if virtual_nodes < 0:
-            raise ValueError(f"virtual_nodes must be >= 0, got {virtual_nodes}")
+            raise InvalidArgumentError(f"virtual_nodes must be >= 0, got {virtual_nodes}")
         self.virtual_nodes = virtual_nodes
         self.hash_fn = hash_fn
 

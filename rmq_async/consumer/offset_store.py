@@ -12,6 +12,7 @@ import anyio
 import structlog
 
 from rmq_async.client.errors import MQBrokerError, MQClientError
+from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.codes import ResponseCode
 from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.jsonutil import tolerant_loads
@@ -255,13 +256,13 @@ class LocalFileOffsetStore(_MemoryTable):
 def _parse_offset_file(raw: object) -> dict[MessageQueue, int]:
     """Entries of an offsets file; Java's object-keyed map form is accepted too."""
     if not isinstance(raw, dict):
-        raise ValueError("offsets file is not a JSON object")
+        raise InvalidArgumentError("offsets file is not a JSON object")
     table = raw.get("offsetTable", [])
     result: dict[MessageQueue, int] = {}
     if isinstance(table, dict):
         for key, value in table.items():
             if not isinstance(key, MessageQueue):
-                raise ValueError(f"offsets file: unexpected key {key!r}")
+                raise InvalidArgumentError(f"offsets file: unexpected key {key!r}")
             if int(value) >= 0:
                 result[key] = int(value)
         return result

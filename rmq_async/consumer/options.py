@@ -6,7 +6,8 @@ the unit — ``consume_timeout`` is in minutes (Java ``consumeTimeout``) and
 ``suspend_current_queue_time_millis`` in milliseconds; sizes ending in ``_size_for_*`` are MiB.
 
 Everything is checked when the options are built (Java ``checkConfig`` ranges), and a bad value
-raises :class:`InvalidOptionError` (a ``ValueError``) naming the option.
+raises :class:`InvalidOptionError` (a ``ValueError`` and a
+:class:`~rmq_async.errors.RocketMQError`) naming the option.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rmq_async.consumer.allocate import AllocateAveragely, AllocateStrategy
+from rmq_async.errors import InvalidArgumentError
 
 __all__ = [
     "DEFAULT_CONSUMER_GROUP",
@@ -62,7 +64,7 @@ _TIMESTAMP_FORMAT = "%Y%m%d%H%M%S"
 _MAX_INT = 2**31 - 1
 
 
-class InvalidOptionError(ValueError):
+class InvalidOptionError(InvalidArgumentError):
     """An option value (or name) the consumer cannot work with."""
 
     def __init__(self, option: str, message: str) -> None:

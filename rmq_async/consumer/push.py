@@ -41,6 +41,7 @@ from rmq_async.consumer.subscriptions import (
     Subscriptions,
 )
 from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.errors import IllegalStateError, InvalidArgumentError
 from rmq_async.protocol.bodies import ConsumerData, HeartbeatData
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.filter import SubscriptionData, build_subscription
@@ -73,7 +74,9 @@ class PushConsumer:
 
     Options carry the Java client's names in snake_case and its defaults; see
     :class:`~rmq_async.consumer.options.ConsumerOptions`. A bad option or subscription
-    expression raises ``ValueError`` here, at construction or at ``subscribe``.
+    expression raises :class:`~rmq_async.consumer.options.InvalidOptionError` or
+    :class:`~rmq_async.errors.InvalidArgumentError` (both ``ValueError``\ s) here, at
+    construction or at ``subscribe``.
     """
 
     def __init__(self, group: str, namesrv: str | list[str], **options: Any) -> None:
@@ -133,11 +136,11 @@ class PushConsumer:
         """
         data = build_subscription(topic, tags)
         if topic.startswith(RETRY_GROUP_TOPIC_PREFIX):
-            raise ValueError(f"{topic!r} is a retry topic; it is subscribed automatically")
+            raise InvalidArgumentError(f"{topic!r} is a retry topic; it is subscribed automatically")
         if listener is not None and sink is not None:
-            raise ValueError("give either a listener or a sink, not both")
+            raise InvalidArgumentError("give either a listener or a sink, not both")
         if orderly and sink is not None:
-            raise ValueError("a sink consumes concurrently; orderly=True is not supported with it")
+            raise InvalidArgumentError("a sink consumes concurrently; orderly=True is not supported with it")
 
         def register(fn: Callable[..., Any] | None) -> None:
             self._subs[topic] = Subscription(
@@ -243,9 +246,9 @@ class PushConsumer:
     async def start(self) -> None:
         async with self._start_lock:
             if self._started:
-                raise RuntimeError("consumer already started")
+                raise IllegalStateError("consumer already started")
             if not self._subs:
-                raise ValueError("subscribe at least one topic before start()")
+                raise InvalidArgumentError("subscribe at least one topic before start()")
             self.start_timestamp = int(time.time() * 1000)
             self.subscriptions.reset_retry()
             self.instance = ClientInstance(
@@ -414,7 +417,7 @@ class PushConsumer:
     async def send_message_back(self, msg: MessageExt, delay_level: int) -> bool:
         """CONSUMER_SEND_MSG_BACK for a failed message; ``False`` if it could not be handed back."""
         if self._rt is None:
-            raise RuntimeError("the consumer was never started")
+            raise IllegalStateError("the consumer was never started")
         return await self._rt.send_message_back(msg, delay_level)
 
     # ------------------------------------------------------------------ broker requests

@@ -9,6 +9,7 @@ from typing import Any
 import structlog
 
 from rmq_async.diagnostics import format_task
+from rmq_async.errors import IllegalStateError
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +48,7 @@ class TaskOwner:
               key: Hashable | None = None) -> asyncio.Task[Any]:
         if self._closed:
             coro.close()
-            raise RuntimeError(f"{self.name}: cannot start task {name!r} after close")
+            raise IllegalStateError(f"{self.name}: cannot start task {name!r} after close")
         task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}:{name}")
         self._tasks.add(task)
         if key is not None:

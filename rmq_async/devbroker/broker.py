@@ -29,6 +29,8 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from rmq_async.errors import InvalidArgumentError
+
 from . import config as cfg
 from .errors import DevBrokerError
 from .java import compile_java
@@ -65,10 +67,10 @@ class AclAccount:
     def __post_init__(self) -> None:
         for what, value in (("access_key", self.access_key), ("secret_key", self.secret_key)):
             if not value or any(c.isspace() or c in "\"\\" for c in value):
-                raise ValueError(f"{what} must be non-empty without blanks, quotes or "
+                raise InvalidArgumentError(f"{what} must be non-empty without blanks, quotes or "
                                  f"backslashes: {value!r}")
         if len(self.secret_key) < 6:
-            raise ValueError("secret_key must have at least 6 characters")
+            raise InvalidArgumentError("secret_key must have at least 6 characters")
 
 
 #: Username of the internal super user that the helper and mqadmin sign with when ACL is on.
@@ -663,9 +665,9 @@ class LocalRocketMQ:
         """Create (or update) ``name`` with ``queues`` read/write queues on the broker and wait
         until the name server serves its route."""
         if not _TOPIC_RE.match(name):
-            raise ValueError(f"invalid topic name: {name!r}")
+            raise InvalidArgumentError(f"invalid topic name: {name!r}")
         if not 1 <= queues <= 1024:
-            raise ValueError(f"queues must be within 1..1024, not {queues}")
+            raise InvalidArgumentError(f"queues must be within 1..1024, not {queues}")
         started = time.monotonic()
         deadline = started + timeout
         if self._admin_alive():

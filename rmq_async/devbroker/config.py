@@ -8,6 +8,9 @@ import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rmq_async.devbroker.errors import DevBrokerError
+from rmq_async.errors import InvalidArgumentError
+
 __all__ = [
     "BROKER_DEFAULTS",
     "NAMESRV_CLASS",
@@ -100,7 +103,7 @@ def pick_broker_port(*, rng: random.Random | None = None, attempts: int = 200,
             continue
         if port_is_free(fast) and port_is_free(main) and port_is_free(ha, "0.0.0.0"):
             return port
-    raise OSError(errno.EADDRINUSE, "no free port triple found for the broker")
+    raise DevBrokerError("no free port triple found for the broker")
 
 
 def _escape(value: str) -> str:
@@ -117,7 +120,7 @@ def render_properties(values: Mapping[str, str], header: str | None = None) -> s
         lines.extend(f"# {h}" for h in header.splitlines())
     for key, value in values.items():
         if not key or any(c in key for c in " =:\n\r#!\\"):
-            raise ValueError(f"invalid property key: {key!r}")
+            raise InvalidArgumentError(f"invalid property key: {key!r}")
         lines.append(f"{key}={_escape(str(value))}")
     return "\n".join(lines) + "\n"
 
@@ -148,7 +151,7 @@ def broker_config(*, run_dir: Path, namesrv_addr: str, listen_port: int,
              "brokerIP1"}
     for key, value in (overrides or {}).items():
         if key in fixed:
-            raise ValueError(f"broker_config may not override {key!r}: it is managed by "
+            raise InvalidArgumentError(f"broker_config may not override {key!r}: it is managed by "
                              "LocalRocketMQ")
         values[key] = str(value)
     return values

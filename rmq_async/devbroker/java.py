@@ -31,6 +31,8 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from rmq_async.errors import InvalidArgumentError
+
 from .config import jvm_tmpdir
 from .errors import DevBrokerError
 from .maven import cache_root, find_tool
@@ -83,10 +85,10 @@ def _plan_compile(sources: list[Path | str], lib: Path, out_dir: Path | str | No
     """(sources, class folder, staging folder or None when already compiled)."""
     paths = [Path(s).resolve() for s in sources]
     if not paths:
-        raise ValueError("compile_java needs at least one source file")
+        raise InvalidArgumentError("compile_java needs at least one source file")
     for p in paths:
         if p.suffix != ".java" or not p.is_file():
-            raise ValueError(f"not a Java source file: {p}")
+            raise InvalidArgumentError(f"not a Java source file: {p}")
     base = Path(out_dir) if out_dir is not None else cache_root() / "java-classes"
     target = base / _sources_digest(paths, lib, javac)
     if (target / ".complete").is_file():
@@ -140,7 +142,7 @@ def java_command(main_class: str, args: Sequence[str], cp: Sequence[Path | str] 
                  user_home: Path, jvm_flags: Sequence[str] = ()) -> list[str]:
     """The ``java`` command line for ``main_class`` with the client flags."""
     if not _CLASS_RE.match(main_class):
-        raise ValueError(f"not a Java class name: {main_class!r}")
+        raise InvalidArgumentError(f"not a Java class name: {main_class!r}")
     cp_text = cp if isinstance(cp, str) else os.pathsep.join(str(c) for c in cp)
     return [str(find_tool("java")), *JAVA_CLIENT_FLAGS, *jvm_flags,
             f"-Duser.home={user_home}", f"-Djava.io.tmpdir={jvm_tmpdir(user_home)}",

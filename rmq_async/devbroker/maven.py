@@ -30,6 +30,8 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from rmq_async.errors import InvalidArgumentError
+
 from .errors import DevBrokerError
 
 __all__ = [
@@ -63,7 +65,7 @@ _VERSION_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]*$")
 
 def _check_version(version: str) -> str:
     if not _VERSION_RE.match(version):
-        raise ValueError(f"not a Maven version string: {version!r}")
+        raise InvalidArgumentError(f"not a Maven version string: {version!r}")
     return version
 
 

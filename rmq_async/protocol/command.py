@@ -45,6 +45,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rmq_async.errors import InvalidArgumentError
+
 from .codes import (
     CURRENT_VERSION,
     RPC_ONEWAY,
@@ -291,11 +293,11 @@ class RemotingCommand:
         differs for FastCodesHeader headers (see the module doc). :meth:`encode` uses the latter.
         """
         if not -32768 <= self.code <= 32767:
-            raise ValueError(f"code {self.code} does not fit the ROCKETMQ header; use JSON")
+            raise InvalidArgumentError(f"code {self.code} does not fit the ROCKETMQ header; use JSON")
         if not -32768 <= self.version <= 32767:
-            raise ValueError(f"version {self.version} does not fit the ROCKETMQ header")
+            raise InvalidArgumentError(f"version {self.version} does not fit the ROCKETMQ header")
         if not 0 <= self.language <= 255:
-            raise ValueError(f"language {self.language} does not fit one byte")
+            raise InvalidArgumentError(f"language {self.language} does not fit one byte")
         remark = self.remark.encode("utf-8", "replace") if self.remark else b""
         out = [
             _BIN_FIXED.pack(
@@ -311,7 +313,7 @@ class RemotingCommand:
             kb = key.encode("utf-8", "replace")
             vb = value.encode("utf-8", "replace")
             if len(kb) > 32767:
-                raise ValueError("extFields key longer than 32767 bytes")
+                raise InvalidArgumentError("extFields key longer than 32767 bytes")
             ext.append(_I16.pack(len(kb)))
             ext.append(kb)
             ext.append(_I32.pack(len(vb)))
@@ -328,10 +330,10 @@ class RemotingCommand:
         elif self.serialize_type == SerializeType.ROCKETMQ:
             header = self.encode_header_binary(fast_codes=True)
         else:  # pragma: no cover - enum is closed
-            raise ValueError(f"unknown serialize type {self.serialize_type}")
+            raise InvalidArgumentError(f"unknown serialize type {self.serialize_type}")
         hlen = len(header)
         if hlen > 0xFFFFFF:
-            raise ValueError("header longer than 16 MiB")
+            raise InvalidArgumentError("header longer than 16 MiB")
         body = self.body
         prefix = _PREFIX.pack(4 + hlen + len(body), (int(self.serialize_type) << 24) | hlen)
         if body:
@@ -508,7 +510,7 @@ class FrameDecoder:
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         if max_frame_size < 8:
-            raise ValueError("max_frame_size must be at least 8")
+            raise InvalidArgumentError("max_frame_size must be at least 8")
         self.max_frame_size = max_frame_size
         self._buf = bytearray()
         self._error: ProtocolError | None = None

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rmq_async.errors import InvalidArgumentError
+
 from .jsonutil import java_hashmap_order, java_int_set_order, java_string_hash
 
 __all__ = [
@@ -101,12 +103,12 @@ def build_subscription(
     etype = expression_type or EXPRESSION_TAG
     if etype == EXPRESSION_SQL92:
         if expression is None or not expression.strip():
-            raise ValueError("an SQL92 subscription needs a non-empty expression")
+            raise InvalidArgumentError("an SQL92 subscription needs a non-empty expression")
         return SubscriptionData(
             topic, expression, expression_type=EXPRESSION_SQL92, sub_version=version
         )
     if etype != EXPRESSION_TAG:
-        raise ValueError(f"unknown expression type {etype!r} (expected TAG or SQL92)")
+        raise InvalidArgumentError(f"unknown expression type {etype!r} (expected TAG or SQL92)")
     if expression is None or expression == "" or expression == SUB_ALL:
         return SubscriptionData(topic, SUB_ALL, sub_version=version)
     tags: list[str] = []
@@ -117,7 +119,7 @@ def build_subscription(
             seen.add(tag)
             tags.append(tag)
     if not tags:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"tag expression {expression!r} names no tag; use '*' or 'TagA || TagB'"
         )
     codes: list[int] = []

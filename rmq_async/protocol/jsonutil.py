@@ -37,6 +37,8 @@ from decimal import Decimal
 from enum import Enum
 from typing import Any, TypeVar
 
+from rmq_async.errors import InvalidArgumentError, InvalidTypeError
+
 from .errors import ProtocolError
 from .types import MessageQueue
 
@@ -126,7 +128,7 @@ def java_hash_order(
     ``hashes`` are their Java ``hashCode`` values; both are given in insertion order.
     """
     if len(items) != len(hashes):
-        raise ValueError("items and hashes differ in length")
+        raise InvalidArgumentError("items and hashes differ in length")
     return [items[i] for i in _hash_order(list(hashes), initial_capacity)]
 
 
@@ -243,7 +245,7 @@ def _write(value: Any, out: list[str]) -> None:
     elif hasattr(value, "json_value"):
         _write(value.json_value(), out)
     else:
-        raise TypeError(f"cannot write {type(value).__name__} as JSON")
+        raise InvalidTypeError(f"cannot write {type(value).__name__} as JSON")
 
 
 def _write_array(items: Iterable[Any], out: list[str]) -> None:

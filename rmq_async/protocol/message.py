@@ -29,6 +29,8 @@ from typing import Any
 
 import structlog
 
+from rmq_async.errors import InvalidArgumentError
+
 from .codes import (
     COMPRESSION_LZ4,
     COMPRESSION_TYPE_MASK,
@@ -151,9 +153,9 @@ def encode_properties(properties: Mapping[str, str | None]) -> str:
         if value is None:
             continue
         if not name or NAME_VALUE_SEPARATOR in name or PROPERTY_SEPARATOR in name:
-            raise ValueError(f"invalid property name {name!r}")
+            raise InvalidArgumentError(f"invalid property name {name!r}")
         if PROPERTY_SEPARATOR in value:
-            raise ValueError(f"property {name!r} has a value containing \\x02")
+            raise InvalidArgumentError(f"property {name!r} has a value containing \\x02")
         parts.append(f"{name}{NAME_VALUE_SEPARATOR}{value}{PROPERTY_SEPARATOR}")
     return "".join(parts)
 
@@ -165,7 +167,7 @@ def encode_properties(properties: Mapping[str, str | None]) -> str:
 def offset_msg_id(host_bytes: bytes, port: int, commit_log_offset: int) -> str:
     """The broker-side message id: store address + port + commit-log offset, upper-case hex."""
     if len(host_bytes) not in (4, 16):
-        raise ValueError("host address must be 4 or 16 bytes")
+        raise InvalidArgumentError("host address must be 4 or 16 bytes")
     return (host_bytes + _MSGID_TAIL.pack(port, commit_log_offset)).hex().upper()
 
 
@@ -196,7 +198,7 @@ class UniqKeyGenerator:
         else:
             address = bytes(ip)
         if len(address) not in (4, 16):
-            raise ValueError("ip must be an IPv4 or IPv6 address")
+            raise InvalidArgumentError("ip must be an IPv4 or IPv6 address")
         pid_value = (os.getpid() if pid is None else pid) & 0xFFFF
         seed_value = (secrets.randbits(32) if seed is None else seed) & 0xFFFFFFFF
         self._prefix = (address + struct.pack(">HI", pid_value, seed_value)).hex().upper()
@@ -557,7 +559,7 @@ def parse_host(host: str) -> tuple[bytes, int]:
         return b"\x00\x00\x00\x00", 0
     addr_text, sep, port_text = host.rpartition(":")
     if not sep:
-        raise ValueError(f"host {host!r} has no port")
+        raise InvalidArgumentError(f"host {host!r} has no port")
     if addr_text.startswith("[") and addr_text.endswith("]"):
         addr_text = addr_text[1:-1]
     return ipaddress.ip_address(addr_text).packed, int(port_text)
@@ -595,15 +597,15 @@ def encode_stored_message(
         magic = MAGIC_V2 if len(topic) > 127 else MAGIC_V1
     if magic == MAGIC_V2:
         if len(topic) > 32767:
-            raise ValueError("topic too long")
+            raise InvalidArgumentError("topic too long")
         topic_part = _I16.pack(len(topic)) + topic
     else:
         if len(topic) > 127:
-            raise ValueError("topic longer than 127 bytes needs magic v2")
+            raise InvalidArgumentError("topic longer than 127 bytes needs magic v2")
         topic_part = bytes((len(topic),)) + topic
     props = encode_properties(msg.properties).encode("utf-8")
     if len(props) > 32767:
-        raise ValueError("properties longer than 32767 bytes")
+        raise InvalidArgumentError("properties longer than 32767 bytes")
     middle = b"".join(
         (
             struct.pack(">iqqiq", msg.flag, msg.queue_offset, msg.commit_log_offset, sys_flag,
@@ -628,7 +630,7 @@ def encode_stored_message(
 def _encode_batch_item(body: bytes, flag: int, properties: Mapping[str, str | None]) -> bytes:
     props = encode_properties(properties).encode("utf-8")
     if len(props) > 32767:
-        raise ValueError("properties longer than 32767 bytes")
+        raise InvalidArgumentError("properties longer than 32767 bytes")
     total = _BATCH_HEAD.size + len(body) + 2 + len(props)
     return b"".join(
         (_BATCH_HEAD.pack(total, 0, 0, flag, len(body)), body, _I16.pack(len(props)), props)

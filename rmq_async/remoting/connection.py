@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, cast
 
 import structlog
 
+from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.codes import ResponseCode
 from rmq_async.protocol.command import FrameDecoder, RemotingCommand, next_opaque
 from rmq_async.protocol.errors import ProtocolError
@@ -365,7 +366,7 @@ def split_addr(addr: str) -> tuple[str, int]:
     """Split ``host:port`` (IPv6 as ``[::1]:port``) into host and port."""
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"address must be host:port, got {addr!r}")
+        raise InvalidArgumentError(f"address must be host:port, got {addr!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from rmq_async.errors import RocketMQError
 
-class RemotingError(Exception):
+
+class RemotingError(RocketMQError):
     """Base class of every failure to exchange a command with a peer."""
 
     def __init__(self, message: str, *, addr: str | None = None) -> None:

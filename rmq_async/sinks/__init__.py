@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
+from rmq_async.errors import IllegalStateError
 from rmq_async.protocol.types import MessageExt
 
 __all__ = ["AckCallback", "MessageSink", "SinkClosedError", "TaskSpawner"]
@@ -20,7 +21,7 @@ __all__ = ["AckCallback", "MessageSink", "SinkClosedError", "TaskSpawner"]
 AckCallback = Callable[[bool], None]
 
 
-class SinkClosedError(RuntimeError):
+class SinkClosedError(IllegalStateError):
     """A chunk was offered to a sink that is closing or closed."""
 
 

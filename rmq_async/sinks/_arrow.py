@@ -38,6 +38,7 @@ import msgpack  # type: ignore[import-untyped, unused-ignore]
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.message import message_columns as _message_columns
 from rmq_async.protocol.types import (
     KEY_SEPARATOR,
@@ -133,7 +134,7 @@ def messages_to_arrow(msgs: Sequence[MessageExt], *, chunk_rows: int = 10_000) -
     conversion.
     """
     if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
+        raise InvalidArgumentError(f"chunk_rows must be at least 1, got {chunk_rows}")
     if len(msgs) <= chunk_rows:
         return _convert(msgs)
     return pa.concat_tables(
@@ -289,7 +290,7 @@ def decode_values(bodies: Sequence[bytes], value_format: ValueFormat, value_type
     try:
         loads = _LOADERS[value_format]
     except KeyError:
-        raise ValueError(f"unknown value_format {value_format!r}; use 'json' or 'msgpack'")
+        raise InvalidArgumentError(f"unknown value_format {value_format!r}; use 'json' or 'msgpack'")
     values: list[Any] = []
     append = values.append
     for body in bodies:

@@ -96,6 +96,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.types import MessageExt, MessageQueue
 from rmq_async.sinks import AckCallback, SinkClosedError, TaskSpawner
 from rmq_async.sinks._arrow import (
@@ -290,24 +291,24 @@ class SparkSink:
         create_dataframe: CreateDataFrame | None = None,
     ) -> None:
         if batch_rows < 1:
-            raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
+            raise InvalidArgumentError(f"batch_rows must be at least 1, got {batch_rows}")
         if not 1 <= batch_bytes <= _MAX_BATCH_BYTES:
-            raise ValueError(f"batch_bytes must be in 1..{_MAX_BATCH_BYTES}, got {batch_bytes}")
+            raise InvalidArgumentError(f"batch_bytes must be in 1..{_MAX_BATCH_BYTES}, got {batch_bytes}")
         if not (max_batch_latency > 0 and math.isfinite(max_batch_latency)):
-            raise ValueError(f"max_batch_latency must be positive, got {max_batch_latency}")
+            raise InvalidArgumentError(f"max_batch_latency must be positive, got {max_batch_latency}")
         if write_retries < 0:
-            raise ValueError(f"write_retries must not be negative, got {write_retries}")
+            raise InvalidArgumentError(f"write_retries must not be negative, got {write_retries}")
         if not (retry_backoff >= 0 and math.isfinite(retry_backoff)):
-            raise ValueError(f"retry_backoff must be a non-negative number, got {retry_backoff}")
+            raise InvalidArgumentError(f"retry_backoff must be a non-negative number, got {retry_backoff}")
         if value_format not in (None, "json", "msgpack"):
-            raise ValueError(f"value_format must be 'json' or 'msgpack', got {value_format!r}")
+            raise InvalidArgumentError(f"value_format must be 'json' or 'msgpack', got {value_format!r}")
         if value_format is not None and not isinstance(value_schema, StructType):
-            raise ValueError("value_format needs value_schema, a pyspark StructType")
+            raise InvalidArgumentError("value_format needs value_schema, a pyspark StructType")
         if value_format is None and value_schema is not None:
-            raise ValueError("value_schema given without value_format")
+            raise InvalidArgumentError("value_schema given without value_format")
         if create_dataframe is None:
             if spark is None:
-                raise ValueError("spark is required unless create_dataframe is given")
+                raise InvalidArgumentError("spark is required unless create_dataframe is given")
             create_dataframe = spark.createDataFrame
         self._create_dataframe: CreateDataFrame = create_dataframe
         self._spark = spark
@@ -387,9 +388,9 @@ class SparkSink:
         if rows == self._flow_rows and bytes_ == self._flow_bytes:
             return
         if rows is not None and rows < 1:
-            raise ValueError(f"rows must be at least 1, got {rows}")
+            raise InvalidArgumentError(f"rows must be at least 1, got {rows}")
         if bytes_ is not None and bytes_ < 1:
-            raise ValueError(f"bytes_ must be at least 1, got {bytes_}")
+            raise InvalidArgumentError(f"bytes_ must be at least 1, got {bytes_}")
         self._flow_rows = rows
         self._flow_bytes = bytes_
         eff_rows = self._batch_rows if rows is None else min(self._batch_rows, max(1, rows // 2))

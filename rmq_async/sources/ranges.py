@@ -38,6 +38,7 @@ from rmq_async.client.api import PendingPull, PullStatus
 from rmq_async.client.errors import MQClientError, NoRouteError, broker_error
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import Credentials, default_client_ip
+from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.bodies import ConsumerData, HeartbeatData
 from rmq_async.protocol.codes import RequestCode, ResponseCode
 from rmq_async.protocol.command import RemotingCommand
@@ -82,7 +83,7 @@ DEFAULT_PULL_DEPTH = 4
 OffsetsJson = dict[str, dict[str, int]]
 
 
-class SourceError(ValueError):
+class SourceError(InvalidArgumentError):
     """A source option or position that cannot be used (raised while planning)."""
 
 
