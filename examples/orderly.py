@@ -4,7 +4,7 @@ The producer sends the events of each order (created -> paid -> shipped -> deliv
 queue, chosen by a hash of the order id; the orderly listener then sees each queue's messages
 one batch at a time, in queue order, while this client holds the broker's lock on that queue.
 A listener that cannot handle a batch yet returns SUSPEND_CURRENT_QUEUE_A_MOMENT: the same batch
-comes back after ``suspend_current_queue_time_millis`` and nothing behind it overtakes it.
+comes back after ``suspend_current_queue_time`` seconds and nothing behind it overtakes it.
 
 Run it against the local dev broker:
 
@@ -47,7 +47,7 @@ async def run(namesrv: str, topic: str, group: str, orders: int, seconds: float)
     done = asyncio.Event()
     consumer = PushConsumer(group, namesrv=namesrv, consume_from_where="CONSUME_FROM_FIRST_OFFSET",
                             consume_message_batch_max_size=4,
-                            suspend_current_queue_time_millis=500)
+                            suspend_current_queue_time=0.5)
 
     @consumer.subscribe(topic, tags="order", orderly=True)
     async def on_events(msgs: list[MessageExt]) -> ConsumeResult:

@@ -278,7 +278,7 @@ class ConcurrentConsumeService:
     # ------------------------------------------------------------------ consume timeout
 
     async def _expired_cleaner(self) -> None:
-        interval = self._opts.consume_timeout_seconds
+        interval = self._opts.consume_timeout
         while True:
             await asyncio.sleep(interval)
             await self.clean_expired()
@@ -295,7 +295,7 @@ class ConcurrentConsumeService:
         if self._opts.message_model != MessageModel.CLUSTERING:
             return
         now_ms = int(time.time() * 1000)
-        timeout_ms = int(self._opts.consume_timeout_seconds * 1000)
+        timeout_ms = int(self._opts.consume_timeout * 1000)
         for req in list(self._inflight):
             pq = req.pq
             done = req.done

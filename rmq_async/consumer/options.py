@@ -1,9 +1,12 @@
 """Push consumer options: the Java client's settings, in snake_case, with its defaults.
 
 A Java user finds what they know: ``pull_batch_size`` is ``pullBatchSize``, and so on. Units
-follow one rule: **durations are seconds (float)**, except where the Java name itself carries
-the unit — ``consume_timeout`` is in minutes (Java ``consumeTimeout``) and
-``suspend_current_queue_time_millis`` in milliseconds; sizes ending in ``_size_for_*`` are MiB.
+follow one rule: **durations are seconds** (a float or a ``datetime.timedelta``), a start time is a
+``datetime`` (``consume_timestamp``), and sizes ending in ``_size_for_*`` are MiB.
+
+The Java setting names are accepted too (:data:`JAVA_OPTION_NAMES`), with their Java units:
+``consumeTimeout=15`` is 15 minutes, ``pullInterval=500`` is 500 milliseconds, and each is
+converted to the option it means. Java settings with no counterpart get a hint instead.
 
 Everything is checked when the options are built (Java ``checkConfig`` ranges), and a bad value
 raises :class:`InvalidOptionError` (a ``ValueError`` and a
@@ -42,6 +45,7 @@ __all__ = [
     "ConsumerOptions",
     "Credentials",
     "InvalidOptionError",
+    "JAVA_OPTION_NAMES",
     "MessageModel",
     "build_client_id",
     "check_group_name",
@@ -65,7 +69,7 @@ _MAX_INT = 2**31 - 1
 
 
 class InvalidOptionError(InvalidArgumentError):
-    """An option value (or name) the consumer cannot work with."""
+    """An option value (or name) the consumer cannot work with; ``option`` names it."""
 
     def __init__(self, option: str, message: str) -> None:
         super().__init__(f"{option}: {message}")
@@ -338,8 +342,8 @@ def check_group_name(group: object) -> str:
     return group
 
 
-def _default_consume_timestamp() -> str:
-    return (datetime.now() - timedelta(minutes=30)).strftime(_TIMESTAMP_FORMAT)
+def _default_consume_timestamp() -> datetime:
+    return (datetime.now() - timedelta(minutes=30)).replace(microsecond=0)
 
 
 def _default_offset_store_dir() -> Path:
@@ -358,6 +362,13 @@ def _int_in(name: str, value: object, lo: int, hi: int, *, off: int | None = Non
     if not lo <= value <= hi:
         extra = f" (or {off} to disable)" if off is not None else ""
         raise InvalidOptionError(name, f"{value} is out of range [{lo}, {hi}]{extra}")
+
+
+def _as_seconds(value: object) -> object:
+    """A ``timedelta`` as float seconds; anything else unchanged (checked by :func:`_seconds`)."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    return value
 
 
 def _seconds(
@@ -394,8 +405,9 @@ class ConsumerOptions:
     # -- model and start position
     message_model: MessageModel = MessageModel.CLUSTERING
     consume_from_where: ConsumeFromWhere = ConsumeFromWhere.LAST_OFFSET
-    consume_timestamp: str = field(default_factory=_default_consume_timestamp)
-    """``yyyyMMddHHmmss``, local time; used by CONSUME_FROM_TIMESTAMP. Default: 30 min ago."""
+    consume_timestamp: datetime = field(default_factory=_default_consume_timestamp)
+    """Where CONSUME_FROM_TIMESTAMP starts. A naive ``datetime`` is local time (as Java reads its
+    string); Java's ``"yyyyMMddHHmmss"`` string is accepted and converted. Default: 30 min ago."""
     allocate_strategy: AllocateStrategy = field(default_factory=AllocateAveragely)
 
     # -- pulling
@@ -418,11 +430,12 @@ class ConsumerOptions:
     """Concurrent listener calls (Java consumeThreadMin/Max)."""
     max_reconsume_times: int = -1
     """-1: 16 for concurrent listeners, unlimited for orderly ones."""
-    consume_timeout: float = 15.0
-    """**Minutes** (as Java): a cached message whose consumption started longer ago is sent
-    back for retry. See :attr:`consume_timeout_seconds`."""
-    suspend_current_queue_time_millis: int = 1000
-    """Orderly: pause before a failed batch is retried (milliseconds, as Java)."""
+    consume_timeout: float = 900.0
+    """Seconds: a cached message whose consumption started longer ago is sent back for retry
+    (Java ``consumeTimeout``, 15 minutes)."""
+    suspend_current_queue_time: float = 1.0
+    """Orderly: seconds to pause before a failed batch is retried (Java
+    ``suspendCurrentQueueTimeMillis``, 1000 ms)."""
 
     # -- identity
     instance_name: str = DEFAULT_INSTANCE_NAME
@@ -465,6 +478,10 @@ class ConsumerOptions:
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
         check_group_name(self.consumer_group)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, timedelta):
+                set_(f.name, _as_seconds(value))
         set_("message_model", _enum_member(MessageModel, "message_model", self.message_model))
         set_(
             "consume_from_where",
@@ -492,10 +509,9 @@ class ConsumerOptions:
         _int_in("consume_message_batch_max_size", self.consume_message_batch_max_size, 1, 1024)
         _int_in("consume_concurrency", self.consume_concurrency, 1, 1000)
         _int_in("max_reconsume_times", self.max_reconsume_times, -1, _MAX_INT)
-        _seconds("consume_timeout", self.consume_timeout, unit="minutes")
-        _int_in(
-            "suspend_current_queue_time_millis", self.suspend_current_queue_time_millis, 0, _MAX_INT
-        )
+        _seconds("consume_timeout", self.consume_timeout)
+        _seconds("suspend_current_queue_time", self.suspend_current_queue_time, allow_zero=True,
+                 hi=_MAX_INT / 1000.0)
         for name in (
             "persist_offset_interval",
             "heartbeat_interval",
@@ -548,27 +564,28 @@ class ConsumerOptions:
             )
 
     def _check_timestamp(self) -> None:
-        ts = self.consume_timestamp
-        ok = isinstance(ts, str) and len(ts) == 14 and ts.isdigit()
-        if ok:
+        ts: object = self.consume_timestamp
+        if isinstance(ts, datetime):
+            return
+        parsed: datetime | None = None
+        if isinstance(ts, str) and len(ts) == 14 and ts.isdigit():
             try:
-                datetime.strptime(ts, _TIMESTAMP_FORMAT)
+                parsed = datetime.strptime(ts, _TIMESTAMP_FORMAT)
             except ValueError:
-                ok = False
-        if not ok:
+                parsed = None
+        if parsed is None:
             raise InvalidOptionError(
-                "consume_timestamp", f"{ts!r} is not a valid yyyyMMddHHmmss timestamp"
+                "consume_timestamp",
+                f"{ts!r} is neither a datetime nor a valid yyyyMMddHHmmss timestamp",
             )
+        object.__setattr__(self, "consume_timestamp", parsed)
 
     # ------------------------------------------------------------------ derived values
 
-    @property
-    def consume_timeout_seconds(self) -> float:
-        return self.consume_timeout * 60.0
-
     def consume_timestamp_ms(self) -> int:
-        """``consume_timestamp`` as epoch milliseconds (read as local time, like Java)."""
-        return int(datetime.strptime(self.consume_timestamp, _TIMESTAMP_FORMAT).timestamp() * 1000)
+        """``consume_timestamp`` as epoch milliseconds (a naive one read as local time, like
+        Java)."""
+        return int(self.consume_timestamp.timestamp() * 1000)
 
     def effective_max_reconsume_times(self, orderly: bool) -> int:
         """``max_reconsume_times`` with -1 resolved: 16 (concurrent), 2**31-1 (orderly)."""
@@ -582,33 +599,83 @@ class ConsumerOptions:
         return None if self.credentials is None else self.credentials.rpc_hook()
 
     def replace(self, **changes: Any) -> ConsumerOptions:
-        """A copy with some options changed (validated like the original)."""
-        _reject_unknown(changes)
-        return dataclasses.replace(self, **changes)
+        """A copy with some options changed (validated like the original); Java names are
+        accepted as in :meth:`from_kwargs`."""
+        return dataclasses.replace(self, **_python_options(changes))
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
     def from_kwargs(cls, group: str, **kwargs: Any) -> ConsumerOptions:
-        """Options for consumer group ``group``; an unknown keyword is an error with a hint."""
-        _reject_unknown(kwargs)
-        return cls(group, **kwargs)
+        """Options for consumer group ``group``.
+
+        Keywords are the option names, or the Java setting names of :data:`JAVA_OPTION_NAMES`
+        with their Java units; an unknown keyword is an error with a hint.
+        """
+        return cls(group, **_python_options(kwargs))
 
 
 def _option_names() -> list[str]:
     return [f.name for f in dataclasses.fields(ConsumerOptions) if f.name != "consumer_group"]
 
 
-# Java setting names whose snake_case form is not the option's name.
-_JAVA_ALIASES = {
-    "consumeThreadMin": "consume_concurrency",
-    "consumeThreadMax": "consume_concurrency",
+def _millis(value: Any) -> Any:
+    return value / 1000.0 if _is_number(value) else value
+
+
+def _minutes(value: Any) -> Any:
+    return value * 60.0 if _is_number(value) else value
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+JAVA_OPTION_NAMES: dict[str, tuple[str, str]] = {
+    "messageModel": ("message_model", ""),
+    "consumeFromWhere": ("consume_from_where", ""),
+    "consumeTimestamp": ("consume_timestamp", "yyyyMMddHHmmss string or datetime"),
+    "pullBatchSize": ("pull_batch_size", ""),
+    "pullInterval": ("pull_interval", "ms"),
+    "pullThresholdForQueue": ("pull_threshold_for_queue", ""),
+    "pullThresholdSizeForQueue": ("pull_threshold_size_for_queue", "MiB"),
+    "pullThresholdForTopic": ("pull_threshold_for_topic", ""),
+    "pullThresholdSizeForTopic": ("pull_threshold_size_for_topic", "MiB"),
+    "postSubscriptionWhenPull": ("post_subscription_when_pull", ""),
+    "consumeConcurrentlyMaxSpan": ("consume_concurrently_max_span", ""),
+    "consumeMessageBatchMaxSize": ("consume_message_batch_max_size", ""),
+    "consumeThreadMin": ("consume_concurrency", "threads"),
+    "consumeThreadMax": ("consume_concurrency", "threads"),
+    "maxReconsumeTimes": ("max_reconsume_times", ""),
+    "consumeTimeout": ("consume_timeout", "minutes"),
+    "suspendCurrentQueueTimeMillis": ("suspend_current_queue_time", "ms"),
+    "instanceName": ("instance_name", ""),
+    "unitName": ("unit_name", ""),
+    "clientIP": ("client_ip", ""),
+    "language": ("language", ""),
+    "persistConsumerOffsetInterval": ("persist_offset_interval", "ms"),
+    "heartbeatBrokerInterval": ("heartbeat_interval", "ms"),
+    "pollNameServerInterval": ("route_refresh_interval", "ms"),
+    "mqClientApiTimeout": ("api_timeout", "ms"),
+    "pullTimeDelayMillsWhenException": ("pull_time_delay_when_exception", "ms"),
+}
+"""Java ``DefaultMQPushConsumer`` / ``ClientConfig`` setting -> (option, Java unit).
+
+Each is accepted as a keyword with its Java unit and converted: ``ms`` values are divided by
+1000, ``minutes`` multiplied by 60. ``consumeThreadMin`` and ``consumeThreadMax`` both set
+``consume_concurrency`` (the Java pool runs ``consumeThreadMin`` threads; its queue is
+unbounded, so it never grows to the maximum); given both, the larger wins."""
+
+_JAVA_CONVERTERS: dict[str, Callable[[Any], Any]] = {"ms": _millis, "minutes": _minutes}
+
+# Older snake_case names that meant the same thing in another unit.
+_LEGACY_NAMES: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "suspend_current_queue_time_millis": ("suspend_current_queue_time", _millis),
+}
+
+# Java setting names with no option of the same meaning: a hint only.
+_JAVA_HINTS = {
     "allocateMessageQueueStrategy": "allocate_strategy",
-    "pollNameServerInterval": "route_refresh_interval",
-    "heartbeatBrokerInterval": "heartbeat_interval",
-    "persistConsumerOffsetInterval": "persist_offset_interval",
-    "mqClientApiTimeout": "api_timeout",
-    "clientIP": "client_ip",
     "consumerGroup": "consumer_group (the first argument)",
     "namesrvAddr": "namesrv (a constructor argument)",
     "rpcHook": "credentials",
@@ -616,17 +683,43 @@ _JAVA_ALIASES = {
 }
 
 
-def _reject_unknown(kwargs: Mapping[str, Any]) -> None:
-    names = _option_names()
-    for key in kwargs:
+def _python_options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with Java (and legacy) names converted to options; unknown names rejected."""
+    names = set(_option_names())
+    out: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key, value in kwargs.items():
         if key in names:
-            continue
-        snake = _camel_to_snake(key)
-        if key in _JAVA_ALIASES:
-            guesses = [_JAVA_ALIASES[key]]
-        elif snake in names:
-            guesses = [snake]
+            target, converted = key, value
+        elif key in JAVA_OPTION_NAMES:
+            target, unit = JAVA_OPTION_NAMES[key]
+            converted = _JAVA_CONVERTERS.get(unit, _same)(value)
+        elif key in _LEGACY_NAMES:
+            target, convert = _LEGACY_NAMES[key]
+            converted = convert(value)
         else:
-            guesses = difflib.get_close_matches(key, names, n=3)
-        hint = f"; did you mean {' or '.join(repr(g) for g in guesses)}?" if guesses else ""
-        raise InvalidOptionError(key, f"unknown consumer option{hint}")
+            raise _unknown_option(key)
+        if target in out:
+            both_threads = {sources[target], key} <= {"consumeThreadMin", "consumeThreadMax"}
+            if both_threads and _is_number(out[target]) and _is_number(converted):
+                converted = max(out[target], converted)
+            else:
+                raise InvalidOptionError(
+                    key, f"sets {target!r}, which {sources[target]!r} already sets"
+                )
+        out[target] = converted
+        sources[target] = key
+    return out
+
+
+def _unknown_option(key: str) -> InvalidOptionError:
+    names = _option_names()
+    snake = _camel_to_snake(key)
+    if key in _JAVA_HINTS:
+        guesses = [_JAVA_HINTS[key]]
+    elif snake in names:
+        guesses = [snake]
+    else:
+        guesses = difflib.get_close_matches(key, names, n=3)
+    hint = f"; did you mean {' or '.join(repr(g) for g in guesses)}?" if guesses else ""
+    return InvalidOptionError(key, f"unknown consumer option{hint}")

@@ -12,7 +12,7 @@ client holds the broker's lock for it:
   finished, so its next owner never overlaps with us.
 
 A failing batch (SUSPEND_CURRENT_QUEUE_A_MOMENT, an exception or ``None``) is put back and
-retried after ``suspend_current_queue_time_millis``; once a message has been retried
+retried after ``suspend_current_queue_time`` seconds; once a message has been retried
 ``max_reconsume_times`` times it is sent to the dead-letter queue and skipped.
 """
 
@@ -22,6 +22,7 @@ import asyncio
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import structlog
@@ -138,7 +139,7 @@ class OrderlyConsumeService:
         if pq.dropped or self._rt.stopping:
             return
         pq.rollback()  # whatever the failed turn had taken is consumed again, in order
-        self.submit_later(pq, mq, self._opts.suspend_current_queue_time_millis / 1000.0)
+        self.submit_later(pq, mq, self._opts.suspend_current_queue_time)
 
     async def _run_turn(self, mq: MessageQueue, pq: ProcessQueue) -> None:
         """Consume one queue for a while, one batch after the other, in offset order."""
@@ -219,10 +220,13 @@ class OrderlyConsumeService:
         return False
 
     def _suspend_time(self, ctx: ConsumeContext) -> float:
+        seconds = ctx.suspend_current_queue_time
+        if seconds is not None:
+            return seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
         millis = ctx.suspend_current_queue_time_millis
-        if millis is None or millis < 0:
-            millis = self._opts.suspend_current_queue_time_millis
-        return millis / 1000.0
+        if millis is not None and millis >= 0:
+            return millis / 1000.0
+        return self._opts.suspend_current_queue_time
 
     def _commit(self, mq: MessageQueue, pq: ProcessQueue) -> None:
         """Commit the batch taken from ``pq``.

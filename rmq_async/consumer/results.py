@@ -10,6 +10,7 @@ a concurrent listener, SUSPEND_CURRENT_QUEUE_A_MOMENT for an orderly one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum, StrEnum
 from typing import Any
 
@@ -99,8 +100,10 @@ class ConsumeContext:
 
     * ``auto_commit``: commit the offset after SUCCESS (default). With ``False`` only COMMIT
       commits, and ROLLBACK re-consumes the batch at once.
-    * ``suspend_current_queue_time_millis``: pause after SUSPEND_CURRENT_QUEUE_A_MOMENT;
-      ``-1`` uses the consumer's option.
+    * ``suspend_current_queue_time``: seconds (or a ``timedelta``) to pause after
+      SUSPEND_CURRENT_QUEUE_A_MOMENT; ``None`` uses the consumer's option.
+      ``suspend_current_queue_time_millis`` is the Java field (milliseconds, ``-1`` = unset),
+      read when ``suspend_current_queue_time`` is ``None``.
     """
 
     message_queue: MessageQueue
@@ -108,6 +111,7 @@ class ConsumeContext:
     delay_level_when_next_consume: int = 0
     auto_commit: bool = True
     suspend_current_queue_time_millis: int = -1
+    suspend_current_queue_time: float | timedelta | None = None
 
     def acked_count(self, batch_size: int, result: ConsumeResult) -> int:
         """How many leading messages of a batch of ``batch_size`` count as consumed.

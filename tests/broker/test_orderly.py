@@ -209,7 +209,7 @@ async def test_suspend_retries_in_place_then_dlq(rocketmq: LocalRocketMQ) -> Non
     suspend_ms = 300
 
     consumer = PushConsumer(group, namesrv=ns, consume_from_where="CONSUME_FROM_FIRST_OFFSET",
-                            suspend_current_queue_time_millis=suspend_ms, max_reconsume_times=3,
+                            suspend_current_queue_time=suspend_ms / 1000, max_reconsume_times=3,
                             persist_offset_interval=1.0)
 
     @consumer.subscribe(topic, orderly=True)

@@ -7,10 +7,9 @@ import base64
 import hashlib
 import hmac
 import os
-import re
 import ssl
 from dataclasses import FrozenInstanceError
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +53,8 @@ def test_defaults_are_the_java_client_defaults() -> None:
     assert o.consume_message_batch_max_size == 1
     assert o.consume_concurrency == 20
     assert o.max_reconsume_times == -1
-    assert o.consume_timeout == 15.0 and o.consume_timeout_seconds == 900.0
-    assert o.suspend_current_queue_time_millis == 1000
+    assert o.consume_timeout == 900.0
+    assert o.suspend_current_queue_time == 1.0
     assert (o.instance_name, o.unit_name) == ("DEFAULT", None)
     assert (o.persist_offset_interval, o.heartbeat_interval) == (5.0, 30.0)
     assert (o.route_refresh_interval, o.rebalance_interval) == (30.0, 20.0)
@@ -73,8 +72,8 @@ def test_defaults_are_the_java_client_defaults() -> None:
 
 def test_default_consume_timestamp_is_half_an_hour_ago_local_time() -> None:
     o = ConsumerOptions.from_kwargs("g1")
-    assert re.fullmatch(r"\d{14}", o.consume_timestamp)
-    stamp = datetime.strptime(o.consume_timestamp, "%Y%m%d%H%M%S")
+    stamp = o.consume_timestamp
+    assert isinstance(stamp, datetime) and stamp.tzinfo is None
     expected = datetime.now() - timedelta(minutes=30)
     assert abs((stamp - expected).total_seconds()) < 5
     assert abs(o.consume_timestamp_ms() - stamp.timestamp() * 1000) < 1
@@ -142,7 +141,8 @@ RANGES: list[tuple[str, Any, Any, Any]] = [
     ("pull_interval", 0.0, 65.535, 65.536),
     ("pull_interval", 0.0, 65.535, -0.1),
     ("heartbeat_interval", 0.001, 3600.0, 0),
-    ("consume_timeout", 0.5, 1440.0, 0),
+    ("consume_timeout", 30.0, 86400.0, 0),
+    ("suspend_current_queue_time", 0.0, 3600.0, -0.001),
 ]
 
 
@@ -195,14 +195,58 @@ def test_bad_consume_timestamp(ts: str) -> None:
 
 def test_consume_timestamp_ms_reads_local_time() -> None:
     o = ConsumerOptions.from_kwargs("g1", consume_timestamp="20240102030405")
+    assert o.consume_timestamp == datetime(2024, 1, 2, 3, 4, 5)
     assert o.consume_timestamp_ms() == int(datetime(2024, 1, 2, 3, 4, 5).timestamp() * 1000)
 
 
-def test_consume_timeout_is_in_minutes() -> None:
+def test_consume_timestamp_takes_a_datetime_naive_or_aware() -> None:
+    naive = ConsumerOptions.from_kwargs("g1", consume_timestamp=datetime(2024, 1, 2, 3, 4, 5))
+    assert naive.consume_timestamp_ms() == int(datetime(2024, 1, 2, 3, 4, 5).timestamp() * 1000)
+    aware = datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert ConsumerOptions.from_kwargs("g1", consume_timestamp=aware).consume_timestamp_ms() \
+        == 1704164645000
+
+
+def test_consume_timeout_is_in_seconds() -> None:
     o = ConsumerOptions.from_kwargs("g1", consume_timeout=2)
-    assert o.consume_timeout_seconds == 120.0
-    with pytest.raises(InvalidOptionError, match="minutes"):
+    assert o.consume_timeout == 2.0
+    with pytest.raises(InvalidOptionError, match="seconds"):
         ConsumerOptions.from_kwargs("g1", consume_timeout=-1)
+
+
+def test_durations_accept_timedelta() -> None:
+    o = ConsumerOptions.from_kwargs(
+        "g1", consume_timeout=timedelta(minutes=2), persist_offset_interval=timedelta(seconds=1.5),
+        suspend_current_queue_time=timedelta(milliseconds=250),
+    )
+    assert (o.consume_timeout, o.persist_offset_interval) == (120.0, 1.5)
+    assert o.suspend_current_queue_time == 0.25
+    assert o.replace(pull_interval=timedelta(milliseconds=20)).pull_interval == 0.02
+
+
+def test_java_names_are_accepted_in_java_units() -> None:
+    o = ConsumerOptions.from_kwargs(
+        "g1", consumeTimeout=2, suspendCurrentQueueTimeMillis=500, pullInterval=250,
+        persistConsumerOffsetInterval=1000, heartbeatBrokerInterval=10_000,
+        pollNameServerInterval=5000, mqClientApiTimeout=1500, pullBatchSize=16,
+        consumeTimestamp="20240102030405", consumeThreadMin=4, consumeThreadMax=8,
+        messageModel="BROADCASTING", pullTimeDelayMillsWhenException=2000,
+    )
+    assert o.consume_timeout == 120.0
+    assert o.suspend_current_queue_time == 0.5
+    assert o.pull_interval == 0.25
+    assert (o.persist_offset_interval, o.heartbeat_interval) == (1.0, 10.0)
+    assert (o.route_refresh_interval, o.api_timeout) == (5.0, 1.5)
+    assert o.pull_batch_size == 16 and o.consume_concurrency == 8
+    assert o.consume_timestamp == datetime(2024, 1, 2, 3, 4, 5)
+    assert o.message_model is MessageModel.BROADCASTING
+    assert o.pull_time_delay_when_exception == 2.0
+    assert ConsumerOptions.from_kwargs(
+        "g1", suspend_current_queue_time_millis=50).suspend_current_queue_time == 0.05
+    with pytest.raises(InvalidOptionError, match="already sets"):
+        ConsumerOptions.from_kwargs("g1", consumeTimeout=1, consume_timeout=60)
+    with pytest.raises(InvalidOptionError, match="pull_interval"):
+        ConsumerOptions.from_kwargs("g1", pullInterval=70_000)
 
 
 def test_long_poll_timeout_must_exceed_broker_suspend() -> None:
@@ -235,10 +279,10 @@ def test_group_name_allowed_characters() -> None:
 def test_unknown_option_gets_a_hint() -> None:
     with pytest.raises(InvalidOptionError, match="did you mean 'pull_batch_size'"):
         ConsumerOptions.from_kwargs("g1", pull_batchsize=10)
-    with pytest.raises(InvalidOptionError, match="did you mean 'consume_message_batch_max_size'"):
-        ConsumerOptions.from_kwargs("g1", consumeMessageBatchMaxSize=10)
-    with pytest.raises(InvalidOptionError, match="did you mean 'consume_concurrency'"):
-        ConsumerOptions.from_kwargs("g1", consumeThreadMax=64)
+    with pytest.raises(InvalidOptionError, match="did you mean 'pull_max_idle_time'"):
+        ConsumerOptions.from_kwargs("g1", pullMaxIdleTime=10)
+    with pytest.raises(InvalidOptionError, match="did you mean 'allocate_strategy'"):
+        ConsumerOptions.from_kwargs("g1", allocateMessageQueueStrategy=object())
     with pytest.raises(InvalidOptionError, match=r"unknown consumer option$"):
         ConsumerOptions.from_kwargs("g1", zzzzzz=1)
     with pytest.raises(InvalidOptionError, match="unknown"):

@@ -15,7 +15,7 @@ from rmq_async.protocol.types import MessageExt, MessageQueue
 
 async def test_failing_turn_is_logged_rolled_back_and_retried() -> None:
     opts = ConsumerOptions.from_kwargs("G", consume_concurrency=1,
-                                       suspend_current_queue_time_millis=50)
+                                       suspend_current_queue_time=0.05)
     rt = SimpleNamespace(group="G", options=opts, stopping=False)
     service = OrderlyConsumeService(rt)  # type: ignore[arg-type]
     mq = MessageQueue("T", "broker-a", 0)
