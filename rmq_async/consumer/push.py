@@ -75,7 +75,7 @@ class PushConsumer:
     Options carry the Java client's names in snake_case and its defaults; see
     :class:`~rmq_async.consumer.options.ConsumerOptions`. A bad option or subscription
     expression raises :class:`~rmq_async.consumer.options.InvalidOptionError` or
-    :class:`~rmq_async.errors.InvalidArgumentError` (both ``ValueError``\ s) here, at
+    :class:`~rmq_async.errors.InvalidArgumentError` (both subclasses of ``ValueError``) here, at
     construction or at ``subscribe``.
     """
 
