@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rmq_async.errors import RocketMQError
 
-__all__ = ["ProtocolError"]
+__all__ = ["BodyDecompressionError", "ProtocolError"]
 
 
 class ProtocolError(RocketMQError):
@@ -12,3 +12,16 @@ class ProtocolError(RocketMQError):
 
     The remoting layer treats it as fatal for the connection it came from.
     """
+
+
+class BodyDecompressionError(ProtocolError):
+    """A stored message's body is marked compressed but cannot be inflated with its type.
+
+    The record around it is intact, so a consumer skips just that message (reported with its
+    queue and offset) and goes on with the ones behind it.
+    """
+
+    def __init__(self, compression: str, reason: str) -> None:
+        super().__init__(f"cannot inflate the {compression} body: {reason}")
+        self.compression = compression
+        self.reason = reason

@@ -15,7 +15,6 @@ buffer before slicing, and raises :class:`ProtocolError` for anything malformed.
 
 from __future__ import annotations
 
-import importlib
 import ipaddress
 import itertools
 import os
@@ -27,7 +26,9 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
+import lz4.frame as lz4_frame
 import structlog
+import zstandard
 
 from rmq_async.errors import InvalidArgumentError
 
@@ -42,10 +43,11 @@ from .codes import (
     MSG_NEED_UNWRAP_FLAG,
     MSG_STOREHOST_V6_FLAG,
 )
-from .errors import ProtocolError
+from .errors import BodyDecompressionError, ProtocolError
 from .types import Message, MessageExt, _LazyFields, set_properties_parser
 
 __all__ = [
+    "BodyDecompressionError",
     "DEFAULT_MAX_BODY_SIZE",
     "IMPLEMENTATION",
     "MAGIC_V1",
@@ -55,6 +57,7 @@ __all__ = [
     "ProtocolError",
     "UniqKeyGenerator",
     "body_crc",
+    "compress_body",
     "decode_message",
     "decode_messages",
     "decode_properties",
@@ -234,46 +237,116 @@ class UniqKeyGenerator:
 # Decoding
 
 
+# Compressed bodies are read as the Java client's decompressors read them
+# (org.apache.rocketmq.common.compression): ZLIB through java.util.zip.InflaterInputStream (one
+# zlib stream, bytes after its end ignored, a stream cut short refused), LZ4 through lz4-java's
+# LZ4FrameInputStream and ZSTD through zstd-jni's ZstdInputStream, both of which read frame after
+# frame to the end of the body and refuse a frame cut short or bytes that are not a frame. The
+# compression level the writer chose does not matter to the reader. Type 0 is ZLIB (writers older
+# than the type bits); types 4 to 7 are unknown to Java and refused.
+
+_COMPRESSION_NAMES = {0: "ZLIB", COMPRESSION_ZLIB: "ZLIB", COMPRESSION_LZ4: "LZ4",
+                      COMPRESSION_ZSTD: "ZSTD"}
+
+# ZSTD input is fed in slices this small so that one slice cannot inflate far past the limit
+# (a ZSTD block of 128 KiB can be written in a few bytes).
+_ZSTD_SLICE = 1024
+
+
+def _too_large(name: str, limit: int) -> BodyDecompressionError:
+    return BodyDecompressionError(name, f"decompressed body exceeds {limit} bytes")
+
+
+def _inflate_zlib(body: bytes, limit: int) -> bytes:
+    inflater = zlib.decompressobj()
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise BodyDecompressionError("ZLIB", str(exc)) from None
+    if len(out) > limit:
+        raise _too_large("ZLIB", limit)
+    if not inflater.eof:
+        raise BodyDecompressionError("ZLIB", "truncated zlib stream")
+    return out
+
+
+def _inflate_lz4(body: bytes, limit: int) -> bytes:
+    parts: list[bytes] = []
+    room = limit
+    rest = body
+    while rest:
+        decompressor = lz4_frame.LZ4FrameDecompressor()
+        try:
+            chunk: bytes = decompressor.decompress(rest, max_length=room + 1)
+        except RuntimeError as exc:
+            raise BodyDecompressionError("LZ4", str(exc)) from None
+        if len(chunk) > room:
+            raise _too_large("LZ4", limit)
+        if not decompressor.eof:
+            raise BodyDecompressionError("LZ4", "truncated LZ4 frame")
+        parts.append(chunk)
+        room -= len(chunk)
+        rest = decompressor.unused_data
+    return b"".join(parts)
+
+
+def _inflate_zstd(body: bytes, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    view = memoryview(body)
+    pos = 0
+    n = len(body)
+    while pos < n:
+        decompressor = zstandard.ZstdDecompressor().decompressobj()
+        rest = b""
+        while pos < n:
+            piece = view[pos:pos + _ZSTD_SLICE]
+            pos += len(piece)
+            try:
+                chunk = decompressor.decompress(piece)
+            except zstandard.ZstdError as exc:
+                raise BodyDecompressionError("ZSTD", str(exc)) from None
+            size += len(chunk)
+            if size > limit:
+                raise _too_large("ZSTD", limit)
+            parts.append(chunk)
+            if decompressor.eof:
+                rest = decompressor.unused_data
+                break
+        if not decompressor.eof:
+            raise BodyDecompressionError("ZSTD", "truncated ZSTD frame")
+        if rest:
+            # The next frame starts inside the last slice: continue from its first byte.
+            pos -= len(rest)
+    return b"".join(parts)
+
+
+def compress_body(body: bytes, compression: int, level: int = 5) -> bytes:
+    """``body`` compressed as the Java producer compresses it with this type (a ``COMPRESSION_*``
+    value of :mod:`~rmq_async.protocol.codes`).
+
+    ZLIB is one zlib stream at ``level``, ZSTD one frame at ``level``, LZ4 one frame with
+    4 MiB blocks (lz4-java ignores the level).
+    """
+    if compression == COMPRESSION_ZLIB:
+        return zlib.compress(body, level)
+    if compression == COMPRESSION_LZ4:
+        data: bytes = lz4_frame.compress(body, block_size=lz4_frame.BLOCKSIZE_MAX4MB)
+        return data
+    if compression == COMPRESSION_ZSTD:
+        return zstandard.ZstdCompressor(level=level).compress(body)
+    raise InvalidArgumentError(f"unknown compression type {compression}")
+
+
 def _decompress(body: bytes, sys_flag: int, limit: int) -> bytes:
     ctype = (sys_flag & COMPRESSION_TYPE_MASK) >> 8
-    if ctype in (0, COMPRESSION_ZLIB):
-        inflater = zlib.decompressobj()
-        try:
-            out = inflater.decompress(body, limit + 1)
-        except zlib.error as exc:
-            raise ProtocolError(f"bad zlib body: {exc}") from None
-        if len(out) > limit:
-            raise ProtocolError(f"decompressed body exceeds {limit} bytes")
-        if not inflater.eof:
-            raise ProtocolError("truncated zlib body")
-        return out
+    if ctype == 0 or ctype == COMPRESSION_ZLIB:
+        return _inflate_zlib(body, limit)
     if ctype == COMPRESSION_LZ4:
-        try:
-            lz4_frame: Any = importlib.import_module("lz4.frame")
-        except ImportError:
-            raise ProtocolError("LZ4-compressed body, but lz4 is not installed") from None
-        try:
-            decompressor = lz4_frame.LZ4FrameDecompressor()
-            data: bytes = decompressor.decompress(body, max_length=limit + 1)
-        except Exception as exc:
-            raise ProtocolError(f"bad LZ4 body: {exc}") from None
-        if len(data) > limit:
-            raise ProtocolError(f"decompressed body exceeds {limit} bytes")
-        return data
+        return _inflate_lz4(body, limit)
     if ctype == COMPRESSION_ZSTD:
-        try:
-            zstandard: Any = importlib.import_module("zstandard")
-        except ImportError:
-            raise ProtocolError("ZSTD-compressed body, but zstandard is not installed") from None
-        try:
-            reader = zstandard.ZstdDecompressor().stream_reader(body)
-            data = reader.read(limit + 1)
-        except Exception as exc:
-            raise ProtocolError(f"bad ZSTD body: {exc}") from None
-        if len(data) > limit:
-            raise ProtocolError(f"decompressed body exceeds {limit} bytes")
-        return bytes(data)
-    raise ProtocolError(f"unknown compression type {ctype}")
+        return _inflate_zstd(body, limit)
+    raise BodyDecompressionError(str(ctype), f"unknown compression type {ctype}")
 
 
 _new_message = MessageExt.__new__
@@ -489,8 +562,9 @@ def decode_messages(
 ) -> list[MessageExt]:
     """Decode every record of a pull body (or any concatenation of stored records).
 
-    Compressed bodies are inflated (ZLIB always; LZ4 / ZSTD when ``lz4`` / ``zstandard`` are
-    importable) and their COMPRESSED flag cleared; inner batches are split into their messages.
+    Compressed bodies (ZLIB, LZ4 or ZSTD, as the Java producer writes them) are inflated and
+    their COMPRESSED flag cleared; one that cannot be inflated raises
+    :class:`BodyDecompressionError`; inner batches are split into their messages.
     ``broker_name`` is left empty: the caller knows which queue it pulled. Properties and the
     offset message id are parsed / formatted when first read.
     """
@@ -571,21 +645,21 @@ def encode_stored_message(
     magic: int | None = None,
     compress: bool = False,
     compress_level: int = 5,
+    compression: int = COMPRESSION_ZLIB,
     crc: int | None = None,
 ) -> bytes:
     """Write ``msg`` as the broker stores it (one record of a pull body).
 
     Host strings decide the IPv4/IPv6 flags; ``magic`` defaults to v1, or v2 when the topic is
-    longer than 127 bytes; ``compress`` deflates the body (zlib) and sets the COMPRESSED flag
-    with the ZLIB type. TOTALSIZE is computed, and BODYCRC too unless ``crc`` is given.
+    longer than 127 bytes; ``compress`` compresses the body with ``compression`` (ZLIB unless
+    told) and sets the COMPRESSED flag with that type. TOTALSIZE is computed, and BODYCRC too
+    unless ``crc`` is given.
     """
     body = msg.body
     sys_flag = msg.sys_flag & ~(MSG_BORNHOST_V6_FLAG | MSG_STOREHOST_V6_FLAG)
     if compress:
-        body = zlib.compress(body, compress_level)
-        sys_flag = (sys_flag & ~COMPRESSION_TYPE_MASK) | MSG_COMPRESSED_FLAG | (
-            COMPRESSION_ZLIB << 8
-        )
+        body = compress_body(body, compression, compress_level)
+        sys_flag = (sys_flag & ~COMPRESSION_TYPE_MASK) | MSG_COMPRESSED_FLAG | (compression << 8)
     born_addr, born_port = parse_host(msg.born_host)
     store_addr, store_port = parse_host(msg.store_host)
     if len(born_addr) == 16:
