@@ -26,6 +26,7 @@ from rmq_async.remoting.errors import (
     RemotingConnectError,
     RemotingError,
     RemotingTimeout,
+    TlsVerificationError,
 )
 
 __version__ = "0.1.0"
@@ -58,5 +59,6 @@ __all__ = [
     "RemotingError",
     "RemotingTimeout",
     "RocketMQError",
+    "TlsVerificationError",
     "__version__",
 ]

@@ -23,7 +23,7 @@ from rmq_async.protocol.bodies import (
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.client import RemotingClient
 from rmq_async.remoting.connection import Connection, RequestHandler, RpcHook
-from rmq_async.remoting.errors import RemotingError
+from rmq_async.remoting.errors import RemotingError, TlsVerificationError
 
 log = structlog.get_logger(__name__)
 
@@ -104,6 +104,7 @@ class ClientInstance:
     async def fetch_route(self, topic: str) -> TopicRouteData:
         """Ask the name servers for ``topic``'s route, failing over from one to the next."""
         errors: list[str] = []
+        refused: list[TlsVerificationError] = []
         n = len(self.namesrv_addrs)
         for attempt in range(n):
             addr = self.namesrv_addrs[(self._namesrv_index + attempt) % n]
@@ -112,6 +113,8 @@ class ClientInstance:
             except NoRouteError:
                 raise
             except (RemotingError, MQClientError) as exc:
+                if isinstance(exc, TlsVerificationError):
+                    refused.append(exc)
                 errors.append(f"{addr}: {exc}")
                 log.warning("namesrv.request_failed", namesrv=addr, topic=topic, error=str(exc))
                 continue
@@ -119,6 +122,9 @@ class ClientInstance:
             return route
         # Move on so the next call starts with another name server.
         self._namesrv_index = (self._namesrv_index + 1) % n
+        if len(refused) == n:
+            # A configuration problem, not an outage: say so with its own type.
+            raise refused[0]
         raise MQClientError(f"no name server answered for topic {topic!r}: " + "; ".join(errors))
 
     async def update_route(self, topic: str) -> TopicRouteData:

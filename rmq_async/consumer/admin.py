@@ -207,7 +207,7 @@ def build_running_info(consumer: ConsumerView, *, jstack: bool = False) -> Consu
             props[_camel(name)] = _option_value(value)
     if c.options.credentials is not None:
         props["accessKey"] = c.options.credentials.access_key
-    props["useTLS"] = "true" if c.options.ssl_context is not None else "false"
+    props["useTLS"] = "true" if c.options.tls_enabled else "false"
     props["clientId"] = c.client_id
     # Java has one listener kind per consumer; the admin tools expect every queue of an orderly
     # consumer to be locked, so a consumer mixing both kinds reports itself as concurrent.

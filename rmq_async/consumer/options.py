@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from rmq_async.consumer.allocate import AllocateAveragely, AllocateStrategy
 from rmq_async.errors import InvalidArgumentError
+from rmq_async.remoting.tls import client_ssl_context
 
 __all__ = [
     "DEFAULT_CONSUMER_GROUP",
@@ -49,6 +50,7 @@ __all__ = [
     "MessageModel",
     "build_client_id",
     "check_group_name",
+    "check_tls_options",
     "default_client_ip",
     "pick_client_ip",
     "resolve_instance_name",
@@ -191,6 +193,32 @@ class Credentials:
             "expected (access_key, secret_key) or (access_key, secret_key, security_token) "
             "with non-empty strings",
         )
+
+
+# ---------------------------------------------------------------------- TLS
+
+
+def check_tls_options(tls: object, tls_verify: object, tls_ca_file: object,
+                      ssl_context: object) -> None:
+    """Validate the TLS options consumers and producers share (see :class:`ConsumerOptions`)."""
+    for name, value in (("tls", tls), ("tls_verify", tls_verify)):
+        if not isinstance(value, bool):
+            raise InvalidOptionError(name, f"expected a bool, got {value!r}")
+    if tls_ca_file is not None:
+        if not isinstance(tls_ca_file, str | os.PathLike):
+            raise InvalidOptionError("tls_ca_file", f"expected a path, got {tls_ca_file!r}")
+        if not os.path.isfile(tls_ca_file):
+            raise InvalidOptionError("tls_ca_file", f"{os.fspath(tls_ca_file)!r} is not a file")
+    if ssl_context is not None:
+        if not isinstance(ssl_context, ssl.SSLContext):
+            raise InvalidOptionError(
+                "ssl_context", f"expected an ssl.SSLContext, got {ssl_context!r}")
+        if tls_ca_file is not None or tls_verify is not True:
+            raise InvalidOptionError(
+                "ssl_context", "a ready context carries its own trust settings: set them on it "
+                "instead of passing tls_verify or tls_ca_file")
+    elif tls_verify is not True and not tls and tls_ca_file is None:
+        raise InvalidOptionError("tls_verify", "only applies with TLS on (tls=True)")
 
 
 # ---------------------------------------------------------------------- client id
@@ -473,7 +501,15 @@ class ConsumerOptions:
     """Broadcasting: local offsets live in ``<dir>/<client id>/<group>/offsets.json``."""
     credentials: Credentials | None = None
     """ACL account; ``(access_key, secret_key[, security_token])`` is accepted too."""
+    tls: bool = False
+    """TLS to name servers and brokers (Java ``useTLS``); certificates are verified."""
+    tls_verify: bool = True
+    """``False`` accepts any certificate (logged as a warning when the consumer starts)."""
+    tls_ca_file: str | os.PathLike[str] | None = None
+    """PEM file of the CAs to trust instead of the system's; implies ``tls``."""
     ssl_context: ssl.SSLContext | None = None
+    """A ready TLS context, used as given (implies ``tls``; not with ``tls_verify`` or
+    ``tls_ca_file``)."""
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -558,10 +594,9 @@ class ConsumerOptions:
             )
         set_("offset_store_dir", Path(self.offset_store_dir).expanduser())
         set_("credentials", Credentials.coerce(self.credentials))
-        if self.ssl_context is not None and not isinstance(self.ssl_context, ssl.SSLContext):
-            raise InvalidOptionError(
-                "ssl_context", f"expected an ssl.SSLContext, got {self.ssl_context!r}"
-            )
+        check_tls_options(self.tls, self.tls_verify, self.tls_ca_file, self.ssl_context)
+        if self.tls_ca_file is not None:
+            set_("tls_ca_file", os.fspath(self.tls_ca_file))
 
     def _check_timestamp(self) -> None:
         ts: object = self.consume_timestamp
@@ -592,6 +627,18 @@ class ConsumerOptions:
         if self.max_reconsume_times == -1:
             return _MAX_INT if orderly else 16
         return self.max_reconsume_times
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls or self.tls_ca_file is not None or self.ssl_context is not None
+
+    def client_ssl_context(self, client: str) -> ssl.SSLContext | None:
+        """The TLS context of the client's connections (``None``: plain TCP); warns once when it
+        does not verify certificates, so call it once per client start."""
+        return client_ssl_context(
+            tls=self.tls_enabled, tls_verify=self.tls_verify, tls_ca_file=self.tls_ca_file,
+            ssl_context=self.ssl_context, client=client,
+        )
 
     def rpc_hook(self) -> Callable[[Any], None] | None:
         """A hook that ACL-signs each outgoing command (:meth:`Credentials.rpc_hook`), or
@@ -679,7 +726,7 @@ _JAVA_HINTS = {
     "consumerGroup": "consumer_group (the first argument)",
     "namesrvAddr": "namesrv (a constructor argument)",
     "rpcHook": "credentials",
-    "useTLS": "ssl_context",
+    "useTLS": "tls",
 }
 
 

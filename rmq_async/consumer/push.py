@@ -257,7 +257,7 @@ class PushConsumer:
                 heartbeat_source=self.heartbeat_data,
                 request_handler=self._handle_broker_request,
                 rpc_hook=self.options.rpc_hook(),
-                ssl=self.options.ssl_context,
+                ssl=self.options.client_ssl_context(self.client_id),
             )
             if self.options.message_model == MessageModel.BROADCASTING:
                 self.offset_store = LocalFileOffsetStore(

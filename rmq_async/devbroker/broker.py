@@ -73,6 +73,32 @@ class AclAccount:
             raise InvalidArgumentError("secret_key must have at least 6 characters")
 
 
+@dataclass(frozen=True)
+class TlsServerFiles:
+    """The certificate the name server and broker present on TLS connections, instead of the
+    self-signed one they make up in RocketMQ's TLS test mode.
+
+    ``cert_file``: PEM certificate (chain); ``key_file``: its private key as unencrypted PKCS#8
+    PEM (what RocketMQ's ``tls.server.keyPath`` reads). The servers stay in
+    ``tls.server.mode=permissive``: plain connections are served too (the broker registers with
+    the name server over one), a connection that opens with a TLS handshake gets TLS.
+    """
+
+    cert_file: Path
+    key_file: Path
+
+    def jvm_properties(self, config_file: Path) -> list[str]:
+        """System properties for a server JVM; ``config_file`` is where RocketMQ would look for
+        a ``tls.properties`` (pointed into the run folder, so that no host-wide one applies)."""
+        return [
+            f"-Dtls.config.file={config_file}",
+            "-Dtls.server.mode=permissive",
+            "-Dtls.test.mode.enable=false",
+            f"-Dtls.server.certPath={Path(self.cert_file).resolve()}",
+            f"-Dtls.server.keyPath={Path(self.key_file).resolve()}",
+        ]
+
+
 #: Username of the internal super user that the helper and mqadmin sign with when ACL is on.
 INTERNAL_ADMIN_USER = "rmq_async_devadmin"
 _AUTHN = "org.apache.rocketmq.auth.authentication.provider"
@@ -185,6 +211,7 @@ class LocalRocketMQ:
         *,
         broker_config: Mapping[str, str] | None = None,
         acl: AclAccount | None = None,
+        tls: TlsServerFiles | None = None,
         workdir: Path | str | None = None,
         heap: str = "512m",
         namesrv_heap: str = "256m",
@@ -195,6 +222,7 @@ class LocalRocketMQ:
         overrides = dict(broker_config or {})
         self.version = version
         self.acl = acl
+        self.tls = tls
         self.heap = heap
         self.namesrv_heap = namesrv_heap
         self.cache_dir = cache_dir
@@ -384,9 +412,10 @@ class LocalRocketMQ:
     def _spawn_jvm(self, main_class: str, conf: Path, out: Path, logback: str, heap: str,
                    direct: str) -> subprocess.Popen[bytes]:
         run = self._require()
+        tls = [] if self.tls is None else self.tls.jvm_properties(run / "tls.properties")
         cmd = cfg.jvm_command(
             self.java, lib_dir=self.lib_dir, main_class=main_class, args=["-c", str(conf)],
-            user_home=run, logback=logback, heap=heap, direct=direct,
+            user_home=run, logback=logback, heap=heap, direct=direct, extra=tls,
         )
         return spawn(cmd, cwd=run, env=self._env(), output=out, die_with_parent=not self.detached)
 

@@ -7,6 +7,7 @@ from rmq_async.remoting.errors import (
     RemotingConnectError,
     RemotingError,
     RemotingTimeout,
+    TlsVerificationError,
 )
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "RemotingConnectError",
     "RemotingError",
     "RemotingTimeout",
+    "TlsVerificationError",
     "RequestHandler",
     "RpcHook",
     "split_addr",

@@ -31,6 +31,7 @@ from rmq_async.remoting.errors import (
     ConnectionClosed,
     RemotingConnectError,
     RemotingTimeout,
+    TlsVerificationError,
 )
 
 if TYPE_CHECKING:
@@ -107,6 +108,12 @@ class Connection(asyncio.Protocol):
                 )
         except TimeoutError as exc:
             raise RemotingConnectError(f"connect to {addr} timed out", addr=addr) from exc
+        except _ssl.SSLCertVerificationError as exc:
+            reason = exc.verify_message or exc.reason or str(exc)
+            raise TlsVerificationError(
+                f"TLS certificate of {addr} refused: {reason} ({exc.reason})", addr=addr,
+                reason=reason,
+            ) from exc
         except OSError as exc:
             raise RemotingConnectError(f"connect to {addr} failed: {exc}", addr=addr) from exc
         log.debug("remoting.connected", addr=addr)

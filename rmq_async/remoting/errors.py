@@ -17,6 +17,16 @@ class RemotingConnectError(RemotingError):
     """The TCP (or TLS) connection to the peer could not be established."""
 
 
+class TlsVerificationError(RemotingConnectError):
+    """The peer's TLS certificate was refused: not signed by a trusted CA, expired, or not
+    issued for the address connected to. Retrying cannot help until the configuration changes.
+    """
+
+    def __init__(self, message: str, *, addr: str | None = None, reason: str = "") -> None:
+        super().__init__(message, addr=addr)
+        self.reason = reason
+
+
 class ConnectionClosed(RemotingError):
     """The connection was closed (by us, by the peer, or after a protocol error).
 
