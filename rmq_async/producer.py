@@ -10,31 +10,56 @@ complete (no transactions, no request-reply)::
 from __future__ import annotations
 
 import itertools
+import os
+import random
+import ssl
 import time
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import structlog
 
 from rmq_async.client.api import SendResult
 from rmq_async.client.errors import MQBrokerError, MQClientError
 from rmq_async.client.instance import ClientInstance
-from rmq_async.consumer.options import InvalidOptionError
+from rmq_async.consumer.options import Credentials, InvalidOptionError, check_tls_options
 from rmq_async.errors import InvalidArgumentError
-from rmq_async.protocol.codes import MessageSysFlag
+from rmq_async.protocol.codes import (
+    COMPRESSION_LZ4,
+    COMPRESSION_ZLIB,
+    COMPRESSION_ZSTD,
+    MessageSysFlag,
+    ResponseCode,
+)
 from rmq_async.protocol.filter import java_string_hash
-from rmq_async.protocol.message import UniqKeyGenerator, encode_batch, encode_properties
+from rmq_async.protocol.message import (
+    UniqKeyGenerator,
+    compress_body,
+    encode_batch,
+    encode_properties,
+)
 from rmq_async.protocol.types import (
     PROPERTY_UNIQ_KEY,
     PROPERTY_WAIT,
     Message,
     MessageQueue,
 )
-from rmq_async.remoting.errors import RemotingError
+from rmq_async.remoting.errors import RemotingError, TlsVerificationError
+from rmq_async.remoting.tls import client_ssl_context
 
 log = structlog.get_logger(__name__)
+
+# Bodies at least this large are compressed in a worker thread.
+_COMPRESS_INLINE = 64 * 1024
+
+# Broker answers after which Java's producer tries again (on another broker); any other answer
+# is final.
+_RETRY_BROKER_CODES = frozenset({
+    ResponseCode.TOPIC_NOT_EXIST, ResponseCode.SERVICE_NOT_AVAILABLE, ResponseCode.SYSTEM_ERROR,
+    ResponseCode.NO_PERMISSION, ResponseCode.NO_BUYER_ID, ResponseCode.NOT_IN_CURRENT_UNIT,
+})
 
 QueueSelector = Callable[[list[MessageQueue], Message], MessageQueue]
 
@@ -49,15 +74,65 @@ def select_by_key(queues: list[MessageQueue], msg: Message) -> MessageQueue:
     return queues[abs(java_string_hash(key)) % len(queues)]
 
 
+_COMPRESSION_TYPES = {"ZLIB": COMPRESSION_ZLIB, "LZ4": COMPRESSION_LZ4, "ZSTD": COMPRESSION_ZSTD}
+
+
 @dataclass(slots=True)
 class ProducerOptions:
     send_timeout: float = 3.0
     retry_times_when_send_failed: int = 2
+    """Extra attempts of a send whose queue was not given, each on another broker when the
+    topic has one (Java ``retryTimesWhenSendFailed``)."""
     compress_over: int = 4096
     compress_level: int = 5
+    compress_type: str = "ZLIB"
+    """``ZLIB``, ``LZ4`` or ``ZSTD``: how bodies of ``compress_over`` bytes or more are
+    compressed (Java ``compressType``)."""
     max_message_size: int = 4 * 1024 * 1024
     default_topic_queue_nums: int = 4
     create_topic_key: str = "TBW102"
+    credentials: Credentials | None = None
+    """ACL account, as the consumer's: ``(access_key, secret_key[, security_token])`` too."""
+    tls: bool = False
+    tls_verify: bool = True
+    tls_ca_file: str | os.PathLike[str] | None = None
+    ssl_context: ssl.SSLContext | None = None
+    """TLS, as the consumer's options: verified against the system's CAs or ``tls_ca_file``
+    unless ``tls_verify=False``; a ready ``ssl_context`` is used as given."""
+
+    def __post_init__(self) -> None:
+        self.credentials = Credentials.coerce(self.credentials)
+        check_tls_options(self.tls, self.tls_verify, self.tls_ca_file, self.ssl_context)
+        ctype = self.compress_type.strip().upper() if isinstance(self.compress_type, str) else None
+        if ctype not in _COMPRESSION_TYPES:
+            raise InvalidOptionError(
+                "compress_type", f"{self.compress_type!r} is not one of ZLIB, LZ4, ZSTD")
+        self.compress_type = ctype
+        if (not isinstance(self.retry_times_when_send_failed, int)
+                or self.retry_times_when_send_failed < 0):
+            raise InvalidOptionError("retry_times_when_send_failed",
+                                     f"expected an int >= 0, got {self.retry_times_when_send_failed!r}")
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls or self.tls_ca_file is not None or self.ssl_context is not None
+
+
+def select_queue(queues: Sequence[MessageQueue], counter: Iterator[int],
+                 last_broker: str | None) -> MessageQueue:
+    """The next queue of a send, as Java's producer picks it without latency fault tolerance.
+
+    Round-robin over every writable queue of every broker group (``counter`` is the topic's
+    send index); on a retry (``last_broker`` is the broker that just failed) the first queue
+    in turn on another broker, or the next queue at all when there is no other broker.
+    """
+    n = len(queues)
+    if last_broker is not None:
+        for _ in range(n):
+            mq = queues[next(counter) % n]
+            if mq.broker_name != last_broker:
+                return mq
+    return queues[next(counter) % n]
 
 
 class Producer:
@@ -67,16 +142,20 @@ class Producer:
                  instance_name: str | None = None, **options: Any) -> None:
         unknown = set(options) - set(ProducerOptions.__dataclass_fields__)
         if unknown:
-            names = ", ".join(sorted(unknown))
-            raise InvalidOptionError(names, "unknown producer option(s)")
-        self.options = ProducerOptions(**options)
+            raise InvalidOptionError(", ".join(sorted(unknown)), "unknown producer option")
+        self.options = opts = ProducerOptions(**options)
         self.group = group
-        import os
-
         self.client_id = f"127.0.0.1@{instance_name or f'producer-{os.getpid()}-{time.monotonic_ns()}'}"
-        self.instance = ClientInstance(namesrv, self.client_id, api_timeout=self.options.send_timeout)
+        self.instance = ClientInstance(
+            namesrv, self.client_id, api_timeout=opts.send_timeout,
+            rpc_hook=None if opts.credentials is None else opts.credentials.rpc_hook(),
+            ssl=client_ssl_context(
+                tls=opts.tls_enabled, tls_verify=opts.tls_verify, tls_ca_file=opts.tls_ca_file,
+                ssl_context=opts.ssl_context, client=self.client_id),
+        )
+        self._compression = _COMPRESSION_TYPES[opts.compress_type]
         self._uniq = UniqKeyGenerator()
-        self._counters: dict[str, itertools.count[int]] = {}
+        self._counters: dict[str, Iterator[int]] = {}
         self._started = False
 
     async def start(self) -> None:
@@ -96,14 +175,17 @@ class Producer:
         await self.stop()
 
     async def _pick_queue(self, topic: str, msg: Message | None,
-                          selector: QueueSelector | None) -> MessageQueue:
+                          selector: QueueSelector | None, last_broker: str | None) -> MessageQueue:
         queues = await self.instance.publish_queues(topic)
         if not queues:
             raise MQClientError(f"topic {topic!r} has no writable queue")
         if selector is not None and msg is not None:
             return selector(queues, msg)
-        counter = self._counters.setdefault(topic, itertools.count())
-        return queues[next(counter) % len(queues)]
+        counter = self._counters.get(topic)
+        if counter is None:
+            # Java starts each topic's send index at a random point.
+            counter = self._counters[topic] = itertools.count(random.randrange(1 << 16))
+        return select_queue(queues, counter, last_broker)
 
     async def send(self, msg: Message, *, queue: MessageQueue | None = None,
                    selector: QueueSelector | None = None) -> SendResult:
@@ -118,14 +200,21 @@ class Producer:
         body = msg.body
         sys_flag = 0
         if len(body) >= self.options.compress_over:
-            body = zlib.compress(body, self.options.compress_level)
-            sys_flag |= MessageSysFlag.COMPRESSED_FLAG | MessageSysFlag.COMPRESSION_ZLIB_TYPE
+            body = await self._compress(body)
+            sys_flag |= MessageSysFlag.COMPRESSED_FLAG | (self._compression << 8)
         if len(body) > self.options.max_message_size:
             raise InvalidArgumentError(f"message body of {len(body)} bytes exceeds max_message_size")
         return await self._send_with_retry(
             msg.topic, queue, msg, selector, body, encode_properties(props), sys_flag, msg.flag,
             batch=False,
         )
+
+    async def _compress(self, body: bytes) -> bytes:
+        level = self.options.compress_level
+        if len(body) < _COMPRESS_INLINE:
+            return compress_body(body, self._compression, level)
+        # Large bodies are compressed off the event loop.
+        return await anyio.to_thread.run_sync(compress_body, body, self._compression, level)
 
     async def send_batch(self, msgs: Sequence[Message], *,
                          queue: MessageQueue | None = None) -> SendResult:
@@ -153,8 +242,10 @@ class Producer:
                                sys_flag: int, flag: int, *, batch: bool) -> SendResult:
         attempts = 1 + (self.options.retry_times_when_send_failed if queue is None else 0)
         last_exc: Exception | None = None
+        last_broker: str | None = None
         for attempt in range(attempts):
-            mq = queue or await self._pick_queue(topic, msg, selector)
+            mq = queue or await self._pick_queue(topic, msg, selector, last_broker)
+            last_broker = mq.broker_name
             try:
                 addr = await self.instance.find_broker_master(mq.broker_name, topic)
                 return await self.instance.api.send_message(
@@ -164,11 +255,15 @@ class Producer:
                     default_topic_queue_nums=self.options.default_topic_queue_nums,
                     timeout=self.options.send_timeout,
                 )
+            except TlsVerificationError:
+                raise  # another attempt meets the same certificate
             except (MQBrokerError, MQClientError, RemotingError) as exc:
                 last_exc = exc
                 log.warning("producer.send_failed", topic=topic, queue=str(mq), attempt=attempt,
                             error=str(exc))
                 if selector is not None:
+                    break
+                if isinstance(exc, MQBrokerError) and exc.code not in _RETRY_BROKER_CODES:
                     break
         assert last_exc is not None
         raise last_exc
