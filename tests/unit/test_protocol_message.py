@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import random
+import re
 import struct
 import zlib
 from datetime import datetime
@@ -285,6 +287,13 @@ def test_decompression_bomb_is_refused(ctype: int) -> None:
     with pytest.raises(BodyDecompressionError, match="exceeds 100000 bytes"):
         decode_messages(bomb, max_body_size=100_000)
     assert len(decode_messages(bomb, max_body_size=4_000_000)[0].body) == 4_000_000
+
+
+def test_codecs_are_regular_dependencies() -> None:
+    """A plain install brings both codecs: neither sits behind an extra."""
+    requires = importlib.metadata.requires("rmq_async") or []
+    plain = {re.split(r"[<>=;\s\[]", r, maxsplit=1)[0] for r in requires if "extra ==" not in r}
+    assert {"lz4", "zstandard"} <= plain, requires
 
 
 def test_unknown_compression_types_are_refused() -> None:
