@@ -22,7 +22,7 @@ import anyio
 import structlog
 
 from rmq_async.client.api import SendResult
-from rmq_async.client.errors import MQBrokerError, MQClientError
+from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import Credentials, InvalidOptionError, check_tls_options
 from rmq_async.errors import InvalidArgumentError
@@ -266,4 +266,13 @@ class Producer:
                 if isinstance(exc, MQBrokerError) and exc.code not in _RETRY_BROKER_CODES:
                     break
         assert last_exc is not None
+        if isinstance(last_exc, NoPermissionError):
+            creds = self.options.credentials
+            who = f"access key {creds.access_key!r}" if creds is not None else "no credentials"
+            raise NoPermissionError(
+                last_exc.code,
+                f"{last_exc.remark} (producer group {self.group!r}, topic {topic!r}, {who}; check "
+                "the credentials option and the account's rights on the broker)",
+                addr=last_exc.addr, request=last_exc.request,
+            ) from last_exc
         raise last_exc

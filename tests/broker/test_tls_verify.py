@@ -169,5 +169,7 @@ async def test_producer_with_wrong_keys_gets_a_permission_error(
             await producer.send(Message(topic, b"denied"))
         took = time.monotonic() - started
     print(f"\nproducer {credentials and credentials[0]!r}: refused after {took:.2f} s: {info.value}")
-    assert "NO_PERMISSION" in str(info.value)
+    message = str(info.value)
+    assert "NO_PERMISSION" in message and producer.group in message and topic in message
+    assert (f"access key {credentials[0]!r}" if credentials else "no credentials") in message
     assert took < 10

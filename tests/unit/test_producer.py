@@ -91,7 +91,7 @@ async def test_send_failure_retries_on_the_other_broker() -> None:
 async def test_send_gives_up_after_retry_times_and_raises_the_last_error() -> None:
     denied = NoPermissionError(ResponseCode.NO_PERMISSION, "no permission", addr="x")
     producer, api = _fake_producer({"broker-a": denied, "broker-b": denied})
-    with pytest.raises(NoPermissionError):
+    with pytest.raises(NoPermissionError, match="producer group 'PG_unit', topic 'T', no credentials"):
         await producer.send(Message("T", b"x"))
     assert len(api.sent) == 3  # 1 + retry_times_when_send_failed
     assert len({mq.broker_name for _, mq, _, _ in api.sent[:2]}) == 2
