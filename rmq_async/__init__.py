@@ -8,9 +8,10 @@ from rmq_async.client.errors import (
     NoRouteError,
 )
 from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
+from rmq_async.consumer.middleware import CallNext, ConsumeCall, Middleware
 from rmq_async.consumer.options import ConsumeFromWhere, InvalidOptionError, MessageModel
 from rmq_async.consumer.push import PushConsumer
-from rmq_async.consumer.results import ConsumeContext, ConsumeResult
+from rmq_async.consumer.results import ConsumeContext, ConsumeResult, DeadLetter, RetryLater
 from rmq_async.devbroker.errors import DevBrokerError
 from rmq_async.errors import (
     IllegalStateError,
@@ -18,6 +19,7 @@ from rmq_async.errors import (
     InvalidTypeError,
     RocketMQError,
 )
+from rmq_async.payloads import PayloadDecodeError
 from rmq_async.producer import Producer
 from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.types import Message, MessageExt, MessageQueue
@@ -32,12 +34,15 @@ from rmq_async.remoting.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CallNext",
     "ConnectionClosed",
+    "ConsumeCall",
     "ConsumeContext",
     "ConsumeFromWhere",
     "ConsumeResult",
     "ConsumerError",
     "ConsumerErrorKind",
+    "DeadLetter",
     "DevBrokerError",
     "IllegalStateError",
     "InvalidArgumentError",
@@ -49,15 +54,18 @@ __all__ = [
     "MessageExt",
     "MessageModel",
     "MessageQueue",
+    "Middleware",
     "NameServerUnavailable",
     "NoPermissionError",
     "NoRouteError",
+    "PayloadDecodeError",
     "Producer",
     "ProtocolError",
     "PushConsumer",
     "RemotingConnectError",
     "RemotingError",
     "RemotingTimeout",
+    "RetryLater",
     "RocketMQError",
     "TlsVerificationError",
     "__version__",

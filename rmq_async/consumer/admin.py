@@ -59,7 +59,7 @@ from rmq_async.protocol.headers import (
     ResetOffsetRequestHeader,
 )
 from rmq_async.protocol.message import decode_message
-from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageQueue
+from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 from rmq_async.remoting.connection import Connection, unsupported_response
 from rmq_async.remoting.errors import RemotingError
 
@@ -101,7 +101,8 @@ class ConsumerView(Protocol):
 
     def subscription_data(self, topic: str) -> SubscriptionData | None: ...
 
-    def listener_for(self, topic: str) -> ListenerAdapter | None: ...
+    def listener_for(self, topic: str, msg: MessageExt | None = None,
+                     ) -> ListenerAdapter | None: ...
 
     def is_orderly(self, topic: str) -> bool: ...
 
@@ -400,7 +401,7 @@ class BrokerRequestHandler:
         msg = decode_message(cmd.body)
         msg.broker_name = header.broker_name or ""
         reset_retry_topic([msg], c.retry_topic)
-        listener = c.listener_for(msg.topic)
+        listener = c.listener_for(msg.topic, msg)
         if listener is None:
             return cmd.response_to(
                 ResponseCode.SYSTEM_ERROR,

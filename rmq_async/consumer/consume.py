@@ -1,10 +1,16 @@
-"""Concurrent consumption: worker tasks run the listener on pulled chunks taken from an asyncio.Queue.
+"""Concurrent consumption: worker tasks run the handler on pulled chunks taken from an asyncio.Queue.
 
 Each pulled chunk is queued as one request; each of the ``consume_concurrency`` workers takes
-one chunk at a time and calls the listener on it in batches of ``consume_message_batch_max_size``.
-The result of each call decides what happens to every message of its batch:
+one chunk at a time and calls the handler on it: a batch handler in batches of
+``consume_message_batch_max_size``, a per-message handler once per message (the batch size then
+only sets how many messages a worker takes at a time). Each call goes through the middlewares
+(:mod:`~rmq_async.consumer.middleware`), when there are any. The outcome of each call decides
+what happens to every message of it:
 
-* acknowledged (SUCCESS up to ``ack_index``): removed from the ProcessQueue;
+* acknowledged (returned normally, or SUCCESS up to ``ack_index``): removed from the
+  ProcessQueue;
+* dead-lettered (``DeadLetter`` raised, or a body the ``model=`` could not decode): produced
+  into ``%DLQ%<group>`` with the reason (:mod:`~rmq_async.consumer.dead_letter`), then removed;
 * failed, clustering: sent back to the broker (CONSUMER_SEND_MSG_BACK), which redelivers it
   through ``%RETRY%<group>`` with a growing delay, or moves it to ``%DLQ%<group>`` after
   ``max_reconsume_times``; a message whose send-back fails stays cached and is consumed again
@@ -22,14 +28,22 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
+from rmq_async.consumer.dead_letter import send_to_dlq
 from rmq_async.consumer.listener import Listener, ListenerAdapter
+from rmq_async.consumer.middleware import Outcome, run_call
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
-from rmq_async.consumer.results import ConsumeContext, ConsumeResult
+from rmq_async.consumer.results import (
+    ConsumeContext,
+    ConsumeResult,
+    DeadLetter,
+    RetryLater,
+    normalize_result,
+)
 from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY, PullRequest
 from rmq_async.consumer.subscriptions import reset_retry_topic
 from rmq_async.consumer.tasks import TaskOwner
@@ -39,6 +53,9 @@ if TYPE_CHECKING:
     from rmq_async.consumer.runtime import ConsumerRuntime
 
 log = structlog.get_logger(__name__)
+
+#: Stands for "the call raised DeadLetter" on the direct path.
+_DEAD = object()
 
 __all__ = [
     "SEND_BACK_FAILED_RETRY_DELAY",
@@ -61,6 +78,8 @@ class ConsumeRequest:
     done: int = 0
     """Leading messages handed to the listener and answered (acknowledged or in ``failed``)."""
     failed: list[tuple[MessageExt, int]] = field(default_factory=list)
+    dead: list[tuple[MessageExt, str]] = field(default_factory=list)
+    """Messages bound for the dead-letter queue, with the reason."""
     settled: int = 0
     """Leading messages the cleaner already removed from the ProcessQueue (a stuck chunk)."""
 
@@ -101,9 +120,24 @@ class ConcurrentConsumeService:
 
     def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
                first: bool = False) -> None:
-        """Queue one pulled chunk (all of one queue and one subscribed topic)."""
-        if msgs:
-            self._queue.put_nowait(ConsumeRequest(msgs, pq, mq))
+        """Queue one pulled chunk (all of one queue and one subscribed topic).
+
+        When several handlers share the topic (by tag) the chunk is split, one request per
+        handler, so that each request has one handler.
+        """
+        if not msgs:
+            return
+        subs = self._rt.subscriptions
+        sub = subs.topics.get(subs.origin_topic(mq.topic, msgs))
+        if sub is not None and sub.by_tag:
+            parts: dict[int, list[MessageExt]] = {}
+            for m in msgs:
+                parts.setdefault(id(sub.adapter_for(m)), []).append(m)
+            if len(parts) > 1:
+                for part in parts.values():
+                    self._queue.put_nowait(ConsumeRequest(part, pq, mq))
+                return
+        self._queue.put_nowait(ConsumeRequest(msgs, pq, mq))
 
     def pull_delay(self, topic: str) -> float:
         return 0.0  # the flow control on cached messages is enough
@@ -165,74 +199,103 @@ class ConcurrentConsumeService:
         if mq.topic == rt.retry_topic:
             reset_retry_topic(msgs, rt.retry_topic)
         topic = msgs[0].topic
-        adapter = rt.subscriptions.listener_for(topic)
+        sub = rt.subscriptions.topics.get(topic)
+        adapter = sub.adapter_for(msgs[0]) if sub is not None else None
+        middlewares = rt.subscriptions.middlewares
         started_ms = int(time.time() * 1000)
         now_ms = str(started_ms)
         for m in msgs:
             m.put_property(PROPERTY_CONSUME_START_TIME, now_ms)
         n = len(msgs)
         size = self._opts.consume_message_batch_max_size
-        ctx = ConsumeContext(message_queue=mq)
         req.started_ms = started_ms
         self._inflight.add(req)
-        # Failed messages with the delay level their call asked for.
+        # Failed messages with the delay level their call asked for; poison with its reason.
         failed = req.failed
-        done = 0  # messages handed to the listener (acknowledged or failed)
+        dead = req.dead
+        done = 0  # messages handed to the handler (acknowledged, failed or dead)
         calls = 0
         started = time.monotonic()
         if adapter is None:
-            log.warning("consume.no_listener", topic=topic, queue=str(mq))
-            failed.extend((m, 0) for m in msgs)
+            if sub is not None and sub.by_tag:
+                # A redelivered message whose tag no handler takes any more: nothing wants it.
+                log.info("consume.no_handler_for_tag", topic=topic, queue=str(mq),
+                         tag=msgs[0].tags, count=n)
+            else:
+                log.warning("consume.no_listener", topic=topic, queue=str(mq))
+                failed.extend((m, 0) for m in msgs)
             done = n
-        elif size == 1 and adapter.is_async and not adapter.wants_context:
-            # The common case, one message per call of ``async def f(msgs)``: the listener is
-            # awaited directly (no adapter coroutine) and cannot touch a context.
-            fn = adapter.fn
+        elif not adapter.batch:
+            # Per-message handler: one call per message, whatever the batch size (which stays
+            # a throughput knob); a failing message fails alone, the others are acknowledged.
+            fast = adapter.fn if adapter.plain and not middlewares else None
             success = ConsumeResult.SUCCESS
             for m in msgs:
                 if calls and (self._draining or pq.dropped):
-                    break  # no new listener call; the rest stays cached, unacknowledged
+                    break  # no new handler call; the rest stays cached, unacknowledged
                 calls += 1
-                try:
-                    raw = await fn([m])
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    log.warning("consume.listener_raised", topic=topic, queue=str(mq),
-                                offsets=[m.queue_offset], msg_ids=[m.msg_id],
-                                error=f"{type(exc).__name__}: {exc}")
-                    raw = None
-                if raw is not success and _as_concurrent_result(raw) is not success:
-                    failed.append((m, 0))
+                if fast is not None:
+                    try:
+                        raw = await fast(m)
+                    except asyncio.CancelledError:
+                        raise
+                    except DeadLetter as exc:
+                        dead.append((m, exc.reason))
+                    except Exception as exc:
+                        if not isinstance(exc, RetryLater):
+                            log.warning("consume.handler_raised", topic=topic, queue=str(mq),
+                                        offsets=[m.queue_offset], msg_ids=[m.msg_id],
+                                        error=f"{type(exc).__name__}: {exc}")
+                        failed.append((m, 0))
+                    else:
+                        if raw is not None and raw is not success \
+                                and not normalize_result(raw).is_success:
+                            failed.append((m, 0))
+                else:
+                    one = [m]
+                    ctx = ConsumeContext(message_queue=mq)
+                    outcome = await run_call(adapter, one, ctx, group=rt.group, topic=topic,
+                                             queue=mq, orderly=False, middlewares=middlewares)
+                    _apply_outcome(outcome, one, ctx, failed, dead)
                 done += 1
                 req.done = done
         else:
-            # The direct form skips a coroutine layer per call for ``async def f(msgs)``.
-            direct = adapter.fn if adapter.is_async and not adapter.wants_context else None
+            # Batch handler. The direct form skips a coroutine layer per call for
+            # ``async def f(msgs: list[MessageExt])``.
+            direct = adapter.fn if adapter.plain and not middlewares else None
             while done < n:
                 if calls and (self._draining or pq.dropped):
-                    break  # no new listener call; the rest stays cached, unacknowledged
+                    break  # no new handler call; the rest stays cached, unacknowledged
                 batch = msgs[done:done + size] if (done or n > size) else msgs
-                ctx.ack_index = None
-                ctx.delay_level_when_next_consume = 0
+                ctx = ConsumeContext(message_queue=mq)
                 calls += 1
-                try:
-                    raw = await (direct(batch) if direct is not None else adapter(batch, ctx))
-                    result = _as_concurrent_result(raw)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    log.warning("consume.listener_raised", topic=topic, queue=str(mq),
-                                offsets=[m.queue_offset for m in batch],
-                                msg_ids=[m.msg_id for m in batch[:8]],
-                                error=f"{type(exc).__name__}: {exc}")
-                    result = ConsumeResult.RECONSUME_LATER
-                k = len(batch)
-                ok = ctx.acked_count(k, result)
-                if ok < k:
-                    level = ctx.delay_level_when_next_consume
-                    failed.extend((m, level) for m in batch[ok:])
-                done += k
+                if direct is not None:
+                    try:
+                        raw = await direct(batch)
+                    except asyncio.CancelledError:
+                        raise
+                    except DeadLetter as exc:
+                        dead.extend((m, exc.reason) for m in batch)
+                        raw = _DEAD
+                    except Exception as exc:
+                        if not isinstance(exc, RetryLater):
+                            log.warning("consume.handler_raised", topic=topic, queue=str(mq),
+                                        offsets=[m.queue_offset for m in batch[:16]],
+                                        msg_ids=[m.msg_id for m in batch[:8]],
+                                        error=f"{type(exc).__name__}: {exc}")
+                        raw = ConsumeResult.RECONSUME_LATER
+                    if raw is not _DEAD:
+                        result = ConsumeResult.SUCCESS if raw is None else normalize_result(raw)
+                        k = len(batch)
+                        ok = ctx.acked_count(k, result)
+                        if ok < k:
+                            level = ctx.delay_level_when_next_consume
+                            failed.extend((m, level) for m in batch[ok:])
+                else:
+                    outcome = await run_call(adapter, batch, ctx, group=rt.group, topic=topic,
+                                             queue=mq, orderly=False, middlewares=middlewares)
+                    _apply_outcome(outcome, batch, ctx, failed, dead)
+                done += len(batch)
                 req.done = done
         elapsed = time.monotonic() - started
         pq.last_consume_timestamp = time.monotonic()
@@ -243,24 +306,34 @@ class ConcurrentConsumeService:
         """One removal, one offset update and one stats update for the handled messages."""
         rt = self._rt
         pq = req.pq
+        dead = req.dead
         self._inflight.discard(req)
-        if req.settled and failed:
+        if req.settled and (failed or dead):
             # The cleaner already sent back what it found expired: not twice.
             failed = [(m, level) for m, level in failed if pq.contains(m)]
+            dead = [(m, reason) for m, reason in dead if pq.contains(m)]
+        n_failed = len(failed) + len(dead)
         rt.stats.record_consume(handled[0].topic if handled else req.mq.topic,
-                               len(handled) - len(failed), len(failed), elapsed, calls=calls)
+                               len(handled) - n_failed, n_failed, elapsed, calls=calls)
         if pq.dropped:
             # Rebalance took the queue away meanwhile: this result commits nothing.
             log.debug("consume.result_for_dropped_queue", queue=str(req.mq), count=len(handled))
             return
         to_remove = handled
-        if failed:
+        if failed or dead:
             if self._opts.message_model == MessageModel.BROADCASTING:
-                log.warning("consume.broadcast_failed_dropped", queue=str(req.mq),
-                            msg_ids=[m.msg_id for m, _ in failed],
-                            offsets=[m.queue_offset for m, _ in failed])
+                if failed:
+                    log.warning("consume.broadcast_failed_dropped", queue=str(req.mq),
+                                msg_ids=[m.msg_id for m, _ in failed],
+                                offsets=[m.queue_offset for m, _ in failed])
+                for m, reason in dead:
+                    log.warning("consume.broadcast_dead_letter_dropped", queue=str(req.mq),
+                                msg_id=m.msg_id, offset=m.queue_offset, reason=reason)
             else:
                 not_sent: list[MessageExt] = []
+                for m, reason in dead:
+                    if not await send_to_dlq(rt, m, reason):
+                        not_sent.append(m)
                 for m, level in failed:
                     if not await rt.send_message_back(m, level):
                         m.reconsume_times += 1
@@ -301,7 +374,7 @@ class ConcurrentConsumeService:
             done = req.done
             if pq.dropped or done <= req.settled or now_ms - req.started_ms <= timeout_ms:
                 continue
-            failed_ids = {id(m) for m, _ in req.failed}
+            failed_ids = {id(m) for m, _ in req.failed} | {id(m) for m, _ in req.dead}
             acked = [m for m in req.msgs[req.settled:done] if id(m) not in failed_ids]
             req.settled = done
             if acked:
@@ -324,10 +397,23 @@ class ConcurrentConsumeService:
                                 offset=m.queue_offset, msg_id=m.msg_id)
 
 
-def _as_concurrent_result(raw: Any) -> ConsumeResult:
-    if isinstance(raw, ConsumeResult):
-        return raw
-    if raw is None:
-        return ConsumeResult.RECONSUME_LATER
-    log.warning("consume.unexpected_result", result=repr(raw))
-    return ConsumeResult.RECONSUME_LATER
+def _apply_outcome(outcome: Outcome, batch: list[MessageExt], ctx: ConsumeContext,
+                   failed: list[tuple[MessageExt, int]],
+                   dead: list[tuple[MessageExt, str]]) -> None:
+    """Sort the messages of one call into acknowledged (left alone), failed and dead."""
+    rest = batch
+    if outcome.acked:
+        skipped = {id(m) for m in outcome.acked}
+        rest = [m for m in rest if id(m) not in skipped]
+    if ctx.dead_letters:
+        dead.extend(ctx.dead_letters)
+        poison = {id(m) for m, _ in ctx.dead_letters}
+        rest = [m for m in rest if id(m) not in poison]
+    if outcome.dead_reason is not None:
+        dead.extend((m, outcome.dead_reason) for m in rest)
+        return
+    k = len(rest)
+    ok = ctx.acked_count(k, outcome.result)
+    if ok < k:
+        level = ctx.delay_level_when_next_consume
+        failed.extend((m, level) for m in rest[ok:])

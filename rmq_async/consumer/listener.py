@@ -1,45 +1,240 @@
-"""How a user listener is called, whatever its shape."""
+"""How a user handler is called, whatever its shape.
+
+The shape of a handler is read once, at ``subscribe()``, from its signature:
+
+* **Payload.** The first parameter receives the payload. By default a handler is per-message: it
+  receives one :class:`~rmq_async.protocol.types.MessageExt` (or, with ``model=`` /
+  ``decoder=``, one decoded object) per call. It is a batch handler, receiving a list, when
+  ``batch=True`` is given or when the first parameter is annotated ``list[...]`` (or
+  ``Sequence[...]``); an unannotated first parameter is per-message.
+* **Context.** A parameter annotated :class:`~rmq_async.consumer.results.ConsumeContext` (or a
+  subclass) receives the call's context, by keyword; nothing is ever injected by position or by
+  counting parameters. Any other parameter must have a default (it is left alone): a required
+  one raises :class:`~rmq_async.errors.InvalidTypeError` (a ``TypeError``) at ``subscribe()``.
+* ``async def`` handlers are awaited on the event loop; plain ``def`` handlers run in a worker
+  thread so they never block it.
+
+Return values and exceptions are interpreted by the consume services (see
+:mod:`rmq_async.consumer.results`).
+"""
 
 from __future__ import annotations
 
+import collections.abc
+import functools
 import inspect
+import typing
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 
-from rmq_async.consumer.results import ConsumeContext
+from rmq_async.consumer.results import ConsumeContext, DeadLetter
+from rmq_async.errors import InvalidTypeError
+from rmq_async.payloads import PayloadDecodeError, build_payload_decoder
 from rmq_async.protocol.types import MessageExt
 
 Listener = Callable[..., Any]
 
+__all__ = ["HandlerShape", "Listener", "ListenerAdapter", "inspect_handler"]
+
+_LIST_ORIGINS: tuple[Any, ...] = (list, collections.abc.Sequence, collections.abc.MutableSequence,
+                                  typing.Sequence, typing.List)  # noqa: UP006
+_LIST_NAMES = ("list[", "List[", "Sequence[", "typing.List[", "typing.Sequence[",
+               "collections.abc.Sequence[")
+
+
+class HandlerShape(typing.NamedTuple):
+    """What :func:`inspect_handler` read from a handler's signature."""
+
+    batch: bool
+    context_param: str | None
+    is_async: bool
+    name: str
+
+
+def _resolved_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)  # noqa: B004
+    try:
+        return typing.get_type_hints(target)
+    except Exception:
+        # Annotations naming classes local to a function cannot be resolved; the raw
+        # annotation (a string under ``from __future__ import annotations``) is used instead.
+        return {}
+
+
+def _is_context(annotation: Any) -> bool:
+    if isinstance(annotation, str):
+        text = annotation.strip().strip("'\"")
+        return text.rsplit(".", 1)[-1] == "ConsumeContext"
+    return isinstance(annotation, type) and issubclass(annotation, ConsumeContext)
+
+
+def _is_list(annotation: Any) -> bool:
+    if isinstance(annotation, str):
+        text = annotation.strip().strip("'\"")
+        return text in ("list", "List", "Sequence") or text.startswith(_LIST_NAMES)
+    if annotation in _LIST_ORIGINS:
+        return True
+    origin = typing.get_origin(annotation)
+    return origin is not None and origin in _LIST_ORIGINS
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    if inspect.iscoroutinefunction(fn):
+        return True
+    if isinstance(fn, functools.partial):
+        return _is_async(fn.func)
+    call = getattr(fn, "__call__", None)  # noqa: B004
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+def inspect_handler(fn: Callable[..., Any], *, batch: bool | None = None) -> HandlerShape:
+    """Read a handler's shape (see the module docs); ``TypeError`` for one that cannot be called.
+
+    ``batch``: ``True`` / ``False`` force the kind; ``None`` reads it from the first
+    parameter's annotation.
+    """
+    if not callable(fn):
+        raise InvalidTypeError(f"a handler must be callable, got {fn!r}")
+    name = str(getattr(fn, "__qualname__", None) or getattr(type(fn), "__qualname__", repr(fn)))
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise InvalidTypeError(f"cannot read the signature of handler {name}: {exc}") from exc
+    hints = _resolved_hints(fn)
+    params = list(sig.parameters.values())
+    positional = [p for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    has_var_positional = any(p.kind is p.VAR_POSITIONAL for p in params)
+    if not positional and not has_var_positional:
+        raise InvalidTypeError(
+            f"handler {name} takes no positional parameter for the message(s); "
+            "write e.g. `async def handle(msg: MessageExt) -> None`")
+
+    def annotation(p: inspect.Parameter) -> Any:
+        return hints.get(p.name, p.annotation)
+
+    first = positional[0] if positional else None
+    if first is not None and _is_context(annotation(first)):
+        raise InvalidTypeError(
+            f"handler {name}: the first parameter {first.name!r} receives the message(s), "
+            "but it is annotated ConsumeContext; put the message parameter first")
+    context_param: str | None = None
+    for p in params:
+        if p is first or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if _is_context(annotation(p)):
+            if context_param is not None:
+                raise InvalidTypeError(f"handler {name} has two ConsumeContext parameters "
+                                f"({context_param!r} and {p.name!r})")
+            if p.kind is p.POSITIONAL_ONLY:
+                raise InvalidTypeError(f"handler {name}: the ConsumeContext parameter {p.name!r} "
+                                "is positional-only; it is passed by keyword")
+            context_param = p.name
+            continue
+        if p.default is p.empty:
+            raise InvalidTypeError(
+                f"handler {name}: parameter {p.name!r} has no default and is not annotated "
+                "ConsumeContext; a handler receives the message(s) as its first argument and "
+                "the context only through a parameter annotated ConsumeContext")
+    listed = first is not None and _is_list(annotation(first))
+    if batch is None:
+        is_batch = listed
+    else:
+        is_batch = bool(batch)
+        if not is_batch and listed:
+            raise InvalidTypeError(f"handler {name}: batch=False but the first parameter "
+                            f"{first.name if first else ''!r} is annotated as a list")
+    return HandlerShape(batch=is_batch, context_param=context_param, is_async=_is_async(fn),
+                        name=name)
+
 
 class ListenerAdapter:
-    """Calls a user listener the same way whatever its shape.
+    """Calls a user handler the same way whatever its shape.
 
-    A listener is ``async def f(msgs)`` / ``async def f(msgs, context)`` or the same as a plain
-    ``def``; plain functions run in a worker thread so they never block the event loop. A return
-    value of ``None`` or a raised exception means RECONSUME_LATER.
+    :meth:`invoke` runs one consume call: it decodes the payloads (when the subscription has a
+    ``model=`` / ``decoder=``), calls the handler and returns what the handler returned; the
+    handler's exceptions propagate. A per-message handler is called with ``msgs[0]`` (consume
+    services call it once per message); a batch handler with the list.
     """
 
-    def __init__(self, fn: Listener) -> None:
+    __slots__ = ("batch", "context_param", "decode", "fn", "is_async", "name", "plain",
+                 "wants_context")
+
+    def __init__(self, fn: Listener, *, batch: bool | None = None,
+                 model: type[Any] | None = None,
+                 decoder: Callable[[bytes], Any] | None = None) -> None:
+        shape = inspect_handler(fn, batch=batch)
         self.fn = fn
-        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)  # noqa: B004
-        )
-        try:
-            params = [
-                p for p in inspect.signature(fn).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-            self.wants_context = len(params) >= 2
-        except (TypeError, ValueError):
-            self.wants_context = False
-        self.name = getattr(fn, "__qualname__", repr(fn))
+        self.batch = shape.batch
+        self.context_param = shape.context_param
+        self.wants_context = shape.context_param is not None
+        self.is_async = shape.is_async
+        self.name = shape.name
+        self.decode: Callable[[MessageExt], Any] | None = (
+            build_payload_decoder(model, decoder) if model is not None or decoder is not None
+            else None)
+        #: Called with the raw messages and nothing else: the fast path of the services.
+        self.plain = self.is_async and not self.wants_context and self.decode is None
+
+    def _payload(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
+        decode = self.decode
+        if not self.batch:
+            msg = msgs[0]
+            if decode is None:
+                return msg
+            try:
+                return decode(msg)
+            except PayloadDecodeError as exc:
+                raise DeadLetter(str(exc)) from exc
+        if decode is None:
+            return msgs
+        out: list[Any] = []
+        for m in msgs:
+            try:
+                out.append(decode(m))
+            except PayloadDecodeError as exc:
+                ctx.dead_letters.append((m, str(exc)))
+        return out
+
+    async def invoke(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
+        """One call of the handler for ``msgs`` (one message for a per-message handler).
+
+        An undecodable body raises :class:`DeadLetter` (per-message) or is recorded in
+        ``ctx.dead_letters`` and left out of the list (batch; with none left the handler is
+        not called).
+        """
+        ctx.messages = msgs
+        ctx.message = None if self.batch else msgs[0]
+        payload = self._payload(msgs, ctx)
+        if self.batch and self.decode is not None and not payload:
+            return None
+        if self.context_param is None:
+            if self.is_async:
+                result: Awaitable[Any] = self.fn(payload)
+                return await result
+            return await anyio.to_thread.run_sync(self.fn, payload)
+        kwargs = {self.context_param: ctx}
+        if self.is_async:
+            result = self.fn(payload, **kwargs)
+            return await result
+        return await anyio.to_thread.run_sync(functools.partial(self.fn, payload, **kwargs))
 
     async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
-        args: tuple[Any, ...] = (msgs, ctx) if self.wants_context else (msgs,)
-        if self.is_async:
-            result: Awaitable[Any] = self.fn(*args)
-            return await result
-        return await anyio.to_thread.run_sync(lambda: self.fn(*args))
+        """Call the handler on ``msgs``: once for a batch handler, once per message otherwise
+        (stopping at, and returning, the first result that is not a success)."""
+        if self.batch or len(msgs) == 1:
+            return await self.invoke(msgs, ctx)
+        from rmq_async.consumer.results import normalize_result
+
+        raw: Any = None
+        for m in msgs:
+            raw = await self.invoke([m], ctx)
+            if not normalize_result(raw).is_success:
+                return raw
+        return raw
+
+    def __repr__(self) -> str:
+        kind = "batch" if self.batch else "per-message"
+        return f"<handler {self.name} {kind}{' +context' if self.wants_context else ''}>"

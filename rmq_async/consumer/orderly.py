@@ -11,7 +11,7 @@ client holds the broker's lock for it:
 * a queue given up is unlocked (UNLOCK_BATCH_MQ) only after the batch being consumed on it has
   finished, so its next owner never overlaps with us.
 
-A failing batch (SUSPEND_CURRENT_QUEUE_A_MOMENT, an exception or ``None``) is put back and
+A failing call (an exception, or SUSPEND_CURRENT_QUEUE_A_MOMENT returned) is put back and
 retried after ``suspend_current_queue_time`` seconds; once a message has been retried
 ``max_reconsume_times`` times it is sent to the dead-letter queue and skipped.
 """
@@ -28,10 +28,13 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rmq_async.client.errors import MQClientError
+from rmq_async.consumer.dead_letter import send_to_dlq
+from rmq_async.consumer.listener import ListenerAdapter
+from rmq_async.consumer.middleware import run_call
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
-from rmq_async.consumer.results import ConsumeContext, ConsumeResult, normalize_result
-from rmq_async.consumer.subscriptions import reset_retry_topic
+from rmq_async.consumer.results import ConsumeContext, ConsumeResult
+from rmq_async.consumer.subscriptions import Subscription, reset_retry_topic
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 from rmq_async.remoting.errors import RemotingError
@@ -171,37 +174,68 @@ class OrderlyConsumeService:
 
     async def _consume_batch(self, mq: MessageQueue, pq: ProcessQueue,
                              msgs: list[MessageExt]) -> bool:
+        """Run the handler call(s) of one taken batch, in offset order, and settle it.
+
+        A batch handler gets the batch in one call; a per-message handler one call per message.
+        The calls stop at the first failure: the messages before it are committed, the
+        failing call's messages are retried in place (or dead-lettered once out of retries),
+        the ones after it are put back untouched.
+        """
         rt = self._rt
         reset_retry_topic(msgs, rt.retry_topic)
-        listener = rt.subscriptions.listener_for(msgs[0].topic)
+        topic = msgs[0].topic
+        sub = rt.subscriptions.topics.get(topic)
+        middlewares = rt.subscriptions.middlewares
         ctx = ConsumeContext(message_queue=mq)
         now_ms = str(int(time.time() * 1000))
         for m in msgs:
             m.put_property(PROPERTY_CONSUME_START_TIME, now_ms)
         began = time.monotonic()
-        if listener is None:
-            result = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
-        else:
-            try:
-                result = normalize_result(await listener(msgs, ctx), orderly=True)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("orderly.listener_raised", queue=str(mq),
-                            offsets=[m.queue_offset for m in msgs], error=f"{type(exc).__name__}: {exc}")
-                result = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        result = ConsumeResult.SUCCESS
+        failing: list[MessageExt] = []
+        done = 0
+        for adapter, part in _plan_calls(sub, msgs):
+            if adapter is None:
+                if sub is not None and sub.by_tag:
+                    log.info("orderly.no_handler_for_tag", queue=str(mq), tag=part[0].tags)
+                    done += len(part)
+                    continue
+                result, failing = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT, part
+                break
+            ctx = ConsumeContext(message_queue=mq)
+            outcome = await run_call(adapter, part, ctx, group=rt.group, topic=topic, queue=mq,
+                                     orderly=True, middlewares=middlewares)
+            dead = list(ctx.dead_letters)
+            if outcome.dead_reason is not None:
+                poison = {id(m) for m, _ in dead}
+                dead.extend((m, outcome.dead_reason) for m in part if id(m) not in poison)
+            elif not outcome.result.is_success:
+                result, failing = outcome.result, part
+                break
+            if dead and not await self._dead_letter(dead):
+                result, failing = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT, part
+                break
+            result = outcome.result
+            done += len(part)
         elapsed = time.monotonic() - began
         pq.last_consume_timestamp = time.monotonic()
-        ok = result in (ConsumeResult.SUCCESS, ConsumeResult.COMMIT)
-        rt.stats.record_consume(msgs[0].topic, len(msgs) if ok else 0,
-                                0 if ok else len(msgs), elapsed)
-        if ok:
+        rt.stats.record_consume(topic, done, len(msgs) - done, elapsed)
+        if not failing:
             # Committed even when the queue was just given up: it is released (persisted, then
             # unlocked) only after this batch ends, so the next owner starts after it.
             self._commit(mq, pq)
             return not pq.dropped
         if pq.dropped:
             return False
+        if done:
+            # Commit what succeeded; the failing call's messages are taken again (they are
+            # the lowest offsets cached) and the rest waits in the cache.
+            pq.make_message_to_consume_again(msgs[done:])
+            self._commit(mq, pq)
+            pq.take_messages(len(failing))
+        elif len(failing) < len(msgs):
+            pq.make_message_to_consume_again(msgs[len(failing):])
+        msgs = failing
         if result is ConsumeResult.ROLLBACK:
             pq.rollback()
             self.submit_later(pq, mq, self._suspend_time(ctx))
@@ -218,6 +252,18 @@ class OrderlyConsumeService:
                  reconsume_times=msgs[0].reconsume_times)
         self.submit_later(pq, mq, self._suspend_time(ctx))
         return False
+
+    async def _dead_letter(self, dead: list[tuple[MessageExt, str]]) -> bool:
+        """Send poison messages to the DLQ (broadcasting: log and drop); False on failure."""
+        if self._opts.message_model == MessageModel.BROADCASTING:
+            for m, reason in dead:
+                log.warning("orderly.broadcast_dead_letter_dropped", msg_id=m.msg_id,
+                            offset=m.queue_offset, reason=reason)
+            return True
+        for m, reason in dead:
+            if not await send_to_dlq(self._rt, m, reason):
+                return False
+        return True
 
     def _suspend_time(self, ctx: ConsumeContext) -> float:
         seconds = ctx.suspend_current_queue_time
@@ -364,6 +410,27 @@ class OrderlyConsumeService:
                          was=req.next_offset)
             req.next_offset = offset
         return 0.0
+
+
+def _plan_calls(sub: Subscription | None, msgs: list[MessageExt],
+                ) -> list[tuple[ListenerAdapter | None, list[MessageExt]]]:
+    """The handler calls of a batch, in offset order: the batch for a batch handler, one call
+    per message for a per-message handler, split by tag when several handlers share a topic."""
+    if sub is None:
+        return [(None, msgs)]
+    if not sub.by_tag:
+        adapter = sub.listener
+        if adapter is None or adapter.batch or len(msgs) == 1:
+            return [(adapter, msgs)]
+        return [(adapter, [m]) for m in msgs]
+    calls: list[tuple[ListenerAdapter | None, list[MessageExt]]] = []
+    for m in msgs:
+        adapter = sub.adapter_for(m)
+        if calls and adapter is not None and adapter.batch and calls[-1][0] is adapter:
+            calls[-1][1].append(m)
+        else:
+            calls.append((adapter, [m]))
+    return calls
 
 
 def _dropped(pq: ProcessQueue) -> bool:

@@ -15,7 +15,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import structlog
 
@@ -25,6 +25,7 @@ from rmq_async.consumer.admin import BrokerRequestHandler, raise_if_refused
 from rmq_async.consumer.consume import ConcurrentConsumeService
 from rmq_async.consumer.events import ConsumerError, ErrorHandler, ErrorReporter
 from rmq_async.consumer.listener import ListenerAdapter
+from rmq_async.consumer.middleware import Middleware
 from rmq_async.consumer.offset_store import BrokerOffsetStore, LocalFileOffsetStore, OffsetStore
 from rmq_async.consumer.options import ConsumerOptions, MessageModel, build_client_id
 from rmq_async.consumer.orderly import OrderlyConsumeService
@@ -41,10 +42,10 @@ from rmq_async.consumer.subscriptions import (
     Subscriptions,
 )
 from rmq_async.consumer.tasks import TaskOwner
-from rmq_async.errors import IllegalStateError, InvalidArgumentError
+from rmq_async.errors import IllegalStateError, InvalidArgumentError, InvalidTypeError
 from rmq_async.protocol.bodies import ConsumerData, HeartbeatData
 from rmq_async.protocol.command import RemotingCommand
-from rmq_async.protocol.filter import SubscriptionData, build_subscription
+from rmq_async.protocol.filter import EXPRESSION_SQL92, SubscriptionData, build_subscription
 from rmq_async.protocol.types import MessageExt, MessageQueue
 from rmq_async.remoting.connection import Connection
 from rmq_async.remoting.errors import RemotingError
@@ -54,7 +55,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class PushConsumer:
@@ -64,10 +66,9 @@ class PushConsumer:
 
         consumer = PushConsumer("orders-group", namesrv="127.0.0.1:9876")
 
-        @consumer.subscribe("orders", tags="created || paid")
-        async def on_orders(msgs: list[MessageExt]) -> ConsumeResult:
-            ...
-            return ConsumeResult.SUCCESS
+        @consumer.subscribe("orders", tags="created || paid", model=Order)
+        async def on_order(order: Order) -> None:
+            ...                                   # returning acknowledges, raising retries
 
         async with consumer:
             await stop_event.wait()
@@ -115,55 +116,143 @@ class PushConsumer:
 
     # ------------------------------------------------------------------ subscriptions
 
+    @overload
+    def subscribe(
+        self, topic: str, tags: str = "*", *, sql: str | None = None, listener: None = None,
+        orderly: bool = False, sink: None = None, batch: bool | None = None,
+        model: type[Any] | None = None, decoder: Callable[[bytes], Any] | None = None,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+    @overload
+    def subscribe(
+        self, topic: str, tags: str = "*", *, sql: str | None = None,
+        listener: Callable[P, R], orderly: bool = False, sink: None = None,
+        batch: bool | None = None, model: type[Any] | None = None,
+        decoder: Callable[[bytes], Any] | None = None,
+    ) -> Callable[P, R]: ...
+
+    @overload
+    def subscribe(
+        self, topic: str, tags: str = "*", *, sql: None = None, listener: None = None,
+        orderly: bool = False, sink: SparkSink, batch: None = None, model: None = None,
+        decoder: None = None,
+    ) -> None: ...
+
     def subscribe(
         self,
         topic: str,
         tags: str = "*",
         *,
-        listener: Callable[..., Any] | None = None,
+        sql: str | None = None,
+        listener: Callable[P, R] | None = None,
         orderly: bool = False,
         sink: SparkSink | None = None,
-    ) -> Any:
-        """Subscribe ``topic`` with a TAG expression (``"*"`` or ``"a || b"``).
+        batch: bool | None = None,
+        model: type[Any] | None = None,
+        decoder: Callable[[bytes], Any] | None = None,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]] | Callable[P, R] | None:
+        """Subscribe ``topic`` with a TAG expression (``"*"`` or ``"a || b"``) or, with
+        ``sql=``, an SQL92 filter on the message properties (the broker must enable
+        ``enablePropertyFilter``, as the dev broker does).
 
-        Used as a decorator it registers the decorated function as the topic's listener::
+        Used as a decorator it registers the decorated function as the topic's handler and
+        returns it unchanged::
 
             @consumer.subscribe("orders", tags="created")
-            async def handle(msgs): ...
+            async def handle(msg: MessageExt) -> None: ...
 
-        It also accepts ``listener=fn`` or ``sink=SparkSink(...)`` directly. Subscribing after
-        ``start()`` takes effect at once: a rebalance round is triggered.
+        It also accepts ``listener=fn`` or ``sink=SparkSink(...)`` directly.
+
+        * Returning normally acknowledges; raising retries (concurrent: through the retry
+          topic; orderly: the queue is suspended and the call repeated); raising
+          :class:`~rmq_async.consumer.results.DeadLetter` sends to ``%DLQ%<group>`` at once.
+          A returned :class:`ConsumeResult` keeps its Java meaning.
+        * Handlers are per-message by default; ``batch=True`` or a ``list[...]`` annotation on
+          the first parameter makes a batch handler. A per-message handler over a pulled batch
+          is called once per message, and a failing message is retried alone while the others
+          of the batch are acknowledged: a batch is a transport unit, and retrying messages
+          that succeeded would repeat their side effects.
+        * A parameter annotated ``ConsumeContext`` receives the context; any other parameter
+          without a default is an :class:`~rmq_async.errors.InvalidTypeError` (a ``TypeError``)
+          here.
+        * ``model=`` / ``decoder=`` decode each body into the handler's payload
+          (:mod:`rmq_async.payloads`); an undecodable body goes to the DLQ at once.
+        * Several handlers may share a topic with disjoint tags (each message goes to the
+          handler of its tag); an overlapping or repeated subscription raises
+          :class:`~rmq_async.errors.InvalidArgumentError` (a ``ValueError``).
+
+        Subscribing after ``start()`` takes effect at once: a rebalance round is triggered.
         """
-        data = build_subscription(topic, tags)
+        if sql is not None:
+            if tags != "*":
+                raise InvalidArgumentError("give either tags= or sql=, not both")
+            data = build_subscription(topic, sql, expression_type=EXPRESSION_SQL92)
+            expression = sql
+        else:
+            data = build_subscription(topic, tags)
+            expression = tags
         if topic.startswith(RETRY_GROUP_TOPIC_PREFIX):
             raise InvalidArgumentError(f"{topic!r} is a retry topic; it is subscribed automatically")
         if listener is not None and sink is not None:
             raise InvalidArgumentError("give either a listener or a sink, not both")
-        if orderly and sink is not None:
-            raise InvalidArgumentError("a sink consumes concurrently; orderly=True is not supported with it")
+        if sink is not None:
+            if orderly:
+                raise InvalidArgumentError(
+                    "a sink consumes concurrently; orderly=True is not supported with it")
+            if batch is not None or model is not None or decoder is not None:
+                raise InvalidArgumentError("batch=, model= and decoder= apply to handlers, not sinks")
 
         def register(fn: Callable[..., Any] | None) -> None:
-            self._subs[topic] = Subscription(
+            adapter = (ListenerAdapter(fn, batch=batch, model=model, decoder=decoder)
+                       if fn is not None else None)
+            self.subscriptions.add(Subscription(
                 topic=topic,
-                expression=tags,
+                expression=expression,
                 data=data,
-                listener=ListenerAdapter(fn) if fn is not None else None,
+                listener=adapter,
                 orderly=orderly,
                 sink=sink,
                 user_fn=fn,
-            )
+            ))
             if self._started:
                 self._subscription_changed()
 
-        if listener is not None or sink is not None:
+        if sink is not None:
+            register(None)
+            return None
+        if listener is not None:
             register(listener)
             return listener
 
-        def decorator(fn: F) -> F:
+        def decorator(fn: Callable[P, R]) -> Callable[P, R]:
             register(fn)
             return fn
 
         return decorator
+
+    def add_middleware(self, middleware: Middleware) -> Middleware:
+        """Run ``middleware`` around every handler call (see :mod:`rmq_async.consumer.middleware`).
+
+        Middlewares run in registration order, the first registered outermost. Also usable
+        as a decorator (:meth:`middleware`).
+        """
+        if not callable(middleware):
+            raise InvalidTypeError(f"a middleware must be callable, got {middleware!r}")
+        self.subscriptions.middlewares.append(middleware)
+        return middleware
+
+    def middleware(self, middleware: Middleware) -> Middleware:
+        """Decorator form of :meth:`add_middleware`::
+
+            @consumer.middleware
+            async def timing(call: ConsumeCall, call_next: CallNext) -> None:
+                began = time.monotonic()
+                try:
+                    await call_next(call)
+                finally:
+                    observe(call.topic, time.monotonic() - began)
+        """
+        return self.add_middleware(middleware)
 
     def unsubscribe(self, topic: str) -> None:
         if self._subs.pop(topic, None) is not None and self._started:
@@ -186,8 +275,8 @@ class PushConsumer:
     def subscription_data(self, topic: str) -> SubscriptionData | None:
         return self.subscriptions.subscription_data(topic)
 
-    def listener_for(self, topic: str) -> ListenerAdapter | None:
-        return self.subscriptions.listener_for(topic)
+    def listener_for(self, topic: str, msg: MessageExt | None = None) -> ListenerAdapter | None:
+        return self.subscriptions.listener_for(topic, msg)
 
     def is_orderly(self, topic: str) -> bool:
         return self.subscriptions.is_orderly(topic)

@@ -1,28 +1,35 @@
-"""What a listener returns, and the context it may adjust.
+"""What a handler returns or raises, and the context it may adjust.
 
-One enum serves both listener kinds. Concurrent listeners return ``SUCCESS`` or
-``RECONSUME_LATER`` (Java ``ConsumeConcurrentlyStatus``); orderly listeners return ``SUCCESS`` or
-``SUSPEND_CURRENT_QUEUE_A_MOMENT`` (Java ``ConsumeOrderlyStatus``; its deprecated ``COMMIT`` and
-``ROLLBACK`` are accepted too). Returning ``None`` or raising means "failed": RECONSUME_LATER for
-a concurrent listener, SUSPEND_CURRENT_QUEUE_A_MOMENT for an orderly one.
+A handler that returns normally (``None`` or any value that is not a result) acknowledges its
+message(s); one that raises fails them: RECONSUME_LATER for a concurrent subscription (sent
+back, redelivered later through ``%RETRY%<group>``), SUSPEND_CURRENT_QUEUE_A_MOMENT for an
+orderly one (retried in place). :class:`DeadLetter` sends them to ``%DLQ%<group>`` at once.
+
+Java's contract keeps working: one enum serves both listener kinds. Concurrent handlers may
+return ``SUCCESS`` or ``RECONSUME_LATER`` (Java ``ConsumeConcurrentlyStatus``); orderly ones
+``SUCCESS`` or ``SUSPEND_CURRENT_QUEUE_A_MOMENT`` (Java ``ConsumeOrderlyStatus``; its deprecated
+``COMMIT`` and ``ROLLBACK`` are accepted too).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum, StrEnum
 from typing import Any
 
 import structlog
 
-from rmq_async.protocol.types import MessageQueue
+from rmq_async.errors import RocketMQError
+from rmq_async.protocol.types import MessageExt, MessageQueue
 
 log = structlog.get_logger(__name__)
 
 __all__ = [
     "ConsumeContext",
     "ConsumeResult",
+    "DeadLetter",
+    "RetryLater",
     "DirectConsumeResult",
     "direct_consume_result",
     "normalize_result",
@@ -53,26 +60,52 @@ _BY_NAME: dict[str, ConsumeResult] = {r.value: r for r in ConsumeResult}
 _BY_NAME["CONSUME_SUCCESS"] = ConsumeResult.SUCCESS
 
 
-def normalize_result(value: Any, *, orderly: bool = False) -> ConsumeResult:
-    """Turn whatever a listener produced into a result its consume service understands.
+class RetryLater(RocketMQError):
+    """The call failed without an exception of its own: retry its messages.
 
-    ``None``, an exception object, or anything unrecognised means failure. For a concurrent
-    listener the result is one of SUCCESS / RECONSUME_LATER (COMMIT counts as SUCCESS, the
-    other orderly failures as RECONSUME_LATER). For an orderly listener RECONSUME_LATER
-    becomes SUSPEND_CURRENT_QUEUE_A_MOMENT. Strings naming a result (Java spellings included)
-    are accepted.
+    Raised through the middlewares when a handler returned a failing :class:`ConsumeResult`
+    (RECONSUME_LATER, SUSPEND_CURRENT_QUEUE_A_MOMENT, ROLLBACK), so that they see a failure;
+    a handler or middleware may raise it too. ``result`` is the Java result it stands for.
+    """
+
+    def __init__(self, result: ConsumeResult = ConsumeResult.RECONSUME_LATER) -> None:
+        super().__init__(result.value)
+        self.result = result
+
+
+class DeadLetter(RocketMQError):
+    """Raised by a handler or a middleware: send the message(s) of this call to the
+    dead-letter queue ``%DLQ%<group>`` at once, without further retries.
+
+    ``reason`` travels with each message as its ``RMQ_DLQ_REASON`` property. In broadcasting
+    mode, where the broker keeps no dead-letter queue, the messages are logged and dropped.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def normalize_result(value: Any, *, orderly: bool = False) -> ConsumeResult:
+    """Turn whatever a handler returned into a result its consume service understands.
+
+    A :class:`ConsumeResult` (or a string naming one, Java spellings included) keeps its
+    meaning; ``None`` or any other value means the handler returned normally: SUCCESS. An
+    exception object means failure. For a concurrent handler the result is one of SUCCESS /
+    RECONSUME_LATER (COMMIT counts as SUCCESS, the other orderly failures as RECONSUME_LATER).
+    For an orderly handler RECONSUME_LATER becomes SUSPEND_CURRENT_QUEUE_A_MOMENT.
     """
     result: ConsumeResult | None
+    if value is None:
+        return ConsumeResult.SUCCESS
     if isinstance(value, ConsumeResult):
         result = value
     elif isinstance(value, str):
-        result = _BY_NAME.get(value.upper())
-    else:
-        result = None
-    if result is None:
-        if value is not None and not isinstance(value, BaseException):
-            log.warning("consume.unexpected_result", result=repr(value)[:200])
+        result = _BY_NAME.get(value.upper(), ConsumeResult.SUCCESS)
+    elif isinstance(value, BaseException):
         result = ConsumeResult.RECONSUME_LATER
+    else:
+        result = ConsumeResult.SUCCESS
     if orderly:
         if result is ConsumeResult.RECONSUME_LATER:
             return ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
@@ -86,7 +119,14 @@ def normalize_result(value: Any, *, orderly: bool = False) -> ConsumeResult:
 
 @dataclass(slots=True)
 class ConsumeContext:
-    """Passed to a listener that takes a second argument; it may change the fields.
+    """Given to a handler parameter annotated ``ConsumeContext``; the handler may change the
+    fields.
+
+    * ``message``: the message of this call (per-message handlers; ``None`` for a batch call);
+      with ``model=`` it is how the handler reaches the message behind the decoded object.
+    * ``messages``: the messages of this call (one for a per-message handler).
+    * ``dead_letters``: messages of this call bound for the dead-letter queue, with their
+      reason (bodies a batch handler's decoder could not read are put here).
 
     Concurrent (Java ``ConsumeConcurrentlyContext``):
 
@@ -112,6 +152,9 @@ class ConsumeContext:
     auto_commit: bool = True
     suspend_current_queue_time_millis: int = -1
     suspend_current_queue_time: float | timedelta | None = None
+    message: MessageExt | None = None
+    messages: list[MessageExt] = field(default_factory=list)
+    dead_letters: list[tuple[MessageExt, str]] = field(default_factory=list)
 
     def acked_count(self, batch_size: int, result: ConsumeResult) -> int:
         """How many leading messages of a batch of ``batch_size`` count as consumed.
@@ -141,8 +184,6 @@ def direct_consume_result(raw: Any) -> DirectConsumeResult:
     """Map a listener's raw return value (or raised exception) to a ``CMResult`` name."""
     if isinstance(raw, BaseException):
         return DirectConsumeResult.CR_THROW_EXCEPTION
-    if raw is None:
-        return DirectConsumeResult.CR_RETURN_NULL
     result = normalize_result(raw, orderly=True)
     if result is ConsumeResult.SUCCESS:
         return DirectConsumeResult.CR_SUCCESS

@@ -1,6 +1,11 @@
 """The subscription table: what each subscribed topic is consumed by.
 
-A topic is consumed by a listener (concurrently or in order) or by a sink. The group's retry
+A topic is consumed by a handler (concurrently or in order) or by a sink. Several handlers may
+share a topic when their TAG filters are disjoint: the broker is sent one subscription, the
+union of their tags, and each message goes to the handler whose tags contain its tag. A second
+subscription of a topic that overlaps the first (the same tag, ``*`` with anything, an SQL92
+filter with anything, a sink, or a different ``orderly``) raises
+:class:`~rmq_async.errors.InvalidArgumentError` (a ``ValueError``). The group's retry
 topic ``%RETRY%<group>`` is subscribed on its own in clustering mode; a message redelivered
 through it carries the topic it was first sent to (``RETRY_TOPIC``), which decides the listener
 or sink it goes to.
@@ -14,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from rmq_async.consumer.listener import ListenerAdapter
 from rmq_async.consumer.options import MessageModel
-from rmq_async.protocol.filter import SubscriptionData, build_subscription
+from rmq_async.errors import InvalidArgumentError
+from rmq_async.protocol.filter import EXPRESSION_TAG, SubscriptionData, build_subscription
 from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, MessageExt
 
 if TYPE_CHECKING:
+    from rmq_async.consumer.middleware import Middleware
     from rmq_async.sinks.spark import SparkSink
 
 RETRY_GROUP_TOPIC_PREFIX = "%RETRY%"
@@ -33,6 +40,24 @@ class Subscription:
     sink: SparkSink | None = None
     user_fn: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Several handlers on the topic: the handler of each tag (``listener`` is then ``None``).
+    by_tag: dict[str, ListenerAdapter] = field(default_factory=dict)
+    #: Each handler's own tag expression, in subscription order.
+    parts: list[tuple[str, ListenerAdapter | None]] = field(default_factory=list)
+
+    def adapter_for(self, msg: MessageExt) -> ListenerAdapter | None:
+        """The handler of ``msg`` (by its tag when several handlers share the topic)."""
+        if not self.by_tag:
+            return self.listener
+        tag = msg.tags
+        return self.by_tag.get(tag) if tag is not None else None
+
+    def describe(self) -> str:
+        if self.sink is not None:
+            return "a sink"
+        if self.data.expression_type != EXPRESSION_TAG:
+            return f"sql={self.expression!r}"
+        return f"tags={self.expression!r}"
 
 
 def reset_retry_topic(msgs: list[MessageExt], retry_topic: str) -> None:
@@ -55,6 +80,51 @@ class Subscriptions:
         self.retry_data: SubscriptionData | None = None
         #: Subscription versions the next heartbeat announces before the pulls use them.
         self.version_override: dict[str, int] = {}
+        #: Around every handler call, the first outermost (``PushConsumer.add_middleware``).
+        self.middlewares: list[Middleware] = []
+
+    def add(self, sub: Subscription) -> Subscription:
+        """Register ``sub``; a topic already subscribed is shared when both are handlers with
+        disjoint tag lists (the registered subscription then covers the union), otherwise
+        :class:`~rmq_async.errors.InvalidArgumentError`."""
+        topic = sub.topic
+        old = self.topics.get(topic)
+        sub.parts = [(sub.expression, sub.listener)]
+        if old is None:
+            self.topics[topic] = sub
+            return sub
+        problem = None
+        if old.sink is not None or sub.sink is not None:
+            problem = "a topic consumed by a sink has no other subscription"
+        elif old.data.expression_type != EXPRESSION_TAG or sub.data.expression_type != EXPRESSION_TAG:
+            problem = "an SQL92 subscription cannot share its topic"
+        elif not old.data.tags_set or not sub.data.tags_set:
+            problem = "'*' takes every tag, so it cannot share the topic"
+        elif old.orderly != sub.orderly:
+            problem = "handlers of one topic are either all orderly or none"
+        else:
+            overlap = [t for t in sub.data.tags_set if t in old.data.tags_set]
+            if overlap:
+                problem = f"tag(s) {', '.join(repr(t) for t in overlap)} already have a handler"
+        if problem is not None:
+            raise InvalidArgumentError(
+                f"topic {topic!r} is already subscribed ({old.describe()}); cannot add "
+                f"{sub.describe()}: {problem}. Unsubscribe it first, or give each handler "
+                "its own disjoint tags")
+        assert sub.listener is not None
+        by_tag = dict(old.by_tag) if old.by_tag else {}
+        if not by_tag:
+            assert old.listener is not None
+            by_tag = dict.fromkeys(old.data.tags_set, old.listener)
+        by_tag.update(dict.fromkeys(sub.data.tags_set, sub.listener))
+        union = " || ".join(by_tag)
+        merged = Subscription(
+            topic=topic, expression=union, data=build_subscription(topic, union),
+            listener=None, orderly=old.orderly, user_fn=old.user_fn, by_tag=by_tag,
+            parts=[*old.parts, (sub.expression, sub.listener)],
+        )
+        self.topics[topic] = merged
+        return merged
 
     def reset_retry(self) -> None:
         self.retry_data = build_subscription(self.retry_topic, "*")
@@ -88,9 +158,14 @@ class Subscriptions:
         sub = self.topics.get(topic)
         return sub.data if sub else None
 
-    def listener_for(self, topic: str) -> ListenerAdapter | None:
+    def listener_for(self, topic: str, msg: MessageExt | None = None) -> ListenerAdapter | None:
+        """The handler of ``topic`` (of ``msg``'s tag when several handlers share it)."""
         sub = self.topics.get(topic)
-        return sub.listener if sub else None
+        if sub is None:
+            return None
+        if msg is not None:
+            return sub.adapter_for(msg)
+        return sub.listener
 
     def sink_for(self, topic: str) -> SparkSink | None:
         sub = self.topics.get(topic)

@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 
 from rmq_async.consumer.consume import ConcurrentConsumeService, ListenerAdapter
-from rmq_async.consumer.options import ConsumerOptions
+from rmq_async.consumer.options import ConsumerOptions, MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
 from rmq_async.consumer.stats import ConsumerStats
+from rmq_async.consumer.subscriptions import Subscription, Subscriptions
+from rmq_async.protocol.filter import build_subscription
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 
 MQ = MessageQueue("T", "broker-a", 0)
@@ -35,13 +37,15 @@ class Harness:
         self.sent_back: list[tuple[int, int]] = []
         self.send_back_ok = True
         self.adapter = ListenerAdapter(listener)
+        self.subscriptions = Subscriptions("G", MessageModel.CLUSTERING)
+        self.subscriptions.add(Subscription("T", "*", build_subscription("T", "*"),
+                                            listener=self.adapter))
         self.pq = CountingProcessQueue()
         # The narrow things the service uses of a started consumer (a ConsumerRuntime).
         rt = SimpleNamespace(
             group="G", options=self.options, stats=self.stats, retry_topic="%RETRY%G",
             offset_store=SimpleNamespace(update=lambda mq, off, increase_only: self.updates.append(off)),
-            subscriptions=SimpleNamespace(listener_for=lambda topic: self.adapter,
-                                          is_orderly=lambda topic: False),
+            subscriptions=self.subscriptions,
             send_message_back=self._send_back,
             process_queues={MQ: self.pq},
         )
@@ -115,8 +119,10 @@ async def test_failures_and_ack_index_per_call_then_one_settlement() -> None:
 
 
 async def test_a_failed_send_back_keeps_the_offset_below_the_message() -> None:
-    async def listener(msgs: list[MessageExt]) -> ConsumeResult | None:
-        return None if msgs[0].queue_offset == 3 else ConsumeResult.SUCCESS
+    async def listener(msgs: list[MessageExt]) -> ConsumeResult:
+        if msgs[0].queue_offset == 3:
+            raise RuntimeError("fails")
+        return ConsumeResult.SUCCESS
 
     h = Harness(listener)
     h.send_back_ok = False

@@ -392,20 +392,21 @@ def test_credentials_repr_hides_the_secret() -> None:
 
 def test_normalize_result_concurrent() -> None:
     assert normalize_result(ConsumeResult.SUCCESS) is ConsumeResult.SUCCESS
-    assert normalize_result(None) is ConsumeResult.RECONSUME_LATER
+    assert normalize_result(None) is ConsumeResult.SUCCESS  # returned normally
     assert normalize_result(RuntimeError("x")) is ConsumeResult.RECONSUME_LATER
     assert normalize_result("CONSUME_SUCCESS") is ConsumeResult.SUCCESS
     assert normalize_result("reconsume_later") is ConsumeResult.RECONSUME_LATER
     assert normalize_result(ConsumeResult.COMMIT) is ConsumeResult.SUCCESS
     assert normalize_result(ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT) \
         is ConsumeResult.RECONSUME_LATER
-    assert normalize_result(True) is ConsumeResult.RECONSUME_LATER
-    assert normalize_result(42) is ConsumeResult.RECONSUME_LATER
+    assert normalize_result(True) is ConsumeResult.SUCCESS
+    assert normalize_result(42) is ConsumeResult.SUCCESS
+    assert normalize_result("done") is ConsumeResult.SUCCESS
 
 
 def test_normalize_result_orderly() -> None:
     suspend = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
-    assert normalize_result(None, orderly=True) is suspend
+    assert normalize_result(None, orderly=True) is ConsumeResult.SUCCESS
     assert normalize_result(ValueError(), orderly=True) is suspend
     assert normalize_result(ConsumeResult.RECONSUME_LATER, orderly=True) is suspend
     for r in (ConsumeResult.SUCCESS, ConsumeResult.COMMIT, ConsumeResult.ROLLBACK, suspend):
@@ -434,6 +435,6 @@ def test_direct_consume_result_names() -> None:
         is DirectConsumeResult.CR_LATER
     assert direct_consume_result(ConsumeResult.COMMIT) is DirectConsumeResult.CR_COMMIT
     assert direct_consume_result(ConsumeResult.ROLLBACK) is DirectConsumeResult.CR_ROLLBACK
-    assert direct_consume_result(None) is DirectConsumeResult.CR_RETURN_NULL
+    assert direct_consume_result(None) is DirectConsumeResult.CR_SUCCESS  # returned normally
     assert direct_consume_result(KeyError()) is DirectConsumeResult.CR_THROW_EXCEPTION
     assert str(DirectConsumeResult.CR_SUCCESS) == "CR_SUCCESS"

@@ -1,0 +1,144 @@
+"""Middlewares: code around every consume call of the listener subscriptions.
+
+A middleware is ``async def mw(call: ConsumeCall, call_next) -> None``. It runs code before
+``await call_next(call)`` and after it; ``call_next`` returns ``None`` when the call succeeded
+(its messages are acknowledged) and raises when it failed: the handler's own exception,
+:class:`~rmq_async.consumer.results.RetryLater` for a handler that returned a failing
+``ConsumeResult``, :class:`~rmq_async.consumer.results.DeadLetter` as itself. So:
+
+* timing, tracing, metrics: measure around ``call_next``;
+* on error: ``try: await call_next(call) except ...``; swallowing the exception turns the call
+  into an acknowledgement, raising ``DeadLetter(reason)`` sends its messages to the dead-letter
+  queue, raising anything else retries them;
+* dedup or filtering: call ``call_next`` with a copy of the call holding fewer messages (the
+  messages left out are acknowledged), or not at all (all are acknowledged).
+
+Middlewares run in registration order, the first registered outermost. They wrap every call of a
+handler (one message for a per-message handler, the batch for a batch handler), concurrent and
+orderly; sink subscriptions have no handler calls and no middlewares. With none registered the
+consume services call handlers directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from rmq_async.consumer.listener import ListenerAdapter
+from rmq_async.consumer.results import (
+    ConsumeContext,
+    ConsumeResult,
+    DeadLetter,
+    RetryLater,
+    normalize_result,
+)
+from rmq_async.protocol.types import MessageExt, MessageQueue
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["CallNext", "ConsumeCall", "Middleware", "Outcome", "run_call"]
+
+
+@dataclass(slots=True)
+class ConsumeCall:
+    """One call of a handler, as middlewares see it."""
+
+    group: str
+    """The consumer group."""
+    topic: str
+    """The subscribed topic (for a redelivered message, the topic it was first sent to)."""
+    queue: MessageQueue
+    """The queue the messages were pulled from (``%RETRY%<group>`` for redeliveries)."""
+    messages: list[MessageExt]
+    """The messages of the call: one for a per-message handler."""
+    context: ConsumeContext
+    """The context the handler receives (and may change)."""
+    orderly: bool
+    """The subscription is consumed in order (failures suspend the queue instead of retrying
+    through the retry topic)."""
+    handler_name: str
+    """The handler's qualified name."""
+
+
+CallNext = Callable[[ConsumeCall], Awaitable[None]]
+Middleware = Callable[[ConsumeCall, CallNext], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one call came to, for the consume service that settles its messages."""
+
+    result: ConsumeResult
+    """SUCCESS (or COMMIT) when the call succeeded; the failing result otherwise."""
+    dead_reason: str | None = None
+    """Set when the call's messages go to the dead-letter queue (``DeadLetter``)."""
+    acked: list[MessageExt] | None = None
+    """Messages a middleware left out of the call (acknowledged whatever the result)."""
+
+
+def _terminal(adapter: ListenerAdapter, orderly: bool, reached: list[ConsumeCall]) -> CallNext:
+    async def call_handler(call: ConsumeCall) -> None:
+        reached.append(call)
+        if not call.messages:
+            return
+        raw = await adapter.invoke(call.messages, call.context)
+        if raw is None:
+            return
+        result = normalize_result(raw, orderly=orderly)
+        if not result.is_success:
+            raise RetryLater(result)
+
+    return call_handler
+
+
+def _link(mw: Middleware, nxt: CallNext) -> CallNext:
+    async def step(call: ConsumeCall) -> None:
+        await mw(call, nxt)
+
+    return step
+
+
+async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: ConsumeContext, *,
+                   group: str, topic: str, queue: MessageQueue, orderly: bool,
+                   middlewares: Sequence[Middleware]) -> Outcome:
+    """One handler call through the middlewares; exceptions become an :class:`Outcome`.
+
+    When a middleware handed the handler fewer messages than the call had (dedup), a failure
+    fails only the messages the handler saw; the others are in ``Outcome.acked``.
+    """
+    failed = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT if orderly \
+        else ConsumeResult.RECONSUME_LATER
+    call = ConsumeCall(group=group, topic=topic, queue=queue, messages=msgs, context=ctx,
+                       orderly=orderly, handler_name=adapter.name)
+    reached: list[ConsumeCall] = []
+    chain = _terminal(adapter, orderly, reached)
+    for mw in reversed(middlewares):
+        chain = _link(mw, chain)
+    outcome: Outcome
+    try:
+        await chain(call)
+    except asyncio.CancelledError:
+        raise
+    except DeadLetter as exc:
+        outcome = Outcome(failed, dead_reason=exc.reason or "DeadLetter")
+    except RetryLater as exc:
+        # Orderly keeps SUSPEND / ROLLBACK; concurrent knows one failure, RECONSUME_LATER.
+        keep = exc.result is not ConsumeResult.RECONSUME_LATER if orderly \
+            else exc.result is ConsumeResult.RECONSUME_LATER
+        outcome = Outcome(exc.result if keep else failed)
+    except Exception as exc:
+        log.warning("consume.handler_raised", group=group, topic=topic, queue=str(queue),
+                    handler=adapter.name, offsets=[m.queue_offset for m in msgs[:16]],
+                    msg_ids=[m.msg_id for m in msgs[:8]], error=f"{type(exc).__name__}: {exc}")
+        outcome = Outcome(failed)
+    else:
+        return Outcome(ConsumeResult.SUCCESS)
+    if reached and reached[-1].messages is not msgs:
+        seen = {id(m) for m in reached[-1].messages}
+        outcome.acked = [m for m in msgs if id(m) not in seen]
+    return outcome
+
+

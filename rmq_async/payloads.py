@@ -1,0 +1,175 @@
+"""Typed payloads: message bodies decoded into the object a handler asks for.
+
+``consumer.subscribe("orders", model=Order)`` hands the handler an ``Order`` instead of a
+:class:`~rmq_async.protocol.types.MessageExt` (the message stays reachable as
+``ConsumeContext.message``). How a body becomes an object:
+
+1. **Wire format.** With ``decoder=`` the given ``Callable[[bytes], T]`` reads the body. Without
+   it the message's ``CONTENT_TYPE`` user property decides: ``application/msgpack`` (or
+   ``application/x-msgpack``) is msgpack; absent, ``application/json`` or any ``+json`` type is
+   JSON. Any other content type cannot be decoded.
+2. **Model.** With ``model=`` the decoded data becomes an instance of it:
+
+   * a pydantic model (``pydantic`` extra): validated by pydantic (``model_validate_json`` for
+     JSON bodies, so pydantic's strictness rules apply);
+   * a msgspec ``Struct`` (``msgspec`` extra): decoded and validated by msgspec in one step;
+   * a dataclass: the decoded object must be a JSON object whose keys are the dataclass's
+     fields (unknown or missing required fields fail); field values are not converted;
+   * any other class: the decoded value must already be an instance of it (``dict``,
+     ``list``, ``str``...).
+
+   With ``decoder=`` and ``model=`` together, the decoder's result is converted into the model.
+
+A body that fails any step raises :class:`PayloadDecodeError`; the consumer treats such a
+message as poison and sends it to ``%DLQ%<group>`` at once, with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgpack  # type: ignore[import-untyped, unused-ignore]
+
+from rmq_async.errors import InvalidArgumentError, InvalidTypeError, RocketMQError
+from rmq_async.protocol.types import MessageExt
+
+__all__ = [
+    "CONTENT_TYPE_JSON",
+    "CONTENT_TYPE_MSGPACK",
+    "PROPERTY_CONTENT_TYPE",
+    "PayloadDecodeError",
+    "build_payload_decoder",
+]
+
+T = TypeVar("T")
+
+#: The user property naming a body's wire format.
+PROPERTY_CONTENT_TYPE = "CONTENT_TYPE"
+CONTENT_TYPE_JSON = "application/json"
+CONTENT_TYPE_MSGPACK = "application/msgpack"
+_MSGPACK_TYPES = frozenset({CONTENT_TYPE_MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
+
+#: The longest reason text a dead-lettered message carries.
+MAX_REASON_CHARS = 1000
+
+
+class PayloadDecodeError(RocketMQError, ValueError):
+    """A message body could not be decoded into the subscription's payload type."""
+
+
+def _wire_format(msg: MessageExt) -> str:
+    raw = msg.get_property(PROPERTY_CONTENT_TYPE)
+    if raw is None:
+        return "json"
+    ctype = raw.split(";", 1)[0].strip().lower()
+    if ctype in _MSGPACK_TYPES:
+        return "msgpack"
+    if ctype in ("", CONTENT_TYPE_JSON, "text/json") or ctype.endswith("+json"):
+        return "json"
+    raise PayloadDecodeError(f"unsupported content type {raw!r}")
+
+
+def _load(body: bytes, fmt: str) -> Any:
+    if fmt == "msgpack":
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    return json.loads(body)
+
+
+def _is_pydantic_model(model: type[Any]) -> bool:
+    return callable(getattr(model, "model_validate_json", None)) and callable(
+        getattr(model, "model_validate", None))
+
+
+def _is_msgspec_struct(model: type[Any]) -> bool:
+    return hasattr(model, "__struct_fields__")
+
+
+def _model_converter(model: type[Any]) -> tuple[Callable[[bytes, str], Any],
+                                                  Callable[[Any], Any]]:
+    """(from body and wire format, from already decoded data) for ``model``."""
+    if _is_pydantic_model(model):
+        def pyd_body(body: bytes, fmt: str) -> Any:
+            if fmt == "json":
+                return model.model_validate_json(body)
+            return model.model_validate(_load(body, fmt))
+
+        return pyd_body, lambda data: model.model_validate(data)
+    if _is_msgspec_struct(model):
+        import msgspec
+
+        json_decoder = msgspec.json.Decoder(model)
+        msgpack_decoder = msgspec.msgpack.Decoder(model)
+
+        def struct_body(body: bytes, fmt: str) -> Any:
+            if fmt == "json":
+                return json_decoder.decode(body)
+            return msgpack_decoder.decode(body)
+
+        return struct_body, lambda data: msgspec.convert(data, model)
+    if dataclasses.is_dataclass(model):
+        def from_data_dc(data: Any) -> Any:
+            if not isinstance(data, dict):
+                raise PayloadDecodeError(
+                    f"expected a JSON object for {model.__name__}, got {type(data).__name__}")
+            return model(**data)
+
+        return (lambda body, fmt: from_data_dc(_load(body, fmt))), from_data_dc
+
+    def from_data_plain(data: Any) -> Any:
+        if not isinstance(data, model):
+            raise PayloadDecodeError(
+                f"expected {model.__name__}, got {type(data).__name__}")
+        return data
+
+    return (lambda body, fmt: from_data_plain(_load(body, fmt))), from_data_plain
+
+
+def build_payload_decoder(model: type[Any] | None,
+                          decoder: Callable[[bytes], Any] | None) -> Callable[[MessageExt], Any]:
+    """The function turning a message into the handler's payload (see the module docs).
+
+    It raises :class:`PayloadDecodeError` (with the cause chained) for a body it cannot read.
+    """
+    if model is None and decoder is None:
+        raise InvalidArgumentError("give model= or decoder= (or neither, for MessageExt payloads)")
+    if model is not None and not isinstance(model, type):
+        raise InvalidTypeError(f"model= takes a class, got {model!r}")
+    if decoder is not None and not callable(decoder):
+        raise InvalidTypeError(f"decoder= takes a Callable[[bytes], T], got {decoder!r}")
+    name = model.__name__ if model is not None else getattr(decoder, "__qualname__", "decoder")
+
+    if decoder is not None:
+        dec = decoder
+        convert = _model_converter(model)[1] if model is not None else None
+
+        def decode_custom(msg: MessageExt) -> Any:
+            try:
+                data = dec(msg.body)
+                return convert(data) if convert is not None else data
+            except PayloadDecodeError:
+                raise
+            except Exception as exc:
+                raise PayloadDecodeError(_reason(name, exc)) from exc
+
+        return decode_custom
+
+    assert model is not None
+    from_body = _model_converter(model)[0]
+
+    def decode_model(msg: MessageExt) -> Any:
+        try:
+            return from_body(msg.body, _wire_format(msg))
+        except PayloadDecodeError as exc:
+            raise PayloadDecodeError(_reason(name, exc)) from exc
+        except Exception as exc:
+            raise PayloadDecodeError(_reason(name, exc)) from exc
+
+    return decode_model
+
+
+def _reason(name: str, exc: Exception) -> str:
+    text = f"payload not decodable as {name}: {type(exc).__name__}: {exc}"
+    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 3] + "..."
