@@ -132,7 +132,7 @@ async def run_push(spec: dict[str, Any]) -> dict[str, Any]:
             tally.listener_calls += 1
         return ConsumeResult.SUCCESS
 
-    consumer.subscribe(spec["topic"], listener=on_messages)
+    consumer.subscribe(spec["topic"], listener=on_messages, batch=True)
     cpu0 = cpu_times()
     t0 = time.perf_counter()
     await consumer.start()

@@ -45,7 +45,8 @@ class CacheNode:
                                      instance_name=name, offset_store_dir=offsets,
                                      consume_from_where="CONSUME_FROM_FIRST_OFFSET")
         # Orderly: a queue's changes are applied one after the other, in the order sent.
-        self.consumer.subscribe(topic, tags="setting", listener=self.on_change, orderly=True)
+        self.consumer.subscribe(topic, tags="setting", listener=self.on_change, orderly=True,
+                                batch=True)
 
     async def on_change(self, msgs: list[MessageExt]) -> ConsumeResult:
         for m in msgs:

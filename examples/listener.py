@@ -22,7 +22,7 @@ async def run(namesrv: str, topic: str, group: str, produce: int, seconds: float
     consumer = PushConsumer(group, namesrv=namesrv, consume_from_where="CONSUME_FROM_FIRST_OFFSET")
     received = 0
 
-    @consumer.subscribe(topic, tags="*")
+    @consumer.subscribe(topic, tags="*", batch=True)
     async def on_messages(msgs: list[MessageExt]) -> ConsumeResult:
         nonlocal received
         for m in msgs:

@@ -49,7 +49,7 @@ async def run(namesrv: str, topic: str, group: str, orders: int, seconds: float)
                             consume_message_batch_max_size=4,
                             suspend_current_queue_time=0.5)
 
-    @consumer.subscribe(topic, tags="order", orderly=True)
+    @consumer.subscribe(topic, tags="order", orderly=True, batch=True)
     async def on_events(msgs: list[MessageExt]) -> ConsumeResult:
         nonlocal hiccup_done
         if not hiccup_done and any(m.body.endswith(b":shipped") for m in msgs):

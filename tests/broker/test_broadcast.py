@@ -138,7 +138,7 @@ _KILLED_CONSUMER = textwrap.dedent("""\
             await asyncio.sleep(0.0005)
             return ConsumeResult.SUCCESS
 
-        c.subscribe(topic, listener=on)
+        c.subscribe(topic, listener=on, batch=True)
         await c.start()
         await asyncio.Event().wait()
 

@@ -47,7 +47,7 @@ async def test_basic_delivery_commit_and_restart(rocketmq) -> None:
     # A second run of the same group gets nothing that was acknowledged.
     again: list[MessageExt] = []
     consumer2 = _consumer(rocketmq.namesrv_addr, group)
-    consumer2.subscribe(topic, listener=lambda msgs: again.extend(msgs) or ConsumeResult.SUCCESS)
+    consumer2.subscribe(topic, listener=lambda msgs: again.extend(msgs), batch=True)
     async with consumer2:
         await wait_until(lambda: sum(mq.topic == topic for mq in consumer2.process_queues) == 8, 30,
                          what="8 queues assigned")

@@ -1,0 +1,326 @@
+"""Handler shapes, payload decoding, subscription sharing and the middleware chain (no broker)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import msgspec
+import pydantic
+import pytest
+
+from rmq_async import (
+    CallNext,
+    ConsumeCall,
+    ConsumeContext,
+    ConsumeResult,
+    DeadLetter,
+    MessageExt,
+    PushConsumer,
+    RetryLater,
+)
+from rmq_async.consumer.listener import ListenerAdapter, inspect_handler
+from rmq_async.consumer.middleware import run_call
+from rmq_async.payloads import PayloadDecodeError, build_payload_decoder
+from rmq_async.protocol.types import MessageQueue
+
+MQ = MessageQueue("T", "b", 0)
+
+
+def _msg(body: bytes = b"x", **props: str) -> MessageExt:
+    m = MessageExt("T", body, 0, 0)
+    m.properties = dict(props)
+    return m
+
+
+# ------------------------------------------------------------------------- shapes
+
+
+async def per_message(msg: MessageExt) -> None: ...
+async def unannotated(msg): ...  # type: ignore[no-untyped-def]
+async def batch_list(msgs: list[MessageExt]) -> None: ...
+async def batch_seq(msgs: Sequence[MessageExt]) -> None: ...
+async def with_ctx(msg: MessageExt, ctx: ConsumeContext) -> None: ...
+async def ctx_kwonly(msg: MessageExt, *, context: ConsumeContext) -> None: ...
+async def with_default(msg: MessageExt, retries: int = 3) -> None: ...
+def plain_def(msgs: list[MessageExt], c: ConsumeContext) -> None: ...
+
+
+@pytest.mark.parametrize(("fn", "batch", "ctx", "is_async"), [
+    (per_message, False, None, True),
+    (unannotated, False, None, True),
+    (batch_list, True, None, True),
+    (batch_seq, True, None, True),
+    (with_ctx, False, "ctx", True),
+    (ctx_kwonly, False, "context", True),
+    (with_default, False, None, True),
+    (plain_def, True, "c", False),
+])
+def test_shape_is_read_from_annotations(fn: Any, batch: bool, ctx: str | None,
+                                        is_async: bool) -> None:
+    shape = inspect_handler(fn)
+    assert (shape.batch, shape.context_param, shape.is_async) == (batch, ctx, is_async)
+
+
+def test_batch_true_opts_in_and_conflicts_are_refused() -> None:
+    assert inspect_handler(unannotated, batch=True).batch
+    assert inspect_handler(per_message, batch=True).batch
+    assert not inspect_handler(unannotated, batch=False).batch
+    with pytest.raises(TypeError, match="batch=False"):
+        inspect_handler(batch_list, batch=False)
+
+
+def test_locally_defined_annotations_still_count() -> None:
+    class LocalOrder:
+        pass
+
+    # ``LocalOrder`` cannot be resolved from the module: the raw annotations are read.
+    async def local(msgs: list[LocalOrder], c: ConsumeContext) -> None: ...
+
+    shape = inspect_handler(local)
+    assert shape.batch and shape.context_param == "c"
+
+
+def test_context_is_never_injected_by_position() -> None:
+    async def two(msg: MessageExt, retries: int = 3) -> None: ...
+
+    assert inspect_handler(two).context_param is None
+
+
+@pytest.mark.parametrize(("src", "match"), [
+    ("async def h(): ...", "no positional parameter"),
+    ("async def h(msgs, retries): ...", "'retries' has no default"),
+    ("async def h(ctx: ConsumeContext): ...", "annotated ConsumeContext"),
+    ("async def h(m, a: ConsumeContext, b: ConsumeContext): ...", "two ConsumeContext"),
+    ("async def h(m, *, extra): ...", "'extra' has no default"),
+    ("async def h(m, c: ConsumeContext, /): ...", "positional-only"),
+])
+def test_bad_signatures_raise_type_error_at_subscribe(src: str, match: str) -> None:
+    ns: dict[str, Any] = {"ConsumeContext": ConsumeContext}
+    exec(src, ns)
+    with pytest.raises(TypeError, match=match):
+        inspect_handler(ns["h"])
+    consumer = PushConsumer("G", namesrv="127.0.0.1:9876")
+    with pytest.raises(TypeError, match=match):
+        consumer.subscribe("T")(ns["h"])
+    assert consumer.subscription_data("T") is None
+
+
+def test_not_callable_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="callable"):
+        inspect_handler(42)  # type: ignore[arg-type]
+
+
+def test_subscribe_returns_the_function_unchanged() -> None:
+    consumer = PushConsumer("G", namesrv="127.0.0.1:9876")
+    decorated = consumer.subscribe("T")(per_message)
+    assert decorated is per_message
+    assert consumer.subscribe("U", listener=batch_list) is batch_list
+
+
+async def test_adapter_calls_each_shape() -> None:
+    got: list[Any] = []
+
+    async def h1(msg: MessageExt, ctx: ConsumeContext) -> None:
+        got.append((msg.body, ctx.message is msg, ctx.messages == [msg]))
+
+    def h2(msgs: list[MessageExt]) -> str:
+        got.append([m.body for m in msgs])
+        return "SUCCESS"
+
+    ctx = ConsumeContext(MQ)
+    assert await ListenerAdapter(h1).invoke([_msg(b"a")], ctx) is None
+    assert await ListenerAdapter(h2).invoke([_msg(b"a"), _msg(b"b")], ConsumeContext(MQ)) == "SUCCESS"
+    assert got == [(b"a", True, True), [b"a", b"b"]]
+
+
+# ------------------------------------------------------------------------- payloads
+
+
+@dataclasses.dataclass
+class DcOrder:
+    id: int
+    item: str
+
+
+class PydOrder(pydantic.BaseModel):
+    id: int
+    item: str
+
+
+class StructOrder(msgspec.Struct):
+    id: int
+    item: str
+
+
+@pytest.mark.parametrize("model", [DcOrder, PydOrder, StructOrder])
+def test_models_from_json_and_msgpack(model: type) -> None:
+    decode = build_payload_decoder(model, None)
+    data = {"id": 7, "item": "pen"}
+    assert decode(_msg(json.dumps(data).encode())) == model(**data)
+    packed = _msg(msgpack.packb(data), CONTENT_TYPE="application/msgpack")
+    assert decode(packed) == model(**data)
+    for bad in (b"{", b"[1]", b'{"id": 1}', b"null"):
+        with pytest.raises(PayloadDecodeError, match=f"not decodable as {model.__name__}"):
+            decode(_msg(bad))
+    with pytest.raises(PayloadDecodeError, match="unsupported content type"):
+        decode(_msg(b"{}", CONTENT_TYPE="text/xml"))
+
+
+def test_custom_decoder_and_plain_types() -> None:
+    assert build_payload_decoder(None, bytes.upper)(_msg(b"ab")) == b"AB"
+    as_dict = build_payload_decoder(dict, None)
+    assert as_dict(_msg(b'{"a": 1}')) == {"a": 1}
+    with pytest.raises(PayloadDecodeError):
+        as_dict(_msg(b"[1]"))
+    both = build_payload_decoder(DcOrder, lambda b: msgpack.unpackb(b))
+    assert both(_msg(msgpack.packb({"id": 1, "item": "x"}))) == DcOrder(1, "x")
+    with pytest.raises(TypeError):
+        build_payload_decoder("Order", None)  # type: ignore[arg-type]
+
+
+async def test_undecodable_per_message_is_dead_letter_and_batch_filters_poison() -> None:
+    async def one(order: DcOrder) -> None: ...
+
+    with pytest.raises(DeadLetter, match="not decodable as DcOrder"):
+        await ListenerAdapter(one, model=DcOrder).invoke([_msg(b"{")], ConsumeContext(MQ))
+
+    seen: list[list[DcOrder]] = []
+
+    async def many(orders: list[DcOrder]) -> None:
+        seen.append(orders)
+
+    good = _msg(b'{"id": 1, "item": "a"}')
+    bad = _msg(b"oops")
+    ctx = ConsumeContext(MQ)
+    await ListenerAdapter(many, model=DcOrder).invoke([good, bad], ctx)
+    assert seen == [[DcOrder(1, "a")]]
+    assert [(m, r.split(":")[0]) for m, r in ctx.dead_letters] == [
+        (bad, "payload not decodable as DcOrder")]
+
+
+# ------------------------------------------------------------------------- subscriptions
+
+
+def test_disjoint_tags_share_a_topic_and_overlaps_raise() -> None:
+    c = PushConsumer("G", namesrv="127.0.0.1:9876")
+    c.subscribe("T", tags="a || b")(per_message)
+    c.subscribe("T", tags="c", batch=True)(batch_list)
+    data = c.subscription_data("T")
+    assert data is not None and data.tags_set == ["a", "b", "c"] and data.sub_string == "a || b || c"
+    a, cc = _msg(), _msg()
+    a.properties = {"TAGS": "b"}
+    cc.properties = {"TAGS": "c"}
+    assert c.listener_for("T", a).fn is per_message  # type: ignore[union-attr]
+    assert c.listener_for("T", cc).fn is batch_list  # type: ignore[union-attr]
+    assert c.listener_for("T", _msg()) is None  # no tag: no handler
+    for kwargs in ({"tags": "b"}, {"tags": "*"}, {"tags": "c || d"}, {"sql": "a > 1"},
+                   {"tags": "z", "orderly": True}):
+        with pytest.raises(ValueError, match="already subscribed"):
+            c.subscribe("T", **kwargs)(per_message)  # type: ignore[arg-type]
+    c2 = PushConsumer("G", namesrv="127.0.0.1:9876")
+    c2.subscribe("T")(per_message)
+    with pytest.raises(ValueError, match="'\\*' takes every tag"):
+        c2.subscribe("T", tags="a")(per_message)
+
+
+def test_sql_subscription_data() -> None:
+    c = PushConsumer("G", namesrv="127.0.0.1:9876")
+    c.subscribe("T", sql="a > 1")(per_message)
+    data = c.subscription_data("T")
+    assert data is not None and (data.expression_type, data.sub_string) == ("SQL92", "a > 1")
+    with pytest.raises(ValueError, match="tags= or sql="):
+        c.subscribe("U", tags="x", sql="a > 1")(per_message)
+
+
+# ------------------------------------------------------------------------- middlewares
+
+
+async def test_middleware_order_results_and_verdicts() -> None:
+    log: list[str] = []
+
+    def mw(name: str) -> Any:
+        async def m(call: ConsumeCall, call_next: CallNext) -> None:
+            log.append(f"{name}>")
+            try:
+                await call_next(call)
+            except Exception as exc:
+                log.append(f"{name}!{type(exc).__name__}")
+                raise
+            log.append(f"<{name}")
+        return m
+
+    result: Any = None
+
+    async def handler(msg: MessageExt) -> Any:
+        log.append("handler")
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    adapter = ListenerAdapter(handler)
+
+    async def run(orderly: bool = False, mws: Sequence[Any] = ()) -> Any:
+        log.clear()
+        return await run_call(adapter, [_msg()], ConsumeContext(MQ), group="G", topic="T",
+                              queue=MQ, orderly=orderly, middlewares=list(mws))
+
+    out = await run(mws=[mw("a"), mw("b")])
+    assert out.result is ConsumeResult.SUCCESS and log == ["a>", "b>", "handler", "<b", "<a"]
+    result = ConsumeResult.RECONSUME_LATER
+    out = await run(mws=[mw("a")])
+    assert out.result is ConsumeResult.RECONSUME_LATER and log[-1] == "a!RetryLater"
+    out = await run(orderly=True)
+    assert out.result is ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
+    result = ValueError("boom")
+    out = await run(orderly=True)
+    assert out.result is ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT and out.dead_reason is None
+
+    async def swallow(call: ConsumeCall, call_next: CallNext) -> None:
+        try:
+            await call_next(call)
+        except ValueError:
+            pass
+
+    async def to_dlq(call: ConsumeCall, call_next: CallNext) -> None:
+        try:
+            await call_next(call)
+        except ValueError as exc:
+            raise DeadLetter(f"bad: {exc}") from exc
+
+    assert (await run(mws=[swallow])).result is ConsumeResult.SUCCESS
+    out = await run(mws=[to_dlq])
+    assert out.dead_reason == "bad: boom"
+    result = RetryLater()
+    assert (await run()).result is ConsumeResult.RECONSUME_LATER
+
+
+async def test_a_dedup_middleware_fails_only_what_the_handler_saw() -> None:
+    msgs = [_msg(b"1"), _msg(b"2"), _msg(b"3")]
+
+    async def dedup(call: ConsumeCall, call_next: CallNext) -> None:
+        await call_next(dataclasses.replace(call, messages=[m for m in call.messages
+                                                            if m.body != b"2"]))
+
+    async def handler(batch: list[MessageExt]) -> None:
+        assert [m.body for m in batch] == [b"1", b"3"]
+        raise RuntimeError("fails")
+
+    out = await run_call(ListenerAdapter(handler), msgs, ConsumeContext(MQ), group="G",
+                         topic="T", queue=MQ, orderly=False, middlewares=[dedup])
+    assert out.result is ConsumeResult.RECONSUME_LATER and out.acked == [msgs[1]]
+
+
+def test_middleware_registration() -> None:
+    c = PushConsumer("G", namesrv="127.0.0.1:9876")
+
+    async def m1(call: ConsumeCall, call_next: CallNext) -> None: ...
+
+    assert c.middleware(m1) is m1
+    assert c.add_middleware(m1) is m1
+    assert c.subscriptions.middlewares == [m1, m1]
+    with pytest.raises(TypeError):
+        c.add_middleware(3)  # type: ignore[arg-type]
