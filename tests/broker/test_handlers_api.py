@@ -114,7 +114,7 @@ async def test_a_raising_handler_gets_the_message_back_once_retried(rocketmq) ->
         async with Producer(unique("PG"), rocketmq.namesrv_addr) as p:
             await p.send(Message(topic, b"flaky"))
         await wait_until(lambda: len(attempts) >= 2, 30, what="the redelivery")
-        await asyncio.sleep(1.5)  # a further retry would arrive within a delay level (1 s)
+        await asyncio.sleep(1.2)  # a further retry would arrive within a delay level (1 s)
     assert attempts == [(b"flaky", 0), (b"flaky", 1)]
 
 
@@ -137,7 +137,7 @@ async def test_per_message_handler_fails_only_its_message_in_a_batch(rocketmq) -
 
     async with consumer:
         await wait_until(lambda: len(seen) >= 21, 30, what="20 messages and one retry")
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.2)
     counts = collections.Counter(i for i, _ in seen)
     assert counts[7] == 2 and all(counts[i] == 1 for i in range(20) if i != 7)
     assert (7, 1) in seen
@@ -264,7 +264,7 @@ async def test_typed_payloads_and_poison_to_the_dlq(rocketmq) -> None:
                              what=f"1000 {model.__name__}s")
         dlqs = {m: await _dlq(rocketmq.namesrv_addr, rocketmq.broker_name, groups[m], topic,
                                expect=10) for m in models}
-        await asyncio.sleep(1.5)  # a retry of a poison message would arrive within 1 s
+        await asyncio.sleep(1.2)  # a retry of a poison message would arrive within 1 s
     finally:
         for c in consumers:
             await c.stop()
@@ -332,7 +332,7 @@ async def test_middlewares_time_every_call_and_route_errors_to_the_dlq(rocketmq)
     async with consumer:
         await wait_until(lambda: len(timings) >= n, 60, what="a timing per call")
         dead = await _dlq(rocketmq.namesrv_addr, rocketmq.broker_name, group, topic, expect=5)
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.2)
     assert order[:2] == ["timing:before", "errors:before"]  # first registered is outermost
     assert len(timings) == n  # every call once: nothing retried
     assert all(name.endswith("on") and k == 1 and 0 < dt < 5 for name, k, dt, _ in timings)
@@ -351,7 +351,8 @@ async def test_middleware_around_orderly_batch_handler(rocketmq) -> None:
                   [Message(topic, f"{i}".encode()) for i in range(30)], batch=30)
     calls: list[tuple[bool, list[int]]] = []
     bodies: list[int] = []
-    consumer = _consumer(rocketmq.namesrv_addr, unique("G_mworder"),
+    group = unique("G_mworder")
+    consumer = _consumer(rocketmq.namesrv_addr, group,
                          consume_message_batch_max_size=5,
                          suspend_current_queue_time=0.1)
     failed_once = False
@@ -367,10 +368,16 @@ async def test_middleware_around_orderly_batch_handler(rocketmq) -> None:
         if int(batch[0].body) == 10 and not failed_once:
             failed_once = True
             raise RuntimeError("suspend once")
+        if int(batch[0].body) == 20:
+            raise DeadLetter("orderly poison")
         bodies.extend(int(m.body) for m in batch)
 
     async with consumer:
-        await wait_until(lambda: len(bodies) >= 30, 60, what="30 messages in order")
-    assert bodies == list(range(30))
+        await wait_until(lambda: len(bodies) >= 25, 60, what="25 messages in order")
+        dead = await _dlq(rocketmq.namesrv_addr, rocketmq.broker_name, group, topic, expect=5)
+    assert bodies == [i for i in range(30) if not 20 <= i < 25]
     assert all(orderly for orderly, _ in calls)
     assert [c for _, c in calls].count([10, 11, 12, 13, 14]) == 2
+    assert [c for _, c in calls].count([20, 21, 22, 23, 24]) == 1  # not retried
+    assert sorted(int(m.body) for m in dead) == [20, 21, 22, 23, 24]
+    assert {m.properties[PROPERTY_DLQ_REASON] for m in dead} == {"orderly poison"}
