@@ -34,8 +34,9 @@ from rmq_async.errors import InvalidArgumentError
 from . import config as cfg
 from .errors import DevBrokerError
 from .java import compile_java
-from .maven import DEFAULT_VERSION, ensure_jars, find_tool
+from .maven import DEFAULT_VERSION, ensure_jars, find_tool, version_dir
 from .procs import RunRecord, pid_start_ticks, reap_stale_runs, runs_root, spawn, stop_process
+from .versions import PlainAclAccount, logback_files, profile, render_plain_acl
 
 __all__ = ["AclAccount", "LocalRocketMQ"]
 
@@ -56,8 +57,9 @@ class AclAccount:
     RocketMQ 5.3 authentication/authorization ("ACL 2.0"): ``admin=True`` makes the account a
     ``Super`` user (every request allowed, admin requests included); ``admin=False`` makes it a
     ``Normal`` user allowed to ``Pub``, ``Sub`` and ``Get`` on every topic and group, and
-    nothing else. Requests must be signed (the ``AccessKey``/``Signature`` extension fields of
-    the classic ACL client hook).
+    nothing else. On 4.9.x to 5.2.x ("ACL 1.0", ``plain_acl.yml``) the same account is an
+    ``admin`` account, or one with ``PUB|SUB`` on every topic and group. Requests must be signed
+    (the ``AccessKey``/``Signature`` extension fields of the classic ACL client hook).
     """
 
     access_key: str
@@ -221,6 +223,7 @@ class LocalRocketMQ:
     ) -> None:
         overrides = dict(broker_config or {})
         self.version = version
+        self.profile = profile(version)
         self.acl = acl
         self.tls = tls
         self.heap = heap
@@ -232,8 +235,11 @@ class LocalRocketMQ:
         self.broker_name = overrides.get("brokerName", cfg.BROKER_DEFAULTS["brokerName"])
         self._admin_password = secrets.token_hex(12)
         if acl is not None:
-            overrides = {**acl_broker_config(INTERNAL_ADMIN_USER, self._admin_password),
-                         **overrides}
+            if self.profile.acl_model == "auth":
+                acl_settings = acl_broker_config(INTERNAL_ADMIN_USER, self._admin_password)
+            else:
+                acl_settings = self.profile.acl_broker_settings()
+            overrides = {**acl_settings, **overrides}
         self._overrides = overrides
         self._given_workdir = Path(workdir).resolve() if workdir is not None else None
         self._workdir: Path | None = None
@@ -349,7 +355,10 @@ class LocalRocketMQ:
         await anyio.to_thread.run_sync(reap_stale_runs)
         self._lib_dir = await ensure_jars(self.version, self.cache_dir)
         self._java = find_tool("java")
-        self._admin_classes = await compile_java([ADMIN_SOURCE], self._lib_dir)
+        # One helper source, compiled against each version's own jars into that version's cache.
+        self._admin_classes = await compile_java(
+            [ADMIN_SOURCE], self._lib_dir, version_dir(self.version, self.cache_dir) / "classes"
+        )
         if self._given_workdir is not None:
             self._given_workdir.mkdir(parents=True, exist_ok=True)
             self._workdir = self._given_workdir
@@ -372,7 +381,9 @@ class LocalRocketMQ:
             await self._start_namesrv()
             self._spawn_admin()
             await self._start_broker()
-            if self.acl is not None:
+            if self.acl is not None and self.profile.acl_model == "auth":
+                # ACL 2.0 users live in the broker's metadata store: create it now (ACL 1.0
+                # accounts were written to plain_acl.yml before the start).
                 await self._create_account(self.acl)
         except BaseException:
             await self._teardown()
@@ -388,13 +399,22 @@ class LocalRocketMQ:
             listen_port=self._broker_port, overrides=self._overrides,
         )
         p["broker_conf"].write_text(cfg.render_properties(values))
+        conf = self._require() / "conf"
+        conf.mkdir(exist_ok=True)
+        for name, text in logback_files(self.profile).items():
+            (conf / name).write_text(text)
         if self.acl is not None:
             # mqadmin signs with $ROCKETMQ_HOME/conf/tools.yml.
-            conf = self._require() / "conf"
-            conf.mkdir(exist_ok=True)
             (conf / "tools.yml").write_text(
                 f"accessKey: {INTERNAL_ADMIN_USER}\nsecretKey: {self._admin_password}\n"
             )
+            if self.profile.acl_model == "plain":
+                # ACL 1.0: the broker reads its accounts from $ROCKETMQ_HOME/conf/plain_acl.yml.
+                accounts = [
+                    PlainAclAccount(INTERNAL_ADMIN_USER, self._admin_password, admin=True),
+                    PlainAclAccount(self.acl.access_key, self.acl.secret_key, self.acl.admin),
+                ]
+                (conf / "plain_acl.yml").write_text(render_plain_acl(accounts))
 
     def _save_record(self) -> None:
         assert self._record is not None
@@ -415,7 +435,8 @@ class LocalRocketMQ:
         tls = [] if self.tls is None else self.tls.jvm_properties(run / "tls.properties")
         cmd = cfg.jvm_command(
             self.java, lib_dir=self.lib_dir, main_class=main_class, args=["-c", str(conf)],
-            user_home=run, logback=logback, heap=heap, direct=direct, extra=tls,
+            user_home=run, logback=logback, heap=heap, direct=direct,
+            extra=[*self.profile.server_jvm_flags(), *tls],
         )
         return spawn(cmd, cwd=run, env=self._env(), output=out, die_with_parent=not self.detached)
 
@@ -638,7 +659,7 @@ class LocalRocketMQ:
         return cfg.jvm_command(
             self.java, lib_dir=self.lib_dir, main_class=cfg.ADMIN_CLASS, args=argv,
             user_home=self._require() / "tools-home", logback="rmq.tools.logback.xml",
-            heap="128m", quick_start=True,
+            heap="128m", quick_start=True, extra=self.profile.server_jvm_flags(),
         )
 
     async def mqadmin(self, *args: str, timeout: float = 60.0) -> str:

@@ -2,6 +2,8 @@ import java.io.BufferedReader;
 import java.io.InputStreamReader;
 import java.io.OutputStreamWriter;
 import java.io.PrintWriter;
+import java.lang.reflect.InvocationTargetException;
+import java.lang.reflect.Method;
 import java.net.InetAddress;
 import java.net.ServerSocket;
 import java.net.Socket;
@@ -18,10 +20,6 @@ import org.apache.rocketmq.acl.common.SessionCredentials;
 import org.apache.rocketmq.client.exception.MQClientException;
 import org.apache.rocketmq.common.TopicConfig;
 import org.apache.rocketmq.remoting.RPCHook;
-import org.apache.rocketmq.remoting.protocol.body.ClusterInfo;
-import org.apache.rocketmq.remoting.protocol.route.BrokerData;
-import org.apache.rocketmq.remoting.protocol.route.QueueData;
-import org.apache.rocketmq.remoting.protocol.route.TopicRouteData;
 import org.apache.rocketmq.tools.admin.DefaultMQAdminExt;
 
 /**
@@ -43,6 +41,10 @@ import org.apache.rocketmq.tools.admin.DefaultMQAdminExt;
  *   acl ADDR SUBJECT RESOURCES ACTIONS DECISION   grants (comma-separated resources/actions)
  *
  * Exits when its standard input ends.
+ *
+ * The same source compiles against the 4.9.x, 5.1.x and 5.3.x jars: the route and cluster
+ * classes moved package between 4.x and 5.x, so they are only ever named through {@code var};
+ * the user and ACL calls exist from 5.3 on and are looked up by reflection.
  */
 public class DevAdmin {
     private static DefaultMQAdminExt admin;
@@ -119,8 +121,23 @@ public class DevAdmin {
         return sb.toString().replace('\n', ' ').replace('\r', ' ');
     }
 
+    /**
+     * Calls the admin method {@code name} taking {@code args.length} arguments (the user and ACL
+     * API of 5.3, absent from older jars). A failure inside the call comes out as
+     * InvocationTargetException; a missing method as an error naming the version gap.
+     */
+    private static Object invoke(String name, Object... args) throws Exception {
+        for (Method m : admin.getClass().getMethods()) {
+            if (m.getName().equals(name) && m.getParameterCount() == args.length) {
+                return m.invoke(admin, args);
+            }
+        }
+        throw new UnsupportedOperationException(
+            name + " needs RocketMQ 5.3 or newer (authentication and authorization)");
+    }
+
     private static List<String[]> brokers(String cluster) throws Exception {
-        ClusterInfo info = admin.examineBrokerClusterInfo();
+        var info = admin.examineBrokerClusterInfo();
         List<String[]> rows = new ArrayList<>();
         if (info == null || info.getClusterAddrTable() == null) {
             return rows;
@@ -130,7 +147,7 @@ public class DevAdmin {
             return rows;
         }
         for (String name : names) {
-            BrokerData data = info.getBrokerAddrTable().get(name);
+            var data = info.getBrokerAddrTable().get(name);
             if (data == null) {
                 continue;
             }
@@ -165,7 +182,9 @@ public class DevAdmin {
                 String topic = w[2];
                 int queues = Integer.parseInt(w[3]);
                 boolean order = Boolean.parseBoolean(w[4]);
-                TopicConfig config = new TopicConfig(topic, queues, queues);
+                TopicConfig config = new TopicConfig(topic);
+                config.setReadQueueNums(queues);
+                config.setWriteQueueNums(queues);
                 config.setOrder(order);
                 StringBuilder orderConf = new StringBuilder();
                 for (String[] row : brokers(cluster)) {
@@ -188,33 +207,32 @@ public class DevAdmin {
                 return "OK";
             }
             case "route": {
-                TopicRouteData route;
                 try {
-                    route = admin.examineTopicRouteInfo(w[1]);
+                    var route = admin.examineTopicRouteInfo(w[1]);
+                    for (var q : route.getQueueDatas()) {
+                        result.add(q.getBrokerName() + "\t" + q.getReadQueueNums() + "\t"
+                            + q.getWriteQueueNums() + "\t" + q.getPerm());
+                    }
                 } catch (MQClientException e) {
                     if (e.getResponseCode() == 17) {
                         return "NOROUTE";
                     }
                     throw e;
                 }
-                for (QueueData q : route.getQueueDatas()) {
-                    result.add(q.getBrokerName() + "\t" + q.getReadQueueNums() + "\t"
-                        + q.getWriteQueueNums() + "\t" + q.getPerm());
-                }
                 return "OK";
             }
             case "user": {
                 try {
-                    admin.createUser(w[1], w[2], w[3], w[4]);
-                } catch (Exception exists) {
-                    admin.updateUser(w[1], w[2], w[3], w[4], "enable");
+                    invoke("createUser", (Object) w[1], w[2], w[3], w[4]);
+                } catch (InvocationTargetException exists) {
+                    invoke("updateUser", (Object) w[1], w[2], w[3], w[4], "enable");
                 }
                 return "OK";
             }
             case "acl": {
                 List<String> resources = java.util.Arrays.asList(w[3].split(","));
                 List<String> actions = java.util.Arrays.asList(w[4].split(","));
-                admin.createAcl(w[1], w[2], resources, actions, null, w[5]);
+                invoke("createAcl", w[1], w[2], resources, actions, null, w[5]);
                 return "OK";
             }
             default:
