@@ -44,9 +44,21 @@ class NameServerUnavailable(MQClientError):
     """None of the configured name servers answered."""
 
 
+def is_acl_refusal(code: int, remark: str | None) -> bool:
+    """True for a refusal by the broker's access control, in either form brokers send it.
+
+    5.3's authentication and authorization answer NO_PERMISSION. ACL 1.0 (4.9.x to 5.2.x,
+    ``plain_acl.yml``) raises ``AclException`` in the request hook, which the remoting server
+    turns into SYSTEM_ERROR with the exception's text as remark (``NettyRemotingAbstract``).
+    """
+    if code == ResponseCode.NO_PERMISSION:
+        return True
+    return code == ResponseCode.SYSTEM_ERROR and "AclException" in (remark or "")
+
+
 def broker_error(code: int, remark: str | None, *, addr: str | None = None,
                  request: str | None = None) -> MQBrokerError:
-    """Build the most specific error type for a response code."""
-    if code == ResponseCode.NO_PERMISSION:
+    """Build the most specific error type for a response code (``code`` is kept as sent)."""
+    if is_acl_refusal(code, remark):
         return NoPermissionError(code, remark, addr=addr, request=request)
     return MQBrokerError(code, remark, addr=addr, request=request)
