@@ -49,6 +49,14 @@ test-spark-source-full: setup
 fuzz: $(STAMP)
 	$(PY) -m tests.fuzz.fuzz_decoders --inputs 1000000 --seed 0
 
+# The compatibility subset (tests/compat: delivery and commit, retry and DLQ, tags, orderly,
+# broadcasting, reset offset by time, ACL) on every supported broker version. make test runs it
+# on 4.9.7 only (next to the full suite on 5.3.3).
+COMPAT_VERSIONS ?= 4.9.7,5.1.4,5.3.3
+.PHONY: test-compat
+test-compat: setup
+	RMQ_COMPAT_VERSIONS=$(COMPAT_VERSIONS) $(PY) -m pytest -ra -p no:cacheprovider --durations=25 tests/compat $(PYTEST_ARGS)
+
 lint: $(STAMP)
 	$(PY) -m ruff check rmq_async tests benchmarks examples
 	$(PY) -m mypy
