@@ -239,6 +239,9 @@ class LocalRocketMQ:
                 acl_settings = acl_broker_config(INTERNAL_ADMIN_USER, self._admin_password)
             else:
                 acl_settings = self.profile.acl_broker_settings()
+                # ACL 1.0's own rules on keys, checked now rather than by a broker that refuses
+                # to start.
+                render_plain_acl([PlainAclAccount(acl.access_key, acl.secret_key, acl.admin)])
             overrides = {**acl_settings, **overrides}
         self._overrides = overrides
         self._given_workdir = Path(workdir).resolve() if workdir is not None else None

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from rmq_async.errors import InvalidArgumentError
+
 from .errors import DevBrokerError
 
 __all__ = [
@@ -121,10 +123,10 @@ def render_plain_acl(accounts: Sequence[PlainAclAccount]) -> str:
     for acc in accounts:
         for value in (acc.access_key, acc.secret_key):
             if not re.fullmatch(r"[A-Za-z0-9_.@-]+", value):
-                raise ValueError(f"ACL 1.0 keys are plain words, not {value!r}")
+                raise InvalidArgumentError(f"ACL 1.0 keys are plain words, not {value!r}")
             # PlainPermissionManager refuses the whole file when a key has 6 characters or less.
             if len(value) <= 6:
-                raise ValueError(f"ACL 1.0 keys need more than 6 characters: {value!r}")
+                raise InvalidArgumentError(f"ACL 1.0 keys need more than 6 characters: {value!r}")
         lines += [
             f"  - accessKey: {acc.access_key}",
             f"    secretKey: {acc.secret_key}",

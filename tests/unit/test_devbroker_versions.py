@@ -14,6 +14,7 @@ from rmq_async.devbroker.versions import (
     profile,
     render_plain_acl,
 )
+from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.codes import ResponseCode
 
 
@@ -52,7 +53,7 @@ def test_plain_acl_file() -> None:
     assert "admin: true" in text and "admin: false" in text
     for bad in (PlainAclAccount("alice", "long-enough-1", admin=False),
                 PlainAclAccount("has space", "long-enough-1", admin=False)):
-        with pytest.raises(ValueError):
+        with pytest.raises(InvalidArgumentError):
             render_plain_acl([bad])
 
 
@@ -67,3 +68,11 @@ def test_acl_refusals_of_both_generations_are_no_permission() -> None:
     assert v4.code == ResponseCode.SYSTEM_ERROR  # the code as sent
     other = broker_error(ResponseCode.SYSTEM_ERROR, "java.lang.NullPointerException")
     assert type(other) is MQBrokerError
+
+
+def test_acl_1_keys_are_checked_before_the_start() -> None:
+    from rmq_async.devbroker import AclAccount, LocalRocketMQ
+
+    with pytest.raises(InvalidArgumentError, match="more than 6"):
+        LocalRocketMQ("4.9.7", acl=AclAccount("alice", "alice-secret-1"))
+    LocalRocketMQ("5.3.3", acl=AclAccount("alice", "alice-secret-1"))  # 5.3 takes it
