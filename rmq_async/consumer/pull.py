@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rmq_async.client.api import PendingPull, PullResult, PullStatus
-from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError
+from rmq_async.client.errors import MQBrokerError, MQClientError, is_acl_refusal
 from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.service import PullRequest
@@ -220,7 +220,7 @@ class PullService:
 
     def _error_delay(self, req: PullRequest, exc: MQBrokerError) -> float:
         opts = self._opts
-        if isinstance(exc, NoPermissionError):
+        if is_acl_refusal(exc.code, exc.remark):
             # Reported once when it starts and once when it ends, not on every retry.
             if req.mq not in self.refused:
                 self.refused.add(req.mq)
