@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import random
 import ssl as _ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -98,6 +99,11 @@ class ClientInstance:
         self._namesrv_index = random.randrange(len(self.namesrv_addrs))
         self._route_locks: dict[str, asyncio.Lock] = {}
         self._heartbeat_lock = asyncio.Lock()
+        #: Did at least one broker answer the last heartbeat round (or a heartbeat sent on a
+        #: new connection since)? ``None`` before the first round.
+        self.brokers_reachable: bool | None = None
+        #: ``time.monotonic()`` of the last heartbeat a broker answered.
+        self.last_heartbeat_ok: float | None = None
 
     # ------------------------------------------------------------------ name server
 
@@ -227,7 +233,20 @@ class ClientInstance:
             else:
                 status[addr] = True
                 self.broker_versions[addr] = res
+        self._heartbeat_round_done(status)
         return status
+
+    def _heartbeat_round_done(self, status: dict[str, bool]) -> None:
+        reachable = any(status.values())
+        if reachable:
+            self.last_heartbeat_ok = time.monotonic()
+        if reachable != self.brokers_reachable:
+            if reachable:
+                log.info("heartbeat.brokers_reachable", brokers=sorted(a for a, ok in status.items()
+                                                                        if ok))
+            else:
+                log.warning("heartbeat.no_broker_reachable", brokers=sorted(status))
+        self.brokers_reachable = reachable
 
     def _connected(self, addr: str) -> None:
         """A new connection to a broker: send it a heartbeat right away, as Java's client does
@@ -250,6 +269,8 @@ class ClientInstance:
             self.broker_versions[addr] = await self.api.heartbeat(addr, self.heartbeat_source())
         except Exception as exc:  # the periodic heartbeat tries again
             log.warning("heartbeat.on_connect_failed", broker=addr, error=str(exc))
+            return
+        self._heartbeat_round_done({addr: True})
 
     async def route_refresh_loop(self, interval: float) -> None:
         while True:

@@ -24,6 +24,8 @@ from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.admin import BrokerRequestHandler, raise_if_refused
 from rmq_async.consumer.consume import ConcurrentConsumeService
 from rmq_async.consumer.events import ConsumerError, ErrorHandler, ErrorReporter
+from rmq_async.consumer.hooks import LifespanHook, QueuesHook, RebalanceHooks, RebalanceListener
+from rmq_async.consumer.lag import LagMonitor, QueueLag
 from rmq_async.consumer.listener import ListenerAdapter
 from rmq_async.consumer.middleware import Middleware
 from rmq_async.consumer.offset_store import BrokerOffsetStore, LocalFileOffsetStore, OffsetStore
@@ -80,8 +82,12 @@ class PushConsumer:
     construction or at ``subscribe``.
     """
 
-    def __init__(self, group: str, namesrv: str | list[str], **options: Any) -> None:
+    def __init__(self, group: str, namesrv: str | list[str], *,
+                 rebalance_listener: RebalanceListener | None = None, **options: Any) -> None:
         self.options: ConsumerOptions = ConsumerOptions.from_kwargs(group, **options)
+        self.hooks = RebalanceHooks()
+        if rebalance_listener is not None:
+            self.hooks.add_listener(rebalance_listener)
         self.group = group
         from rmq_async.client.instance import parse_namesrv
 
@@ -100,6 +106,7 @@ class PushConsumer:
         self._start_lock = asyncio.Lock()
         self._owner: TaskOwner | None = None
         self._rt: ConsumerRuntime | None = None
+        self._lag: LagMonitor | None = None
         # Set by start():
         self.instance: ClientInstance = None  # type: ignore[assignment]
         self.offset_store: OffsetStore = None  # type: ignore[assignment]
@@ -372,7 +379,8 @@ class PushConsumer:
             rebalance_now = asyncio.Event()
             self.pull_service = PullService(rt, self.router, on_queue_forgotten=rebalance_now.set)
             self.rebalancer = Rebalancer(rt, self.pull_service, self.orderly_service,
-                                         wakeup=rebalance_now)
+                                         wakeup=rebalance_now, hooks=self.hooks)
+            self._lag = LagMonitor(rt)
             try:
                 for topic in self.subscribed_topics():
                     try:
@@ -384,6 +392,7 @@ class PushConsumer:
                             raise
                 await raise_if_refused(self, await self.instance.send_heartbeats())
                 await self.sink_service.start_sinks()
+                await self.hooks.run_startup(self.group)  # before the first rebalance and pull
             except BaseException:
                 await self._owner.aclose()
                 await self.instance.close()
@@ -394,6 +403,7 @@ class PushConsumer:
             o = self.options
             self._owner.spawn(self.rebalancer.run(), name="rebalance")
             self._owner.spawn(self._persist_loop(), name="persist-offsets")
+            self._owner.spawn(self._lag.run(), name="lag")
             self._owner.spawn(self.instance.heartbeat_loop(o.heartbeat_interval), name="heartbeat")
             self._owner.spawn(self.instance.route_refresh_loop(o.route_refresh_interval),
                               name="route-refresh")
@@ -440,7 +450,9 @@ class PushConsumer:
                 await owner.aclose()  # the sinks' tasks and the sink send-backs among them
             self.errors.owner = None
             await self.sink_service.aclose()
-            # 3. persist what was acknowledged, then forget the queues
+            # 3. the rebalance listeners hear that every queue is given up, then what was
+            # acknowledged is persisted and the queues are forgotten
+            await self.hooks.fire_revoked(self.group, set(self.process_queues))
             try:
                 await self.offset_store.persist_all(set(self.process_queues), oneway=False)
             except Exception as exc:
@@ -449,10 +461,12 @@ class PushConsumer:
             for pq in self.process_queues.values():
                 pq.dropped = True
             self.process_queues.clear()
+            await self.hooks.run_shutdown(self.group)
             # 4. leave the group and close the connections
             await self.instance.unregister(None, self.group)
             await self.instance.close()
             self._owner = None
+            self._lag = None
             self._started = False
             log.info("consumer.stopped", group=self.group, client_id=self.client_id)
 
@@ -540,6 +554,63 @@ class PushConsumer:
     def report_error(self, event: ConsumerError) -> None:
         self.errors.report(event)
 
+    # ------------------------------------------------------------------ hooks
+
+    def on_assigned(self, fn: QH) -> QH:
+        """Register ``fn(queues)`` (``async def`` or plain; usable as a decorator), awaited after
+        a rebalance took new queues and before their first pull. See
+        :mod:`rmq_async.consumer.hooks`."""
+        self.hooks.assigned.append(_callable(fn))
+        return fn
+
+    def on_revoked(self, fn: QH) -> QH:
+        """Register ``fn(queues)``, awaited when queues are given up (a rebalance, ``stop()``),
+        before their offsets are persisted and their process queues dropped."""
+        self.hooks.revoked.append(_callable(fn))
+        return fn
+
+    def on_startup(self, fn: LH) -> LH:
+        """Register ``fn()``, awaited by ``start()`` before the first pull; an exception fails
+        ``start()``."""
+        self.hooks.startup.append(_callable(fn))
+        return fn
+
+    def on_shutdown(self, fn: LH) -> LH:
+        """Register ``fn()``, awaited by ``stop()`` after the drain and the final offset
+        persist, before the connections close; an exception is logged."""
+        self.hooks.shutdown.append(_callable(fn))
+        return fn
+
+    # ------------------------------------------------------------------ lag and health
+
+    def lag(self) -> dict[MessageQueue, QueueLag]:
+        """Lag of every queue assigned now: broker max offset - committed offset.
+
+        The figures are refreshed every ``persist_offset_interval`` seconds by a task of the
+        consumer (see :mod:`rmq_async.consumer.lag`); a queue assigned since the last refresh
+        is missing until the next one. Empty when the consumer is not running.
+        """
+        return self._lag.snapshot() if self._lag is not None else {}
+
+    async def refresh_lag(self) -> dict[MessageQueue, QueueLag]:
+        """Read every assigned queue's max offset now and return :meth:`lag`."""
+        if self._lag is None:
+            return {}
+        return await self._lag.refresh()
+
+    def is_healthy(self) -> bool:
+        """``True`` while the consumer runs and at least one broker answered its last
+        heartbeat round.
+
+        A consumer that lost every broker turns unhealthy with the next heartbeat round, so
+        within ``heartbeat_interval`` seconds (plus the request timeout when the brokers went
+        silent rather than away); it is healthy again as soon as one broker answers a
+        heartbeat (a new connection sends one at once).
+        """
+        if not self._started or self.stopping or self.instance is None:
+            return False
+        return bool(self.instance.brokers_reachable)
+
     def running_tasks(self) -> int:
         n = 0
         for owner in (self._owner,):
@@ -551,6 +622,16 @@ class PushConsumer:
         state = "started" if self._started else "stopped"
         return (f"<PushConsumer group={self.group!r} client_id={self.client_id!r} {state} "
                 f"queues={len(self.process_queues)}>")
+
+
+QH = TypeVar("QH", bound=QueuesHook)
+LH = TypeVar("LH", bound=LifespanHook)
+
+
+def _callable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if not callable(fn):
+        raise TypeError(f"a hook must be callable, got {fn!r}")
+    return fn
 
 
 def _pid() -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -30,6 +31,7 @@ from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.errors import RemotingError
 
 if TYPE_CHECKING:
+    from rmq_async.consumer.hooks import RebalanceHooks
     from rmq_async.consumer.orderly import OrderlyConsumeService
     from rmq_async.consumer.pull import PullService
     from rmq_async.consumer.runtime import ConsumerRuntime
@@ -41,12 +43,16 @@ class Rebalancer:
     """The rebalance loop and the table of queues it assigns (``rt.process_queues``).
 
     ``wakeup`` is the event that starts a round at once; the pull loop shares it to have a
-    queue it gave up (OFFSET_ILLEGAL) recreated.
+    queue it gave up (OFFSET_ILLEGAL) recreated. ``hooks`` are the consumer's rebalance
+    listeners: ``on_revoked`` is awaited before a round removes queues (so before their offsets
+    are persisted), ``on_assigned`` after it added queues and before their first pull.
     """
 
     def __init__(self, rt: ConsumerRuntime, pull: PullService, orderly: OrderlyConsumeService,
-                 *, wakeup: asyncio.Event | None = None) -> None:
+                 *, wakeup: asyncio.Event | None = None,
+                 hooks: RebalanceHooks | None = None) -> None:
         self._rt = rt
+        self._hooks = hooks
         self._pull = pull
         self._orderly = orderly
         self._wakeup = wakeup if wakeup is not None else asyncio.Event()
@@ -140,16 +146,20 @@ class Rebalancer:
         rt = self._rt
         changed = False
         now = time.monotonic()
+        leaving: list[tuple[MessageQueue, str]] = []
         for mq, pq in list(rt.process_queues.items()):
             if mq.topic != topic:
                 continue
             if mq not in allocated:
-                await self.remove_queue(mq, reason="reassigned")
-                changed = True
+                leaving.append((mq, "reassigned"))
             elif pq.is_pull_expired(now, rt.options.pull_max_idle_time) and not pq.dropped:
                 log.warning("rebalance.queue_pull_expired", queue=str(mq))
-                await self.remove_queue(mq, reason="pull_expired")
-                changed = True
+                leaving.append((mq, "pull_expired"))
+        if leaving:
+            await self._revoke(mq for mq, _ in leaving)
+            for mq, reason in leaving:
+                await self.remove_queue(mq, reason=reason)
+            changed = True
         new_queues = [mq for mq in allocated if mq not in rt.process_queues]
         added: list[PullRequest] = []
         for mq in sorted(new_queues):
@@ -172,6 +182,8 @@ class Rebalancer:
             changed = True
         if changed:
             await self._on_allocation_changed(topic)
+        if added and self._hooks is not None:
+            await self._hooks.fire_assigned(rt.group, (req.mq for req in added))
         for req in added:
             if not req.pq.dropped and not rt.stopping:
                 self._pull.start_queue(req)
@@ -201,9 +213,16 @@ class Rebalancer:
         log.info("rebalance.queue_removed", group=rt.group, queue=str(mq), reason=reason)
 
     async def drop_unsubscribed(self, topics: set[str]) -> None:
-        for mq in list(self._rt.process_queues):
-            if mq.topic not in topics:
-                await self.remove_queue(mq, reason="unsubscribed")
+        leaving = [mq for mq in self._rt.process_queues if mq.topic not in topics]
+        if leaving:
+            await self._revoke(leaving)
+        for mq in leaving:
+            await self.remove_queue(mq, reason="unsubscribed")
+
+    async def _revoke(self, queues: Iterable[MessageQueue]) -> None:
+        """Await the ``on_revoked`` listeners while the queues are still held."""
+        if self._hooks is not None:
+            await self._hooks.fire_revoked(self._rt.group, queues)
 
     async def _on_allocation_changed(self, topic: str) -> None:
         """New subscription version, new per-queue thresholds, and a heartbeat right away.

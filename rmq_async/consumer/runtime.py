@@ -108,17 +108,20 @@ class ConsumerRuntime:
 
     async def send_message_back(self, msg: MessageExt, delay_level: int) -> bool:
         """CONSUMER_SEND_MSG_BACK for a failed message; ``False`` if it could not be handed back."""
+        max_times = self.options.effective_max_reconsume_times(orderly=False)
         try:
             addr = await self.instance.find_broker_master(msg.broker_name, msg.topic)
             await self.instance.api.consumer_send_msg_back(
-                addr, msg, self.group, delay_level,
-                self.options.effective_max_reconsume_times(orderly=False),
+                addr, msg, self.group, delay_level, max_times,
             )
-            return True
         except (MQClientError, RemotingError) as exc:
             log.warning("consume.send_back_failed", msg_id=msg.msg_id, offset=msg.queue_offset,
                         error=str(exc))
             return False
+        # The broker's own rule: a negative level or retries used up goes to %DLQ%<group>.
+        self.stats.record_send_back(msg.topic, dead_letter=delay_level < 0
+                                    or msg.reconsume_times >= max_times)
+        return True
 
     async def compute_pull_from_where(self, mq: MessageQueue) -> int:
         """Start offset of a newly assigned queue (Java ``computePullFromWhere``)."""

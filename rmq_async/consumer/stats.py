@@ -17,7 +17,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ConsumerStats", "WindowCounter"]
+__all__ = ["CONSUME_BUCKETS", "PULL_BUCKETS", "ConsumerStats", "CumulativeHistogram",
+           "TopicTotals", "WindowCounter"]
+
+#: Upper bounds (seconds) of the consume latency histogram's buckets.
+CONSUME_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                      1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Upper bounds (seconds) of the pull round-trip histogram's buckets (a long poll that finds
+#: messages can answer up to ``broker_suspend_max_time`` after it was sent).
+PULL_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                   1.0, 2.5, 5.0, 10.0, 20.0, 30.0)
 
 _MINUTE = 60.0
 
@@ -96,6 +105,61 @@ class _TopicStats:
         self.consume_rt = WindowCounter(now)  # value: milliseconds, count: listener calls
 
 
+class CumulativeHistogram:
+    """Observations counted into fixed buckets since creation (Prometheus histogram data)."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative; +Inf is ``count``
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += times
+                break
+        self.count += times
+        self.sum += value * times
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``(upper bound, observations <= bound)`` per bucket, ``+Inf`` last."""
+        out: list[tuple[float, int]] = []
+        running = 0
+        for bound, n in zip(self.bounds, self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        # Read from another thread (a metrics endpoint) between a bucket's and the count's
+        # update, the count may lag by one observation: never report less than the buckets.
+        out.append((float("inf"), max(self.count, running)))
+        return out
+
+
+class TopicTotals:
+    """Counters of one topic since the consumer was created (they only grow).
+
+    ``consumed``: messages acknowledged; ``failed``: messages a listener (or sink) failed;
+    ``sent_back``: failed messages handed back to the broker for a later retry
+    (``%RETRY%<group>``); ``dead_lettered``: failed messages handed back to go to
+    ``%DLQ%<group>``; ``consume_seconds`` / ``pull_seconds``: latency of listener calls and of
+    pulls that found messages; ``pulled``: messages found by pulls.
+    """
+
+    __slots__ = ("consume_seconds", "consumed", "dead_lettered", "failed", "pull_seconds",
+                 "pulled", "sent_back")
+
+    def __init__(self) -> None:
+        self.consumed = 0
+        self.failed = 0
+        self.sent_back = 0
+        self.dead_lettered = 0
+        self.pulled = 0
+        self.consume_seconds = CumulativeHistogram(CONSUME_BUCKETS)
+        self.pull_seconds = CumulativeHistogram(PULL_BUCKETS)
+
+
 def _avg(pair: tuple[float, int]) -> float:
     value, count = pair
     return value / count if count else 0.0
@@ -107,6 +171,14 @@ class ConsumerStats:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._topics: dict[str, _TopicStats] = {}
+        #: Cumulative counters per topic (what metrics exporters read).
+        self.totals: dict[str, TopicTotals] = {}
+
+    def _totals(self, topic: str) -> TopicTotals:
+        t = self.totals.get(topic)
+        if t is None:
+            t = self.totals[topic] = TopicTotals()
+        return t
 
     def _topic(self, topic: str, now: float) -> _TopicStats:
         ts = self._topics.get(topic)
@@ -120,6 +192,9 @@ class ConsumerStats:
         ts = self._topic(topic, now)
         ts.pull_rt.add(now, rt * 1000.0)
         ts.pull_tps.add(now, float(msgs))
+        totals = self._totals(topic)
+        totals.pulled += msgs
+        totals.pull_seconds.observe(rt)
 
     def record_consume(self, topic: str, ok: int, failed: int, rt: float, *,
                        calls: int = 1) -> None:
@@ -132,6 +207,21 @@ class ConsumerStats:
             ts.consume_ok.add(now, float(ok))
         if failed:
             ts.consume_failed.add(now, float(failed))
+        totals = self._totals(topic)
+        totals.consumed += ok
+        totals.failed += failed
+        if rt > 0.0:  # sink chunks are written in batches and recorded without a time
+            calls = max(calls, 1)
+            totals.consume_seconds.observe(rt / calls, calls)
+
+    def record_send_back(self, topic: str, *, dead_letter: bool) -> None:
+        """A failed message of ``topic`` was handed back to the broker: for a later retry, or
+        (``dead_letter``) to the dead-letter queue."""
+        totals = self._totals(topic)
+        if dead_letter:
+            totals.dead_lettered += 1
+        else:
+            totals.sent_back += 1
 
     def topics(self) -> list[str]:
         return list(self._topics)

@@ -1,0 +1,121 @@
+"""Rebalance listeners and lifespan hooks of a :class:`~rmq_async.consumer.push.PushConsumer`.
+
+Rebalance listeners (the shape of aiokafka's ``ConsumerRebalanceListener``) hear which queues
+this client takes and gives up:
+
+* ``on_revoked(queues)`` is awaited when a rebalance round (or ``stop()``) gives queues up,
+  **before** their offsets are persisted and before their process queues are dropped: pulls of
+  those queues may still be running and listener calls may still acknowledge messages while it
+  runs, and what they acknowledge is persisted right after it returns.
+* ``on_assigned(queues)`` is awaited after a round added queues (their process queues exist and
+  their start offsets are known) and **before** their first pull.
+
+Lifespan hooks: ``on_startup()`` is awaited in ``start()`` once the client is connected and
+registered, before the first rebalance (so before any pull); an exception there fails
+``start()``. ``on_shutdown()`` is awaited in ``stop()`` after the listeners drained and the
+offsets were persisted, before the client unregisters and closes its connections; an
+exception there is logged and ``stop()`` goes on.
+
+Each hook may be ``async def`` or a plain function; plain functions run in a worker thread so
+they never block the event loop. An exception raised by a rebalance listener is logged
+(``consumer.rebalance_listener_failed``) and the rebalance goes on as if it had returned.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import anyio
+import structlog
+
+from rmq_async.protocol.types import MessageQueue
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["LifespanHook", "QueuesHook", "RebalanceHooks", "RebalanceListener"]
+
+#: A rebalance hook: receives the queues (a ``frozenset``) taken or given up.
+QueuesHook = Callable[[frozenset[MessageQueue]], Any]
+#: A lifespan hook: called without arguments.
+LifespanHook = Callable[[], Any]
+
+
+@runtime_checkable
+class RebalanceListener(Protocol):
+    """An object with both rebalance callbacks, passed as ``PushConsumer(rebalance_listener=)``.
+
+    Either method may be ``async def`` or plain.
+    """
+
+    def on_assigned(self, queues: frozenset[MessageQueue]) -> Any: ...
+
+    def on_revoked(self, queues: frozenset[MessageQueue]) -> Any: ...
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> None:
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)):  # noqa: B004
+        await fn(*args)
+        return
+    result = await anyio.to_thread.run_sync(lambda: fn(*args))
+    if inspect.isawaitable(result):  # a plain function that returned an awaitable
+        await result
+
+
+class RebalanceHooks:
+    """The rebalance and lifespan hooks registered on one consumer, and how they are called."""
+
+    def __init__(self) -> None:
+        self.assigned: list[QueuesHook] = []
+        self.revoked: list[QueuesHook] = []
+        self.startup: list[LifespanHook] = []
+        self.shutdown: list[LifespanHook] = []
+
+    def add_listener(self, listener: RebalanceListener) -> None:
+        if not isinstance(listener, RebalanceListener):
+            raise TypeError("a rebalance listener needs on_assigned(queues) and on_revoked(queues)")
+        self.assigned.append(listener.on_assigned)
+        self.revoked.append(listener.on_revoked)
+
+    async def fire_assigned(self, group: str, queues: Iterable[MessageQueue]) -> None:
+        await self._fire("assigned", self.assigned, group, frozenset(queues))
+
+    async def fire_revoked(self, group: str, queues: Iterable[MessageQueue]) -> None:
+        await self._fire("revoked", self.revoked, group, frozenset(queues))
+
+    async def _fire(self, which: str, hooks: list[QueuesHook], group: str,
+                    queues: frozenset[MessageQueue]) -> None:
+        if not queues or not hooks:
+            return
+        for hook in list(hooks):
+            try:
+                await _call(hook, queues)
+            except Exception as exc:  # a listener never breaks the rebalance
+                log.error("consumer.rebalance_listener_failed", group=group, hook=which,
+                          listener=_name(hook), queues=sorted(str(q) for q in queues),
+                          error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+            else:
+                log.debug("consumer.rebalance_listener_done", group=group, hook=which,
+                          listener=_name(hook), queues=len(queues))
+
+    async def run_startup(self, group: str) -> None:
+        """Await every startup hook in order; the first exception propagates."""
+        for hook in list(self.startup):
+            await _call(hook)
+            log.debug("consumer.startup_hook_done", group=group, hook=_name(hook))
+
+    async def run_shutdown(self, group: str) -> None:
+        """Await every shutdown hook in order; exceptions are logged, the others still run."""
+        for hook in list(self.shutdown):
+            try:
+                await _call(hook)
+            except Exception as exc:
+                log.error("consumer.shutdown_hook_failed", group=group, hook=_name(hook),
+                          error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+

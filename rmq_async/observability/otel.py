@@ -1,0 +1,123 @@
+"""OpenTelemetry spans per consume call (optional extra ``otel``: opentelemetry-api).
+
+::
+
+    from rmq_async.observability.otel import TracingMiddleware
+
+    consumer.add_middleware(TracingMiddleware())            # the global tracer provider
+    consumer.add_middleware(TracingMiddleware(tracer_provider=provider))
+
+Each consume call (one listener call: one message, or a batch) runs inside one span that
+follows the OpenTelemetry semantic conventions for messaging (consumer "process" spans):
+
+====================================== =========================================================
+span / attribute                       value
+====================================== =========================================================
+name                                   ``process <topic>``
+kind                                   ``CONSUMER``
+``messaging.system``                   ``rocketmq``
+``messaging.operation.type``           ``process``
+``messaging.operation.name``           ``process``
+``messaging.destination.name``         the subscribed topic
+``messaging.destination.partition.id`` the queue id (string)
+``messaging.consumer.group.name``      the consumer group
+``messaging.batch.message_count``      number of messages (calls with more than one message)
+``messaging.message.id``               the message id (calls with one message)
+``messaging.message.body.size``        body size in bytes (calls with one message)
+``messaging.rocketmq.message.tag``     the message's tag (calls with one message, when set)
+``messaging.rocketmq.message.keys``    the message's keys (calls with one message, when set)
+``messaging.rocketmq.consumption_model`` ``clustering`` / ``broadcasting`` when given
+``server.address``                     the broker name of the queue
+``code.function.name``                 the handler's name
+====================================== =========================================================
+
+A call that fails (the handler raised, asked for a retry, or sent the message to the
+dead-letter queue) ends its span with status ``ERROR``, the exception recorded as a span event
+and ``error.type`` set to the exception's class name; the exception goes on unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
+
+from rmq_async.protocol.types import MessageExt, MessageQueue
+
+__all__ = ["ConsumeCallLike", "TracingMiddleware"]
+
+_SCOPE = "rmq_async"
+
+
+class ConsumeCallLike(Protocol):
+    """What the middleware reads of a consume call (``rmq_async.ConsumeCall`` has it)."""
+
+    @property
+    def group(self) -> str: ...
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def queue(self) -> MessageQueue: ...
+
+    @property
+    def messages(self) -> list[MessageExt]: ...
+
+    @property
+    def handler_name(self) -> str: ...
+
+
+class TracingMiddleware:
+    """A consume middleware that wraps every consume call in a CONSUMER span.
+
+    ``consumption_model`` (``"clustering"`` / ``"broadcasting"``) is added as
+    ``messaging.rocketmq.consumption_model`` when given.
+    """
+
+    def __init__(self, tracer_provider: TracerProvider | None = None, *,
+                 consumption_model: str | None = None) -> None:
+        self._tracer = trace.get_tracer(_SCOPE, tracer_provider=tracer_provider)
+        self._model = consumption_model
+
+    def attributes(self, call: ConsumeCallLike) -> dict[str, Any]:
+        msgs = call.messages
+        attrs: dict[str, Any] = {
+            "messaging.system": "rocketmq",
+            "messaging.operation.type": "process",
+            "messaging.operation.name": "process",
+            "messaging.destination.name": call.topic,
+            "messaging.destination.partition.id": str(call.queue.queue_id),
+            "messaging.consumer.group.name": call.group,
+            "server.address": call.queue.broker_name,
+            "code.function.name": call.handler_name,
+        }
+        if self._model is not None:
+            attrs["messaging.rocketmq.consumption_model"] = self._model
+        if len(msgs) == 1:
+            m = msgs[0]
+            attrs["messaging.message.id"] = m.msg_id
+            attrs["messaging.message.body.size"] = len(m.body)
+            if m.tags:
+                attrs["messaging.rocketmq.message.tag"] = m.tags
+            if m.keys:
+                attrs["messaging.rocketmq.message.keys"] = list(m.keys)
+        else:
+            attrs["messaging.batch.message_count"] = len(msgs)
+        return attrs
+
+    async def __call__(self, call: Any,
+                       call_next: Callable[[Any], Awaitable[None]]) -> None:
+        with self._tracer.start_as_current_span(
+            f"process {call.topic}", kind=SpanKind.CONSUMER, attributes=self.attributes(call),
+            record_exception=False, set_status_on_exception=False,
+        ) as span:
+            try:
+                await call_next(call)
+            except Exception as exc:
+                span.record_exception(exc)
+                span.set_attribute("error.type", type(exc).__qualname__)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+                raise

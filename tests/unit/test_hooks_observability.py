@@ -1,0 +1,272 @@
+"""Hooks, metrics and tracing without a broker: the parts called directly."""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
+
+import rmq_async.observability.prometheus as prom
+from rmq_async.consumer.hooks import RebalanceHooks
+from rmq_async.consumer.lag import QueueLag
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.stats import ConsumerStats, CumulativeHistogram
+from rmq_async.observability.otel import TracingMiddleware
+from rmq_async.protocol.types import MessageExt, MessageQueue
+
+Q0 = MessageQueue("orders", "broker-a", 0)
+Q1 = MessageQueue("orders", "broker-a", 1)
+
+
+# ---------------------------------------------------------------------- rebalance / lifespan hooks
+
+
+async def test_rebalance_hooks_sync_async_and_listener_objects() -> None:
+    hooks = RebalanceHooks()
+    seen: list[tuple[str, frozenset[MessageQueue], str]] = []
+    main_thread = threading.get_ident()
+
+    async def a(queues: frozenset[MessageQueue]) -> None:
+        seen.append(("async", queues, "loop" if threading.get_ident() == main_thread else "thread"))
+
+    def s(queues: frozenset[MessageQueue]) -> None:
+        seen.append(("sync", queues, "loop" if threading.get_ident() == main_thread else "thread"))
+
+    class Listener:
+        async def on_assigned(self, queues: frozenset[MessageQueue]) -> None:
+            seen.append(("obj-assigned", queues, "loop"))
+
+        def on_revoked(self, queues: frozenset[MessageQueue]) -> None:
+            seen.append(("obj-revoked", queues, "thread"))
+
+    hooks.revoked += [a, s]
+    hooks.add_listener(Listener())
+    await hooks.fire_revoked("g", [Q0, Q1])
+    await hooks.fire_assigned("g", [Q1])
+    await hooks.fire_assigned("g", [])  # nothing assigned: no call
+    both = frozenset({Q0, Q1})
+    assert seen == [("async", both, "loop"), ("sync", both, "thread"),
+                    ("obj-revoked", both, "thread"), ("obj-assigned", frozenset({Q1}), "loop")]
+    with pytest.raises(TypeError):
+        hooks.add_listener(object())  # type: ignore[arg-type]
+
+
+async def test_failing_rebalance_listener_is_logged_and_the_next_still_runs() -> None:
+    hooks = RebalanceHooks()
+    ran: list[str] = []
+
+    def bad(queues: frozenset[MessageQueue]) -> None:
+        raise RuntimeError("listener bug")
+
+    async def good(queues: frozenset[MessageQueue]) -> None:
+        ran.append("good")
+
+    hooks.revoked += [bad, good]
+    with capture_logs() as logs:
+        await hooks.fire_revoked("g1", [Q0])
+    assert ran == ["good"]
+    failed = [e for e in logs if e["event"] == "consumer.rebalance_listener_failed"]
+    assert len(failed) == 1
+    assert failed[0]["group"] == "g1" and failed[0]["hook"] == "revoked"
+    assert failed[0]["queues"] == [str(Q0)] and "listener bug" in failed[0]["error"]
+
+
+async def test_startup_failure_propagates_shutdown_failure_is_logged() -> None:
+    hooks = RebalanceHooks()
+    order: list[str] = []
+
+    def boom() -> None:
+        raise ValueError("no database")
+
+    async def after() -> None:
+        order.append("after")
+
+    hooks.startup.append(boom)
+    with pytest.raises(ValueError, match="no database"):
+        await hooks.run_startup("g")
+    hooks.shutdown += [boom, after]
+    with capture_logs() as logs:
+        await hooks.run_shutdown("g")
+    assert order == ["after"]
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["consumer.shutdown_hook_failed"]
+
+
+# ---------------------------------------------------------------------- statistics totals
+
+
+def test_totals_count_send_backs_and_time_calls() -> None:
+    stats = ConsumerStats()
+    stats.record_consume("t", 3, 1, 0.030, calls=2)  # two calls of 15 ms
+    stats.record_consume("t", 5, 0, 0.0)  # a sink chunk: not timed
+    stats.record_send_back("t", dead_letter=False)
+    stats.record_send_back("t", dead_letter=True)
+    stats.record_pull("t", 32, 0.004)
+    t = stats.totals["t"]
+    assert (t.consumed, t.failed, t.sent_back, t.dead_lettered, t.pulled) == (8, 1, 1, 1, 32)
+    assert t.consume_seconds.count == 2 and t.consume_seconds.sum == pytest.approx(0.030)
+    cum = dict(t.consume_seconds.cumulative())
+    assert cum[0.01] == 0 and cum[0.025] == 2 and cum[float("inf")] == 2
+    assert dict(t.pull_seconds.cumulative())[0.005] == 1
+
+
+def test_histogram_buckets_are_cumulative_and_inf_is_the_count() -> None:
+    h = CumulativeHistogram((1.0, 2.0))
+    for v in (0.5, 1.0, 1.5, 3.0):
+        h.observe(v)
+    assert h.cumulative() == [(1.0, 2), (2.0, 3), (float("inf"), 4)]
+    assert h.sum == pytest.approx(6.0)
+
+
+# ---------------------------------------------------------------------- Prometheus
+
+
+@dataclass
+class _FakeConsumer:
+    group: str
+    stats: ConsumerStats = field(default_factory=ConsumerStats)
+    process_queues: dict[MessageQueue, ProcessQueue] = field(default_factory=dict)
+    lags: dict[MessageQueue, QueueLag] = field(default_factory=dict)
+    healthy: bool = True
+
+    def lag(self) -> dict[MessageQueue, QueueLag]:
+        return self.lags
+
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+
+def _documented_metrics() -> set[str]:
+    assert prom.__doc__ is not None
+    return set(re.findall(r"^``(rocketmq_consumer_\w+)`` \(", prom.__doc__, re.M))
+
+
+def _exposed(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(registry).decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_collector_exposes_the_documented_metrics_from_the_consumer() -> None:
+    registry = CollectorRegistry()
+    c = _FakeConsumer("G")
+    c.stats.record_consume("orders", 7, 2, 0.02, calls=3)
+    c.stats.record_send_back("orders", dead_letter=False)
+    c.stats.record_send_back("orders", dead_letter=True)
+    c.stats.record_pull("orders", 9, 0.003)
+    pq = ProcessQueue()
+    pq.put_messages([MessageExt(topic="orders", body=b"x", queue_offset=i) for i in range(3)])
+    c.process_queues = {Q0: pq, Q1: ProcessQueue()}
+    c.lags = {Q0: QueueLag(100, 60, 40, 3, 0.0), Q1: QueueLag(5, None, None, 0, 0.0)}
+    prom.instrument(c, registry)  # type: ignore[arg-type]
+    got = _exposed(registry)
+    topic = (("group", "G"), ("topic", "orders"))
+    q0 = (("broker", "broker-a"), ("group", "G"), ("queue_id", "0"), ("topic", "orders"))
+    q1 = (("broker", "broker-a"), ("group", "G"), ("queue_id", "1"), ("topic", "orders"))
+    assert got[("rocketmq_consumer_messages_consumed_total", topic)] == 7
+    assert got[("rocketmq_consumer_messages_failed_total", topic)] == 2
+    assert got[("rocketmq_consumer_messages_retried_total", topic)] == 1
+    assert got[("rocketmq_consumer_messages_dlq_total", topic)] == 1
+    assert got[("rocketmq_consumer_messages_pulled_total", topic)] == 9
+    assert got[("rocketmq_consumer_consume_duration_seconds_count", topic)] == 3
+    assert got[("rocketmq_consumer_pull_duration_seconds_count", topic)] == 1
+    assert got[("rocketmq_consumer_lag_messages", q0)] == 40
+    assert ("rocketmq_consumer_lag_messages", q1) not in got  # no committed offset yet
+    assert got[("rocketmq_consumer_max_offset", q1)] == 5
+    assert got[("rocketmq_consumer_committed_offset", q0)] == 60
+    assert got[("rocketmq_consumer_cached_messages", q0)] == 3
+    assert got[("rocketmq_consumer_assigned_queues", (("group", "G"),))] == 2
+    assert got[("rocketmq_consumer_healthy", (("group", "G"),))] == 1
+    # Every documented metric is exposed, and nothing undocumented.
+    families = {name for name, _ in got}
+    exposed = {re.sub(r"_(bucket|count|sum)$", "", n) if "duration" in n else n for n in families}
+    assert exposed == _documented_metrics()
+
+
+def test_one_collector_per_registry_and_one_member_per_group() -> None:
+    registry = CollectorRegistry()
+    a, b = _FakeConsumer("A"), _FakeConsumer("B")
+    assert prom.instrument(a, registry) is prom.instrument(b, registry)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="already exported"):
+        prom.instrument(_FakeConsumer("A"), registry)  # type: ignore[arg-type]
+    prom.instrument(_FakeConsumer("A"), CollectorRegistry())  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- OpenTelemetry
+
+
+@dataclass
+class _Call:
+    group: str
+    topic: str
+    queue: MessageQueue
+    messages: list[MessageExt]
+    context: Any = None
+    orderly: bool = False
+    handler_name: str = "handle"
+
+
+def _tracing() -> tuple[TracingMiddleware, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return TracingMiddleware(tracer_provider=provider, consumption_model="clustering"), exporter
+
+
+async def test_span_per_call_with_messaging_attributes() -> None:
+    mw, exporter = _tracing()
+    msg = MessageExt(topic="orders", body=b"hello", queue_id=1, queue_offset=5,
+                     properties={"TAGS": "created", "KEYS": "k1 k2", "UNIQ_KEY": "ABC"})
+    inner: list[bool] = []
+
+    async def call_next(call: Any) -> None:
+        from opentelemetry import trace
+        inner.append(trace.get_current_span().is_recording())
+
+    await mw(_Call("G", "orders", Q1, [msg]), call_next)
+    batch = [MessageExt(topic="orders", body=b"x", queue_offset=i) for i in range(3)]
+    await mw(_Call("G", "orders", Q1, batch), call_next)
+    assert inner == [True, True]  # the handler runs inside the span
+    one, many = exporter.get_finished_spans()
+    assert one.name == "process orders" and one.kind is SpanKind.CONSUMER
+    assert one.status.status_code is StatusCode.UNSET
+    a = dict(one.attributes or {})
+    assert a["messaging.system"] == "rocketmq"
+    assert a["messaging.operation.type"] == "process"
+    assert a["messaging.destination.name"] == "orders"
+    assert a["messaging.destination.partition.id"] == "1"
+    assert a["messaging.consumer.group.name"] == "G"
+    assert a["messaging.message.id"] == msg.msg_id
+    assert a["messaging.message.body.size"] == 5
+    assert a["messaging.rocketmq.message.tag"] == "created"
+    assert a["messaging.rocketmq.message.keys"] == ("k1", "k2")
+    assert a["messaging.rocketmq.consumption_model"] == "clustering"
+    assert "messaging.batch.message_count" not in a
+    b = dict(many.attributes or {})
+    assert b["messaging.batch.message_count"] == 3 and "messaging.message.id" not in b
+
+
+async def test_failed_call_marks_the_span_and_reraises() -> None:
+    mw, exporter = _tracing()
+
+    async def call_next(call: Any) -> None:
+        raise ValueError("bad order")
+
+    with pytest.raises(ValueError, match="bad order"):
+        await mw(_Call("G", "orders", Q0, [MessageExt(topic="orders", body=b"")]), call_next)
+    (span,) = exporter.get_finished_spans()
+    assert span.status.status_code is StatusCode.ERROR
+    assert dict(span.attributes or {})["error.type"] == "ValueError"
+    assert [e.name for e in span.events] == ["exception"]
