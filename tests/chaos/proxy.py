@@ -295,8 +295,9 @@ class FaultProxy:
     def open_connections(self) -> int:
         return len(self._conns)
 
-    async def start(self) -> FaultProxy:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+    async def start(self, port: int = 0) -> FaultProxy:
+        """Listen on ``port`` (a free one when 0; the port of a closed proxy to bring it back)."""
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
