@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import structlog
 
+from rmq_async.errors import InvalidTypeError
 from rmq_async.protocol.types import MessageQueue
 
 log = structlog.get_logger(__name__)
@@ -79,7 +80,8 @@ class RebalanceHooks:
 
     def add_listener(self, listener: RebalanceListener) -> None:
         if not isinstance(listener, RebalanceListener):
-            raise TypeError("a rebalance listener needs on_assigned(queues) and on_revoked(queues)")
+            raise InvalidTypeError(
+                "a rebalance listener needs on_assigned(queues) and on_revoked(queues)")
         self.assigned.append(listener.on_assigned)
         self.revoked.append(listener.on_revoked)
 

@@ -630,7 +630,7 @@ LH = TypeVar("LH", bound=LifespanHook)
 
 def _callable(fn: Callable[..., Any]) -> Callable[..., Any]:
     if not callable(fn):
-        raise TypeError(f"a hook must be callable, got {fn!r}")
+        raise InvalidTypeError(f"a hook must be callable, got {fn!r}")
     return fn
 
 

@@ -73,6 +73,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from rmq_async.errors import InvalidArgumentError
+
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
@@ -105,7 +107,7 @@ class ConsumerCollector(Collector):
         with self._lock:
             live = [c for c in self._live() if c is not consumer]
             if any(c.group == consumer.group for c in live):
-                raise ValueError(f"a consumer of group {consumer.group!r} is already exported to "
+                raise InvalidArgumentError(f"a consumer of group {consumer.group!r} is already exported to "
                                  "this registry; give each member its own registry")
             self._consumers = [weakref.ref(c) for c in [*live, consumer]]
 

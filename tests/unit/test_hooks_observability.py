@@ -21,6 +21,7 @@ from rmq_async.consumer.hooks import RebalanceHooks
 from rmq_async.consumer.lag import QueueLag
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.stats import ConsumerStats, CumulativeHistogram
+from rmq_async.errors import InvalidArgumentError, InvalidTypeError
 from rmq_async.observability.otel import TracingMiddleware
 from rmq_async.protocol.types import MessageExt, MessageQueue
 
@@ -57,7 +58,7 @@ async def test_rebalance_hooks_sync_async_and_listener_objects() -> None:
     both = frozenset({Q0, Q1})
     assert seen == [("async", both, "loop"), ("sync", both, "thread"),
                     ("obj-revoked", both, "thread"), ("obj-assigned", frozenset({Q1}), "loop")]
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidTypeError):
         hooks.add_listener(object())  # type: ignore[arg-type]
 
 
@@ -199,7 +200,7 @@ def test_one_collector_per_registry_and_one_member_per_group() -> None:
     registry = CollectorRegistry()
     a, b = _FakeConsumer("A"), _FakeConsumer("B")
     assert prom.instrument(a, registry) is prom.instrument(b, registry)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="already exported"):
+    with pytest.raises(InvalidArgumentError, match="already exported"):
         prom.instrument(_FakeConsumer("A"), registry)  # type: ignore[arg-type]
     prom.instrument(_FakeConsumer("A"), CollectorRegistry())  # type: ignore[arg-type]
 
