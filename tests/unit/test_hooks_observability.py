@@ -271,3 +271,79 @@ async def test_failed_call_marks_the_span_and_reraises() -> None:
     assert span.status.status_code is StatusCode.ERROR
     assert dict(span.attributes or {})["error.type"] == "ValueError"
     assert [e.name for e in span.events] == ["exception"]
+
+
+# ---------------------------------------------------------------------- the rebalancer's order
+
+
+class _Store:
+    def __init__(self, events: list[tuple[str, Any]]) -> None:
+        self.events = events
+
+    async def persist(self, mq: MessageQueue) -> None:
+        self.events.append(("persist", mq))
+
+    def remove(self, mq: MessageQueue) -> None:
+        self.events.append(("forget", mq))
+
+
+class _Pull:
+    def __init__(self, events: list[tuple[str, Any]]) -> None:
+        self.events = events
+
+    async def stop_queue(self, mq: MessageQueue) -> None:
+        self.events.append(("stop_pull", mq))
+
+    def start_queue(self, req: Any) -> None:
+        self.events.append(("start_pull", req.mq))
+
+
+async def test_rebalancer_revokes_before_persisting_and_assigns_before_pulling() -> None:
+    from types import SimpleNamespace
+
+    from rmq_async.consumer.options import MessageModel
+    from rmq_async.consumer.rebalance import Rebalancer
+
+    events: list[tuple[str, Any]] = []
+    q2 = MessageQueue("orders", "broker-a", 2)
+    held = {Q0: ProcessQueue(), Q1: ProcessQueue()}
+
+    async def start_offset(mq: MessageQueue) -> int:
+        return 0
+
+    rt: Any = SimpleNamespace(
+        group="G", stopping=False, process_queues=held, offset_store=_Store(events),
+        options=SimpleNamespace(message_model=MessageModel.CLUSTERING, pull_max_idle_time=120.0),
+        subscriptions=SimpleNamespace(is_orderly=lambda topic: False,
+                                      subscription_data=lambda topic: None),
+        thresholds=SimpleNamespace(recompute=lambda topic, n: None),
+        compute_pull_from_where=start_offset)
+    hooks = RebalanceHooks()
+
+    def broken(queues: frozenset[MessageQueue]) -> None:
+        raise RuntimeError("listener bug")
+
+    async def revoked(queues: frozenset[MessageQueue]) -> None:
+        assert all(mq in held and not held[mq].dropped for mq in queues)
+        events.append(("revoked", queues))
+
+    async def assigned(queues: frozenset[MessageQueue]) -> None:
+        assert all(mq in held for mq in queues)
+        events.append(("assigned", queues))
+
+    hooks.revoked += [broken, revoked]
+    hooks.assigned.append(assigned)
+    rebalancer = Rebalancer(rt, _Pull(events), orderly=None, hooks=hooks)  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        await rebalancer.apply_allocation("orders", {Q1, q2})
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == [
+        "consumer.rebalance_listener_failed"]
+    kinds = [(k, v) for k, v in events if k != "forget"]
+    assert kinds == [("revoked", frozenset({Q0})), ("stop_pull", Q0), ("persist", Q0),
+                     ("assigned", frozenset({q2})), ("start_pull", q2)]
+    assert set(held) == {Q1, q2}
+    # Unsubscribing gives the rest up the same way.
+    events.clear()
+    await rebalancer.drop_unsubscribed(set())
+    assert events[0] == ("revoked", frozenset({Q1, q2}))
+    assert {v for k, v in events if k == "persist"} == {Q1, q2} and not held
