@@ -291,5 +291,6 @@ async def test_is_healthy_follows_the_brokers(rocketmq: LocalRocketMQ) -> None:
         await namesrv.close()
     print(f"\nhealth: unhealthy {to_unhealthy:.2f} s after the broker went away, healthy "
           f"{to_healthy:.2f} s after it came back (heartbeat interval {interval} s)")
-    assert to_unhealthy <= interval + 0.3
-    assert to_healthy <= interval + 0.3
+    # One heartbeat interval, plus a margin for a loaded CI machine.
+    assert to_unhealthy <= interval + 0.5
+    assert to_healthy <= interval + 0.5
