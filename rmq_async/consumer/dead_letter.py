@@ -94,4 +94,5 @@ async def send_to_dlq(rt: ConsumerRuntime, msg: MessageExt, reason: str) -> bool
         return True
     log.warning("consume.dead_lettered", group=rt.group, topic=msg.topic, queue_id=msg.queue_id,
                 offset=msg.queue_offset, msg_id=msg.msg_id, reason=reason, via="send")
+    rt.stats.record_send_back(msg.topic, dead_letter=True)  # (the send-back path counts itself)
     return True
