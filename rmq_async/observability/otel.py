@@ -38,36 +38,16 @@ and ``error.type`` set to the exception's class name; the exception goes on unch
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
 
-from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.consumer.middleware import CallNext, ConsumeCall
 
-__all__ = ["ConsumeCallLike", "TracingMiddleware"]
+__all__ = ["TracingMiddleware"]
 
 _SCOPE = "rmq_async"
-
-
-class ConsumeCallLike(Protocol):
-    """What the middleware reads of a consume call (``rmq_async.ConsumeCall`` has it)."""
-
-    @property
-    def group(self) -> str: ...
-
-    @property
-    def topic(self) -> str: ...
-
-    @property
-    def queue(self) -> MessageQueue: ...
-
-    @property
-    def messages(self) -> list[MessageExt]: ...
-
-    @property
-    def handler_name(self) -> str: ...
 
 
 class TracingMiddleware:
@@ -82,7 +62,7 @@ class TracingMiddleware:
         self._tracer = trace.get_tracer(_SCOPE, tracer_provider=tracer_provider)
         self._model = consumption_model
 
-    def attributes(self, call: ConsumeCallLike) -> dict[str, Any]:
+    def attributes(self, call: ConsumeCall) -> dict[str, Any]:
         msgs = call.messages
         attrs: dict[str, Any] = {
             "messaging.system": "rocketmq",
@@ -108,8 +88,7 @@ class TracingMiddleware:
             attrs["messaging.batch.message_count"] = len(msgs)
         return attrs
 
-    async def __call__(self, call: Any,
-                       call_next: Callable[[Any], Awaitable[None]]) -> None:
+    async def __call__(self, call: ConsumeCall, call_next: CallNext) -> None:
         with self._tracer.start_as_current_span(
             f"process {call.topic}", kind=SpanKind.CONSUMER, attributes=self.attributes(call),
             record_exception=False, set_status_on_exception=False,

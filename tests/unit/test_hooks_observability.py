@@ -19,7 +19,9 @@ from structlog.testing import capture_logs
 import rmq_async.observability.prometheus as prom
 from rmq_async.consumer.hooks import RebalanceHooks
 from rmq_async.consumer.lag import QueueLag
+from rmq_async.consumer.middleware import ConsumeCall
 from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.results import ConsumeContext
 from rmq_async.consumer.stats import ConsumerStats, CumulativeHistogram
 from rmq_async.errors import InvalidArgumentError, InvalidTypeError
 from rmq_async.observability.otel import TracingMiddleware
@@ -208,15 +210,10 @@ def test_one_collector_per_registry_and_one_member_per_group() -> None:
 # ---------------------------------------------------------------------- OpenTelemetry
 
 
-@dataclass
-class _Call:
-    group: str
-    topic: str
-    queue: MessageQueue
-    messages: list[MessageExt]
-    context: Any = None
-    orderly: bool = False
-    handler_name: str = "handle"
+def _call(group: str, topic: str, queue: MessageQueue, messages: list[MessageExt]) -> ConsumeCall:
+    return ConsumeCall(group=group, topic=topic, queue=queue, messages=messages,
+                       context=ConsumeContext(queue, messages=messages), orderly=False,
+                       handler_name="handle")
 
 
 def _tracing() -> tuple[TracingMiddleware, InMemorySpanExporter]:
@@ -236,9 +233,9 @@ async def test_span_per_call_with_messaging_attributes() -> None:
         from opentelemetry import trace
         inner.append(trace.get_current_span().is_recording())
 
-    await mw(_Call("G", "orders", Q1, [msg]), call_next)
+    await mw(_call("G", "orders", Q1, [msg]), call_next)
     batch = [MessageExt(topic="orders", body=b"x", queue_offset=i) for i in range(3)]
-    await mw(_Call("G", "orders", Q1, batch), call_next)
+    await mw(_call("G", "orders", Q1, batch), call_next)
     assert inner == [True, True]  # the handler runs inside the span
     one, many = exporter.get_finished_spans()
     assert one.name == "process orders" and one.kind is SpanKind.CONSUMER
@@ -266,7 +263,7 @@ async def test_failed_call_marks_the_span_and_reraises() -> None:
         raise ValueError("bad order")
 
     with pytest.raises(ValueError, match="bad order"):
-        await mw(_Call("G", "orders", Q0, [MessageExt(topic="orders", body=b"")]), call_next)
+        await mw(_call("G", "orders", Q0, [MessageExt(topic="orders", body=b"")]), call_next)
     (span,) = exporter.get_finished_spans()
     assert span.status.status_code is StatusCode.ERROR
     assert dict(span.attributes or {})["error.type"] == "ValueError"
