@@ -605,9 +605,15 @@ class PushConsumer:
         A consumer that lost every broker turns unhealthy with the next heartbeat round, so
         within ``heartbeat_interval`` seconds (plus the request timeout when the brokers went
         silent rather than away); it is healthy again as soon as one broker answers a
-        heartbeat (a new connection sends one at once).
+        heartbeat (a new connection sends one at once). It is false too when no heartbeat
+        succeeded for two intervals plus the request timeout (the heartbeat loop itself is
+        stuck, e.g. the event loop is starved).
         """
         if not self._started or self.stopping or self.instance is None:
+            return False
+        last = self.instance.last_heartbeat_ok
+        o = self.options
+        if last is None or time.monotonic() - last > 2 * o.heartbeat_interval + o.api_timeout:
             return False
         return bool(self.instance.brokers_reachable)
 

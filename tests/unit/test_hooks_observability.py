@@ -344,3 +344,22 @@ async def test_rebalancer_revokes_before_persisting_and_assigns_before_pulling()
     await rebalancer.drop_unsubscribed(set())
     assert events[0] == ("revoked", frozenset({Q1, q2}))
     assert {v for k, v in events if k == "persist"} == {Q1, q2} and not held
+
+
+def test_is_healthy_needs_the_last_round_answered_and_a_recent_heartbeat() -> None:
+    import time
+    from types import SimpleNamespace
+
+    from rmq_async import PushConsumer
+
+    c = PushConsumer("G", namesrv="127.0.0.1:9876", heartbeat_interval=1.0, api_timeout=1.0)
+    assert not c.is_healthy()  # never started
+    c._started = True
+    c.instance = SimpleNamespace(brokers_reachable=True,  # type: ignore[assignment]
+                                 last_heartbeat_ok=time.monotonic())
+    assert c.is_healthy()
+    c.instance.brokers_reachable = False  # no broker answered the last round
+    assert not c.is_healthy()
+    c.instance.brokers_reachable = True
+    c.instance.last_heartbeat_ok = time.monotonic() - 3.5  # 2 intervals + timeout ago: stuck
+    assert not c.is_healthy()
