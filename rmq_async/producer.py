@@ -16,6 +16,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import anyio
@@ -79,6 +80,9 @@ _COMPRESSION_TYPES = {"ZLIB": COMPRESSION_ZLIB, "LZ4": COMPRESSION_LZ4, "ZSTD": 
 
 @dataclass(slots=True)
 class ProducerOptions:
+    """Producer settings (Java ``DefaultMQProducer`` names in snake_case); ``send_timeout`` is
+    seconds, a float or a ``timedelta``."""
+
     send_timeout: float = 3.0
     retry_times_when_send_failed: int = 2
     """Extra attempts of a send whose queue was not given, each on another broker when the
@@ -101,6 +105,12 @@ class ProducerOptions:
     unless ``tls_verify=False``; a ready ``ssl_context`` is used as given."""
 
     def __post_init__(self) -> None:
+        timeout: object = self.send_timeout
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise InvalidOptionError("send_timeout", f"expected seconds > 0, got {timeout!r}")
+        self.send_timeout = float(timeout)
         self.credentials = Credentials.coerce(self.credentials)
         check_tls_options(self.tls, self.tls_verify, self.tls_ca_file, self.ssl_context)
         ctype = self.compress_type.strip().upper() if isinstance(self.compress_type, str) else None

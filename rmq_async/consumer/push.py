@@ -15,6 +15,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import structlog
@@ -421,14 +422,16 @@ class PushConsumer:
             return
         self._owner.spawn(coro, name=name)
 
-    async def stop(self, timeout: float = 30.0) -> None:
+    async def stop(self, timeout: float | timedelta = 30.0) -> None:
         """Stop consuming and release everything.
 
         Pulling stops at once; listener calls already running may finish (up to ``timeout``
-        seconds) and their acknowledgements are committed; offsets are persisted, the client is
-        unregistered from the brokers and the connections are closed. Afterwards no task of
-        this consumer is left running.
+        seconds, a float or a ``timedelta``) and their acknowledgements are committed; offsets
+        are persisted, the client is unregistered from the brokers and the connections are
+        closed. Afterwards no task of this consumer is left running.
         """
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
         async with self._start_lock:
             if not self._started:
                 return

@@ -118,3 +118,12 @@ def test_the_hook_rejects_a_leak_and_accepts_the_asyncio_contract() -> None:
         library_like()
     except KeyError as exc:  # started in test code
         assert error_tree.violation(exc) is None
+
+
+def test_producer_send_timeout_is_seconds_or_timedelta() -> None:
+    from datetime import timedelta
+
+    p = Producer("p1", namesrv="127.0.0.1:9876", send_timeout=timedelta(milliseconds=1500))
+    assert p.options.send_timeout == 1.5
+    with pytest.raises(InvalidOptionError, match="send_timeout"):
+        Producer("p1", namesrv="127.0.0.1:9876", send_timeout=0)
