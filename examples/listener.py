@@ -1,8 +1,15 @@
-"""A decorator-registered async listener inside an async app, with a clean shutdown on Ctrl-C.
+"""A decorator-registered async listener, runnable two ways.
 
-Run it against the local dev broker:
+With the ``rmq-async`` command (module-level ``consumer``, configured from the environment:
+``NAMESRV_ADDR``, ``RMQ_TOPIC``, ``RMQ_GROUP``)::
 
-    python -m rmq_async.devbroker up          # prints NAMESRV_ADDR=127.0.0.1:<port>
+    rmq-async broker up                          # prints NAMESRV_ADDR=127.0.0.1:<port>
+    NAMESRV_ADDR=127.0.0.1:<port> rmq-async run examples.listener:consumer --workers 2
+
+SIGTERM or Ctrl-C drains the consumers and exits 0.
+
+As a script inside its own async app, with a clean shutdown on Ctrl-C::
+
     python examples/listener.py --namesrv 127.0.0.1:<port> --topic demo --produce 100
 
 or, with no --namesrv, it starts a throw-away local broker itself.
@@ -13,31 +20,55 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
+from collections.abc import Callable
 
 from rmq_async import ConsumeResult, Message, MessageExt, Producer, PushConsumer
 
 
-async def run(namesrv: str, topic: str, group: str, produce: int, seconds: float | None) -> int:
+def build_consumer(namesrv: str, topic: str, group: str,
+                   on_message: Callable[[MessageExt], None] | None = None) -> PushConsumer:
+    """A consumer of ``topic`` that prints each message (and reports it to ``on_message``)."""
     consumer = PushConsumer(group, namesrv=namesrv, consume_from_where="CONSUME_FROM_FIRST_OFFSET")
-    received = 0
+    # Slows every message down, to watch in-flight work drain on SIGTERM.
+    delay = float(os.environ.get("RMQ_LISTENER_DELAY", "0"))
 
     @consumer.subscribe(topic, tags="*", batch=True)
     async def on_messages(msgs: list[MessageExt]) -> ConsumeResult:
-        nonlocal received
         for m in msgs:
-            received += 1
+            if delay:
+                await asyncio.sleep(delay)
             print(f"{m.topic}[{m.queue_id}]@{m.queue_offset} tags={m.tags} "
-                  f"keys={m.keys} body={m.body[:60]!r}")
+                  f"keys={m.keys} body={m.body[:60]!r} pid={os.getpid()}", flush=True)
+            if on_message is not None:
+                on_message(m)
         return ConsumeResult.SUCCESS
 
+    return consumer
+
+
+consumer = build_consumer(os.environ.get("NAMESRV_ADDR", "127.0.0.1:9876"),
+                          os.environ.get("RMQ_TOPIC", "listener_demo"),
+                          os.environ.get("RMQ_GROUP", "listener_demo_group"))
+"""What ``rmq-async run examples.listener:consumer`` runs."""
+
+
+async def run(namesrv: str, topic: str, group: str, produce: int, seconds: float | None) -> int:
+    received = 0
+
+    def count(_: MessageExt) -> None:
+        nonlocal received
+        received += 1
+
+    app_consumer = build_consumer(namesrv, topic, group, count)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
 
-    async with consumer:
+    async with app_consumer:
         if produce:
             async with Producer(f"{group}-producer", namesrv=namesrv) as producer:
                 for i in range(produce):

@@ -1,5 +1,6 @@
 """rmq_async: an asyncio-native push consumer for Apache RocketMQ, speaking its protocol itself."""
 
+from rmq_async.app import App
 from rmq_async.client.errors import (
     MQBrokerError,
     MQClientError,
@@ -34,6 +35,7 @@ from rmq_async.remoting.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "App",
     "CallNext",
     "ConnectionClosed",
     "ConsumeCall",

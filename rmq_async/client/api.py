@@ -12,6 +12,7 @@ from rmq_async.client.errors import NoRouteError, broker_error
 from rmq_async.protocol import headers as h
 from rmq_async.protocol.bodies import (
     ClusterInfo,
+    ConsumeStats,
     HeartbeatData,
     TopicRouteData,
     decode_consumer_list,
@@ -176,6 +177,15 @@ class MQClientAPI:
         resp = await self._call(addr, RequestCode.GET_CONSUMER_LIST_BY_GROUP, ext,
                                 name="GET_CONSUMER_LIST_BY_GROUP")
         return decode_consumer_list(resp.body)
+
+    async def get_consume_stats(self, addr: str, group: str,
+                                topic: str | None = None) -> ConsumeStats:
+        """GET_CONSUME_STATS: the group's offsets on one broker (every topic, or ``topic``)."""
+        ext = {"consumerGroup": group}
+        if topic is not None:
+            ext["topic"] = topic
+        resp = await self._call(addr, RequestCode.GET_CONSUME_STATS, ext, name="GET_CONSUME_STATS")
+        return ConsumeStats.from_json_bytes(resp.body or b"{}")
 
     # ------------------------------------------------------------------ offsets
 

@@ -28,7 +28,7 @@ from .errors import DevBrokerError
 from .maven import DEFAULT_VERSION, cache_root, ensure_jars_sync
 from .procs import RunRecord, pid_alive
 
-__all__ = ["main", "state_file"]
+__all__ = ["main", "running_namesrv", "state_file"]
 
 
 def state_file() -> Path:
@@ -55,6 +55,15 @@ def _running(record: RunRecord) -> bool:
     return all(
         pid_alive(record.pids.get(name, -1)) for name in ("namesrv", "broker")
     )
+
+
+def running_namesrv() -> str | None:
+    """The name server address of the broker ``up`` started, if it still runs."""
+    record = _load_state()
+    if record is None or not _running(record):
+        return None
+    addr = record.info.get("namesrv_addr")
+    return str(addr) if addr else None
 
 
 def _print_addrs(record: RunRecord) -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "BrokerData",
     "ClusterInfo",
     "ConsumeMessageDirectlyResult",
+    "ConsumeStats",
     "ConsumeStatus",
     "ConsumerData",
     "ConsumerRunningInfo",
@@ -37,6 +38,7 @@ __all__ = [
     "HeartbeatData",
     "LockBatchRequestBody",
     "LockBatchResponseBody",
+    "OffsetWrapper",
     "ProcessQueueInfo",
     "ProducerData",
     "QueueData",
@@ -530,6 +532,46 @@ def _offset_table(value: Any, what: str) -> dict[MessageQueue, int]:
     for key, offset in _as_dict(value, what).items():
         table[_as_mq(key, what)] = _as_int(offset, what)
     return table
+
+
+@dataclass(frozen=True, slots=True)
+class OffsetWrapper:
+    """One queue of a :class:`ConsumeStats` answer: the broker's max offset, the group's
+    committed offset and when the last consumed message was stored (epoch ms, 0 = never)."""
+
+    broker_offset: int
+    consumer_offset: int
+    last_timestamp: int = 0
+
+    @property
+    def diff(self) -> int:
+        """Messages not yet consumed (``broker_offset - consumer_offset``), as mqadmin shows it."""
+        return self.broker_offset - self.consumer_offset
+
+
+@dataclass(slots=True)
+class ConsumeStats:
+    """GET_CONSUME_STATS answer: per queue offsets of a group on one broker, and its TPS."""
+
+    offset_table: dict[MessageQueue, OffsetWrapper] = field(default_factory=dict)
+    consume_tps: float = 0.0
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes | bytearray | memoryview | str) -> Self:
+        what = "ConsumeStats"
+        d = _load(data, what)
+        table: dict[MessageQueue, OffsetWrapper] = {}
+        for key, value in _as_dict(_opt(d, "offsetTable", {}), what).items():
+            w = _as_dict(value, what)
+            table[_as_mq(key, what)] = OffsetWrapper(
+                broker_offset=_as_int(_opt(w, "brokerOffset", 0), what),
+                consumer_offset=_as_int(_opt(w, "consumerOffset", 0), what),
+                last_timestamp=_as_int(_opt(w, "lastTimestamp", 0), what),
+            )
+        tps = _opt(d, "consumeTps", 0.0)
+        if isinstance(tps, bool) or not isinstance(tps, int | float):
+            raise ProtocolError(f"{what}: consumeTps is not a number: {tps!r}")
+        return cls(table, float(tps))
 
 
 @dataclass(slots=True)

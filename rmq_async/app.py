@@ -1,0 +1,120 @@
+"""``App``: several consumers started, run and stopped as one (what ``rmq-async run`` runs).
+
+::
+
+    orders = PushConsumer("orders-group", namesrv=NAMESRV)
+    audit = PushConsumer("audit-group", namesrv=NAMESRV)
+    app = App(orders, audit)
+
+    async with app:          # starts both; leaving the block stops both
+        await stop_requested.wait()
+
+``rmq-async run module:app`` does the same from the command line, stopping on SIGTERM or SIGINT
+within its grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from types import TracebackType
+
+import structlog
+
+from rmq_async.consumer.push import PushConsumer
+from rmq_async.errors import IllegalStateError, InvalidTypeError
+
+__all__ = ["App"]
+
+log = structlog.get_logger(__name__)
+
+
+class App:
+    """A set of :class:`PushConsumer` s with one lifetime.
+
+    ``start()`` starts them in the order given (if one fails, those already started are stopped
+    again and the error propagates); ``stop()`` stops them all concurrently, each within the
+    same ``timeout``.
+    """
+
+    def __init__(self, *consumers: PushConsumer) -> None:
+        self._consumers: list[PushConsumer] = []
+        self._started = False
+        for c in consumers:
+            self.add(c)
+
+    def add(self, consumer: PushConsumer) -> PushConsumer:
+        """Add a consumer (before :meth:`start`); returns it, so it can wrap a construction."""
+        if not isinstance(consumer, PushConsumer):
+            raise InvalidTypeError(f"App holds PushConsumer objects, not {type(consumer).__name__}")
+        if self._started:
+            raise IllegalStateError("add consumers before the app starts")
+        if any(c is consumer for c in self._consumers):
+            raise IllegalStateError(f"{consumer!r} is already part of the app")
+        self._consumers.append(consumer)
+        return consumer
+
+    @property
+    def consumers(self) -> list[PushConsumer]:
+        """The consumers, in start order."""
+        return list(self._consumers)
+
+    def __iter__(self) -> Iterator[PushConsumer]:
+        return iter(self._consumers)
+
+    def __len__(self) -> int:
+        return len(self._consumers)
+
+    @property
+    def is_running(self) -> bool:
+        """``True`` between a successful :meth:`start` and :meth:`stop`."""
+        return self._started
+
+    async def start(self) -> None:
+        """Start every consumer, in order."""
+        if self._started:
+            raise IllegalStateError("app already started")
+        if not self._consumers:
+            raise IllegalStateError("the app has no consumers")
+        started: list[PushConsumer] = []
+        try:
+            for c in self._consumers:
+                await c.start()
+                started.append(c)
+        except BaseException:
+            await _stop_all(started, 5.0)
+            raise
+        self._started = True
+        log.info("app.started", consumers=[c.group for c in self._consumers])
+
+    async def stop(self, timeout: float | timedelta = 30.0) -> None:
+        """Stop every consumer concurrently; listener calls in flight get ``timeout`` seconds.
+
+        Acknowledged offsets are persisted by each consumer's own ``stop()``.
+        """
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        if not self._started:
+            return
+        self._started = False
+        await _stop_all(self._consumers, timeout)
+        log.info("app.stopped", consumers=[c.group for c in self._consumers])
+
+    async def __aenter__(self) -> App:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()
+
+    def __repr__(self) -> str:
+        return f"<App consumers={[c.group for c in self._consumers]} running={self._started}>"
+
+
+async def _stop_all(consumers: Iterable[PushConsumer], timeout: float) -> None:
+    results = await asyncio.gather(*(c.stop(timeout) for c in consumers), return_exceptions=True)
+    for c, r in zip(consumers, results, strict=True):
+        if isinstance(r, BaseException):
+            log.error("app.stop_failed", group=c.group, error=repr(r))

@@ -1,0 +1,140 @@
+"""The ``rmq-async`` command.
+
+::
+
+    rmq-async run module:attr [--workers N] [--grace SECONDS] [--log-format json|console]
+    rmq-async lag GROUP [--topic T] [--json]
+    rmq-async tail TOPIC [--tags EXPR] [--from-beginning] [--count N] [--seconds S] [--json]
+    rmq-async broker up|down|status|fetch [...]
+
+``lag`` and ``tail`` find the name server in ``--namesrv``, else ``$NAMESRV_ADDR``, else the dev
+broker started by ``rmq-async broker up``. ``run`` takes the name server from the consumers the
+target builds. Exit status: 0 on success (including a stop by SIGTERM / SIGINT that drained in
+time), 1 when running failed, 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from rmq_async.cli.common import LOG_FORMATS, LOG_LEVELS, CliError, configure_logging
+from rmq_async.errors import RocketMQError
+
+__all__ = ["build_parser", "main"]
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _workers(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``rmq-async``."""
+    parser = argparse.ArgumentParser(prog="rmq-async",
+                                     description="Run and inspect Apache RocketMQ consumers.")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="console",
+                        help="structured logs on stderr: console lines or JSON lines")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a PushConsumer, an App or a list of consumers",
+                         description="Run module:attr until SIGTERM/SIGINT, then drain.")
+    run.add_argument("target", help="module:attr (a PushConsumer, App, list, or a factory)")
+    run.add_argument("--workers", type=_workers, default=1,
+                     help="worker processes, each with its own consumer instances (default 1)")
+    run.add_argument("--grace", type=_positive, default=30.0,
+                     help="seconds to drain on SIGTERM/SIGINT before giving up (default 30)")
+    run.add_argument("--log-format", dest="run_log_format", choices=LOG_FORMATS, default=None)
+    run.add_argument("--log-level", dest="run_log_level", choices=LOG_LEVELS, default=None)
+
+    lag = sub.add_parser("lag", help="per-queue broker offset, committed offset and diff")
+    lag.add_argument("group")
+    lag.add_argument("--topic", help="only this topic")
+    lag.add_argument("--namesrv", help="name server host:port[;host:port]")
+    lag.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    tail = sub.add_parser("tail", help="print a topic's messages as they arrive")
+    tail.add_argument("topic")
+    tail.add_argument("--namesrv", help="name server host:port[;host:port]")
+    tail.add_argument("--tags", default="*", help="TAG expression (default *)")
+    tail.add_argument("--from-beginning", action="store_true",
+                      help="start at each queue's first message instead of its end")
+    tail.add_argument("--count", type=_workers, default=None, help="stop after N messages")
+    tail.add_argument("--seconds", type=_positive, default=None, help="stop after S seconds")
+    tail.add_argument("--max-body", type=int, default=200,
+                      help="characters of body shown (-1: all; default 200)")
+    tail.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    broker = sub.add_parser("broker", help="the local development broker (up|down|status|fetch)",
+                            add_help=False)
+    broker.add_argument("broker_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``rmq-async``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command == "broker":
+        from rmq_async.devbroker.cli import main as broker_main
+
+        return broker_main(args.broker_args)
+    fmt = getattr(args, "run_log_format", None) or args.log_format
+    level = getattr(args, "run_log_level", None) or args.log_level
+    try:
+        if args.command == "run":
+            return _run(args, fmt, level)
+        configure_logging(fmt, level)
+        if args.command == "lag":
+            return asyncio.run(_lag(args))
+        if args.command == "tail":
+            return asyncio.run(_tail(args))
+    except CliError as exc:
+        print(f"rmq-async: error: {exc}", file=sys.stderr)
+        return 2
+    except RocketMQError as exc:
+        print(f"rmq-async: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    raise AssertionError(f"unhandled command {args.command!r}")  # pragma: no cover
+
+
+def _run(args: argparse.Namespace, fmt: str, level: str) -> int:
+    import os
+
+    from rmq_async.cli.run import WORKER_ENV, run_supervisor, run_worker
+
+    worker = os.environ.get(WORKER_ENV)
+    configure_logging(fmt, level, **({"worker": int(worker)} if worker is not None else {}))
+    if args.workers > 1:
+        child_args = ["--log-format", fmt, "--log-level", level]
+        return asyncio.run(run_supervisor(args.target, args.workers, args.grace, child_args))
+    return asyncio.run(run_worker(args.target, args.grace))
+
+
+async def _lag(args: argparse.Namespace) -> int:
+    from rmq_async.cli.common import resolve_namesrv
+    from rmq_async.cli.lag import format_lag, group_lag
+
+    rows = await group_lag(resolve_namesrv(args.namesrv), args.group, args.topic)
+    print(format_lag(rows, as_json=args.json))
+    return 0
+
+
+async def _tail(args: argparse.Namespace) -> int:
+    from rmq_async.cli.common import resolve_namesrv
+    from rmq_async.cli.tail import tail
+
+    return await tail(resolve_namesrv(args.namesrv), args.topic, tags=args.tags,
+                      from_beginning=args.from_beginning, count=args.count,
+                      seconds=args.seconds, max_body=args.max_body, as_json=args.json)

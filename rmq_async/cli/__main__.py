@@ -1,0 +1,5 @@
+"""``python -m rmq_async.cli``: the ``rmq-async`` command."""
+
+from rmq_async.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""``rmq-async run module:attr``: run consumers until SIGTERM / SIGINT, then drain.
+
+The target is a :class:`~rmq_async.PushConsumer`, an :class:`~rmq_async.App`, a list of
+consumers, or a callable (sync or async) returning one of those. On the first SIGTERM or SIGINT
+the consumers stop: pulling ends at once, listener calls in flight finish within the grace
+period and their offsets are persisted; the process exits 0. A second signal, or a drain that
+overruns the grace period, exits 1 at once.
+
+With ``--workers N`` (N > 1) the process supervises N worker processes, each running the same
+command with its own import of the target (so its own consumer instances, members of the same
+groups). It forwards SIGTERM / SIGINT to them and exits 0 when every worker exited 0 after a
+signal; a worker that exits on its own makes the supervisor stop the others and exit 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+import structlog
+
+from rmq_async.app import App
+from rmq_async.cli.common import CliError
+from rmq_async.consumer.push import PushConsumer
+
+__all__ = ["as_app", "load_target", "run_supervisor", "run_worker"]
+
+log = structlog.get_logger("rmq_async.cli")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+WORKER_ENV = "RMQ_ASYNC_WORKER"
+"""Set to the worker's index (0-based) in each worker process of ``--workers N``."""
+
+
+def load_target(spec: str) -> object:
+    """Import ``module:attr`` (``attr`` may be dotted) with the current directory importable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"expected module:attribute (like examples.listener:consumer), got {spec!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        obj: object = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CliError(f"cannot import {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise CliError(f"{spec!r}: {type(obj).__name__} has no attribute {part!r}") from exc
+    return obj
+
+
+async def as_app(target: object) -> App:
+    """The :class:`App` a target stands for (calling a factory first)."""
+    obj = target
+    if callable(obj) and not isinstance(obj, PushConsumer | App):
+        obj = obj()
+        if inspect.isawaitable(obj):
+            obj = await obj
+    if isinstance(obj, App):
+        return obj
+    if isinstance(obj, PushConsumer):
+        return App(obj)
+    if isinstance(obj, list | tuple) and obj and all(isinstance(c, PushConsumer) for c in obj):
+        return App(*obj)
+    raise CliError(f"the target is a {type(obj).__name__}; expected a PushConsumer, an App, a "
+                   "list of PushConsumers or a callable returning one of those")
+
+
+def listener_timeout(grace: float) -> float:
+    """How long in-flight listener calls may run: the grace period minus time kept for
+    persisting offsets and unregistering (a quarter of it, at most 2 s)."""
+    return max(grace - min(2.0, grace / 4), 0.0)
+
+
+async def run_worker(spec: str, grace: float) -> int:
+    """Run the target in this process until a stop signal; the exit status."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[int] = []
+    drain: asyncio.Task[None] | None = None
+
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            log.info("cli.stop_requested", signal=signal.Signals(signum).name, grace=grace)
+            stop.set()
+        elif drain is not None and not drain.done():
+            log.warning("cli.forced_exit", signal=signal.Signals(signum).name)
+            drain.cancel()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        app = await as_app(load_target(spec))
+        try:
+            await app.start()
+        except Exception as exc:
+            log.error("cli.start_failed", target=spec, error=repr(exc))
+            return 1
+        log.info("cli.running", target=spec, pid=os.getpid(),
+                 consumers=[c.group for c in app.consumers])
+        await stop.wait()
+        t0 = time.monotonic()
+        drain = asyncio.create_task(app.stop(listener_timeout(grace)), name="cli-drain")
+        try:
+            await asyncio.wait_for(drain, grace)  # cancels the drain when it overruns
+        except TimeoutError:
+            log.error("cli.drain_timeout", grace=grace)
+            return 1
+        except asyncio.CancelledError:
+            if len(received) < 2:  # this task itself was cancelled
+                raise
+            return 1  # a second signal cancelled the drain
+        log.info("cli.stopped", took=round(time.monotonic() - t0, 3))
+        return 0
+    finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+
+
+async def run_supervisor(spec: str, workers: int, grace: float,
+                         child_args: Sequence[str]) -> int:
+    """Start ``workers`` worker processes and supervise them; the exit status."""
+    loop = asyncio.get_running_loop()
+    procs: list[asyncio.subprocess.Process] = []
+    stopping: list[int] = []
+
+    def forward(signum: int) -> None:
+        first = not stopping
+        stopping.append(signum)
+        if first:
+            log.info("cli.stop_requested", signal=signal.Signals(signum).name, grace=grace,
+                     workers=len(procs))
+        for p in procs:
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signum)
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, forward, sig)
+    try:
+        for i in range(workers):
+            env = {**os.environ, WORKER_ENV: str(i)}
+            # Own sessions: a terminal's Ctrl-C reaches only the supervisor, which forwards it
+            # once (a second copy would force the workers out of their drain).
+            procs.append(await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "rmq_async.cli", "run", spec, "--workers", "1",
+                "--grace", str(grace), *child_args, env=env, start_new_session=True,
+            ))
+        log.info("cli.workers_started", pids=[p.pid for p in procs])
+        waits = {asyncio.create_task(p.wait(), name=f"worker-{i}"): i
+                 for i, p in enumerate(procs)}
+        failed = False
+        pending = set(waits)
+        deadline: float | None = None
+        while pending:
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            done, pending = await asyncio.wait(pending, timeout=timeout,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if not done:  # the workers overran the grace period
+                log.error("cli.workers_overran", grace=grace,
+                          pids=[procs[waits[t]].pid for t in pending])
+                for t in pending:
+                    with contextlib.suppress(ProcessLookupError):
+                        procs[waits[t]].kill()
+                await asyncio.gather(*pending)
+                return 1
+            for t in done:
+                i = waits[t]
+                code = t.result()
+                if not stopping:
+                    log.error("cli.worker_exited", worker=i, pid=procs[i].pid, code=code)
+                    failed = True
+                    forward(signal.SIGTERM)
+                elif code != 0:
+                    log.error("cli.worker_failed", worker=i, pid=procs[i].pid, code=code)
+                    failed = True
+                else:
+                    log.info("cli.worker_stopped", worker=i, pid=procs[i].pid)
+            if stopping and deadline is None:
+                deadline = time.monotonic() + grace + 5.0
+        return 1 if failed else 0
+    finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+        for p in procs:
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()

@@ -1,0 +1,102 @@
+"""``rmq-async tail TOPIC``: print a topic's messages as they arrive.
+
+A throw-away consumer group in broadcasting mode reads every queue from its current end (or
+from the first offset with ``--from-beginning``); its offsets live in a temporary folder that is
+deleted on exit, so tailing leaves no committed progress behind. Ctrl-C (or SIGTERM), ``--count``
+or ``--seconds`` ends it with status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import TextIO
+
+import structlog
+
+from rmq_async.consumer.options import ConsumeFromWhere, MessageModel
+from rmq_async.consumer.push import PushConsumer
+from rmq_async.consumer.results import ConsumeResult
+from rmq_async.protocol.types import MessageExt
+
+__all__ = ["format_message", "tail"]
+
+log = structlog.get_logger("rmq_async.cli")
+
+
+def format_message(m: MessageExt, *, max_body: int = 200, as_json: bool = False) -> str:
+    """One output line for a message: queue, offset, tags, keys, store time and body."""
+    body = m.body.decode("utf-8", "replace")
+    if max_body >= 0 and len(body) > max_body:
+        body = body[:max_body] + "..."
+    keys = " ".join(m.keys)
+    stored = datetime.fromtimestamp(m.store_timestamp / 1000, UTC).isoformat(timespec="milliseconds")
+    if as_json:
+        return json.dumps({"topic": m.topic, "queue_id": m.queue_id, "offset": m.queue_offset,
+                           "msg_id": m.msg_id, "tags": m.tags, "keys": keys,
+                           "store_time": stored, "properties": dict(m.properties),
+                           "body": body}, ensure_ascii=False)
+    return (f"{m.topic}[{m.queue_id}]@{m.queue_offset} {stored} tags={m.tags or '-'} "
+            f"keys={keys or '-'} body={body}")
+
+
+async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: bool = False,
+               count: int | None = None, seconds: float | None = None, max_body: int = 200,
+               as_json: bool = False, out: TextIO | None = None) -> int:
+    """Print ``topic``'s messages until a signal, ``count`` messages or ``seconds``; status 0."""
+    stream = out if out is not None else sys.stdout
+    done = asyncio.Event()
+    printed = 0
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    try:
+        with tempfile.TemporaryDirectory(prefix="rmq-async-tail-") as offsets_dir:
+            consumer = PushConsumer(
+                f"rmq_async_tail_{uuid.uuid4().hex[:12]}", namesrv=namesrv,
+                message_model=MessageModel.BROADCASTING,
+                consume_from_where=(ConsumeFromWhere.FIRST_OFFSET if from_beginning
+                                    else ConsumeFromWhere.LAST_OFFSET),
+                consume_concurrency=1, offset_store_dir=offsets_dir,
+            )
+
+            async def show(msgs: list[MessageExt]) -> ConsumeResult:
+                nonlocal printed
+                for m in msgs:
+                    if count is not None and printed >= count:
+                        break
+                    print(format_message(m, max_body=max_body, as_json=as_json), file=stream,
+                          flush=True)
+                    printed += 1
+                if count is not None and printed >= count:
+                    done.set()
+                return ConsumeResult.SUCCESS
+
+            consumer.subscribe(topic, tags=tags, listener=show)
+            async with consumer:
+                await _wait_ready(consumer, topic)
+                log.info("tail.ready", topic=topic, queues=len(consumer.process_queues))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), seconds)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    log.info("tail.stopped", topic=topic, printed=printed)
+    return 0
+
+
+async def _wait_ready(consumer: PushConsumer, topic: str, limit: float = 10.0) -> None:
+    # Every queue of the topic has its start offset once it has a process queue.
+    wanted = len(await consumer.instance.subscribe_queues(topic))
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if sum(1 for mq in consumer.process_queues if mq.topic == topic) >= wanted:
+            return
+        await asyncio.sleep(0.05)

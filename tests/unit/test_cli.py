@@ -1,0 +1,145 @@
+"""The ``rmq-async`` command without a broker: targets, output formats, usage errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import structlog
+
+from rmq_async import App, IllegalStateError, InvalidTypeError, PushConsumer
+from rmq_async.cli import build_parser, main
+from rmq_async.cli.common import CliError
+from rmq_async.cli.lag import QueueLag, format_lag
+from rmq_async.cli.run import as_app, listener_timeout, load_target
+from rmq_async.cli.tail import format_message
+from rmq_async.protocol.types import MessageExt
+
+NS = "127.0.0.1:9876"
+
+
+@pytest.fixture(autouse=True)
+def _keep_logging_config() -> Iterator[None]:
+    # main() configures structlog for the process; the suite's own set-up comes back after.
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+def _consumer(group: str) -> PushConsumer:
+    c = PushConsumer(group, namesrv=NS)
+    c.subscribe("T", listener=lambda msgs: None)
+    return c
+
+
+@pytest.fixture
+def target_module(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    mod = ModuleType("cli_target_mod")
+    mod.one = _consumer("g_one")  # type: ignore[attr-defined]
+    mod.several = [_consumer("g_a"), _consumer("g_b")]  # type: ignore[attr-defined]
+    mod.app = App(_consumer("g_app"))  # type: ignore[attr-defined]
+
+    async def factory() -> PushConsumer:
+        return _consumer("g_factory")
+
+    mod.factory = factory  # type: ignore[attr-defined]
+    mod.nested = ModuleType("nested")  # type: ignore[attr-defined]
+    mod.nested.inner = _consumer("g_inner")  # type: ignore[attr-defined]
+    mod.wrong = 42  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cli_target_mod", mod)
+    return mod
+
+
+async def test_targets_become_apps(target_module: ModuleType) -> None:
+    assert [c.group for c in await as_app(load_target("cli_target_mod:one"))] == ["g_one"]
+    assert [c.group for c in await as_app(load_target("cli_target_mod:several"))] == ["g_a", "g_b"]
+    app = await as_app(load_target("cli_target_mod:app"))
+    assert app is target_module.app
+    assert [c.group for c in await as_app(load_target("cli_target_mod:factory"))] == ["g_factory"]
+    assert [c.group for c in await as_app(load_target("cli_target_mod:nested.inner"))] == ["g_inner"]
+    with pytest.raises(CliError, match="expected a PushConsumer"):
+        await as_app(load_target("cli_target_mod:wrong"))
+
+
+def test_bad_targets_are_usage_errors(target_module: ModuleType) -> None:
+    with pytest.raises(CliError, match="module:attribute"):
+        load_target("no_colon")
+    with pytest.raises(CliError, match="cannot import"):
+        load_target("no_such_module_xyz:consumer")
+    with pytest.raises(CliError, match="has no attribute 'missing'"):
+        load_target("cli_target_mod:missing")
+
+
+def test_app_rejects_what_it_cannot_run() -> None:
+    c = _consumer("g1")
+    app = App(c)
+    with pytest.raises(IllegalStateError, match="already part"):
+        app.add(c)
+    with pytest.raises(InvalidTypeError):
+        app.add("not a consumer")  # type: ignore[arg-type]
+    assert len(app) == 1 and list(app) == [c] and not app.is_running
+
+
+async def test_an_empty_app_does_not_start() -> None:
+    with pytest.raises(IllegalStateError, match="no consumers"):
+        await App().start()
+
+
+def test_listener_timeout_keeps_time_to_persist() -> None:
+    assert listener_timeout(30.0) == 28.0
+    assert listener_timeout(4.0) == 3.0
+    assert 0 < listener_timeout(0.5) < 0.5
+
+
+def test_lag_table_and_json() -> None:
+    rows = [QueueLag("T", "broker-a", 0, 10, 7, 0), QueueLag("T", "broker-a", 1, 5, 5, 1_700_000_000_000)]
+    text = format_lag(rows).splitlines()
+    assert text[0].split() == ["TOPIC", "BROKER", "QUEUE", "BROKER_OFFSET", "CONSUMER_OFFSET",
+                               "DIFF", "LAST_CONSUMED_UTC"]
+    assert text[1].split() == ["T", "broker-a", "0", "10", "7", "3", "-"]
+    assert text[2].split()[:6] == ["T", "broker-a", "1", "5", "5", "0"]
+    assert text[2].endswith("2023-11-14 22:13:20")
+    assert text[-1] == "TOTAL DIFF: 3"
+    doc = json.loads(format_lag(rows, as_json=True))
+    assert doc["total_diff"] == 3 and doc["queues"][0]["diff"] == 3
+
+
+def test_tail_line_formats() -> None:
+    m = MessageExt("T", "héllo".encode() * 100, queue_id=3, queue_offset=41,
+                   store_timestamp=1_700_000_000_123)
+    m.properties = {"TAGS": "a", "KEYS": "k1 k2"}
+    line = format_message(m, max_body=5)
+    assert line == "T[3]@41 2023-11-14T22:13:20.123+00:00 tags=a keys=k1 k2 body=héllo..."
+    doc = json.loads(format_message(m, max_body=-1, as_json=True))
+    assert doc["body"] == "héllo" * 100 and doc["offset"] == 41 and doc["keys"] == "k1 k2"
+
+
+def test_parser_rejects_bad_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["run", "m:c", "--workers", "0"], ["run", "m:c", "--grace", "-1"]):
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args(argv)
+        assert info.value.code == 2
+    assert "must be" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NAMESRV_ADDR", raising=False)
+    monkeypatch.setenv("RMQ_ASYNC_STATE_FILE", "/nonexistent/state.json")
+    assert main(["lag", "g1"]) == 2
+    assert "no name server" in capsys.readouterr().err
+    assert main(["run", "no_colon"]) == 2
+    assert "module:attribute" in capsys.readouterr().err
+
+
+def test_broker_subcommand_is_the_dev_broker_cli(tmp_path: Path) -> None:
+    exe = Path(sys.executable).parent / "rmq-async"
+    env = {"RMQ_ASYNC_STATE_FILE": str(tmp_path / "state.json"), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([str(exe), "broker", "status"], capture_output=True, text=True,
+                          env=env, timeout=60, check=False)
+    assert (done.returncode, done.stdout.strip()) == (1, "not running")
