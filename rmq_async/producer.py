@@ -169,9 +169,11 @@ class Producer:
         self._started = False
 
     async def start(self) -> None:
+        """Get ready to send (routes are fetched on the first send to each topic)."""
         self._started = True
 
     async def stop(self) -> None:
+        """Close the connections to the name servers and brokers."""
         if not self._started:
             return
         self._started = False

@@ -263,6 +263,7 @@ class PushConsumer:
         return self.add_middleware(middleware)
 
     def unsubscribe(self, topic: str) -> None:
+        """Remove ``topic``'s subscription; after ``start()`` its queues are released at once."""
         if self._subs.pop(topic, None) is not None and self._started:
             self._subscription_changed()
 
@@ -278,15 +279,20 @@ class PushConsumer:
         self.rebalancer.wake()
 
     def subscribed_topics(self) -> list[str]:
+        """The subscribed topics, the group's retry topic included (clustering)."""
         return self.subscriptions.subscribed_topics()
 
     def subscription_data(self, topic: str) -> SubscriptionData | None:
+        """The filter sent to the broker for ``topic`` (``None`` if not subscribed)."""
         return self.subscriptions.subscription_data(topic)
 
     def listener_for(self, topic: str, msg: MessageExt | None = None) -> ListenerAdapter | None:
+        """The handler for ``topic`` (for ``msg``'s tag when several share the topic; ``None``
+        for a sink or no subscription)."""
         return self.subscriptions.listener_for(topic, msg)
 
     def is_orderly(self, topic: str) -> bool:
+        """Whether ``topic`` is consumed orderly (``subscribe(..., orderly=True)``)."""
         return self.subscriptions.is_orderly(topic)
 
     # ------------------------------------------------------------------ pause / resume
@@ -324,6 +330,7 @@ class PushConsumer:
         return set(topics)
 
     def is_paused(self, topic: str) -> bool:
+        """Whether pulling ``topic`` is paused by :meth:`pause`."""
         return topic in self._paused
 
     # ------------------------------------------------------------------ lifecycle
@@ -341,6 +348,13 @@ class PushConsumer:
         return self._rt is not None and self._rt.stopping
 
     async def start(self) -> None:
+        """Connect, register with the brokers and start consuming.
+
+        Raises :class:`~rmq_async.errors.IllegalStateError` when already started and
+        :class:`~rmq_async.errors.InvalidArgumentError` without a subscription; the broker's
+        refusal (for example a missing permission) raises its
+        :class:`~rmq_async.client.errors.MQBrokerError`.
+        """
         async with self._start_lock:
             if self._started:
                 raise IllegalStateError("consumer already started")
@@ -498,6 +512,7 @@ class PushConsumer:
     # ------------------------------------------------------------------ heartbeat
 
     def heartbeat_data(self) -> HeartbeatData:
+        """The HEART_BEAT body this consumer sends: its group, model and subscriptions."""
         subs = self.subscriptions.heartbeat_data_set()
         return HeartbeatData(
             client_id=self.client_id,
@@ -555,6 +570,7 @@ class PushConsumer:
         return handler
 
     def report_error(self, event: ConsumerError) -> None:
+        """Count ``event`` and pass it to the :meth:`on_error` handlers."""
         self.errors.report(event)
 
     # ------------------------------------------------------------------ hooks
@@ -621,6 +637,7 @@ class PushConsumer:
         return bool(self.instance.brokers_reachable)
 
     def running_tasks(self) -> int:
+        """How many background tasks the consumer owns right now (0 once stopped)."""
         n = 0
         for owner in (self._owner,):
             if owner is not None:

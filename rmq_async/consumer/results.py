@@ -52,6 +52,7 @@ class ConsumeResult(Enum):
 
     @property
     def is_success(self) -> bool:
+        """``True`` for the results that acknowledge the batch (SUCCESS, COMMIT)."""
         return self is ConsumeResult.SUCCESS or self is ConsumeResult.COMMIT
 
 

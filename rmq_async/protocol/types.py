@@ -60,6 +60,7 @@ class MessageQueue:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> MessageQueue:
+        """The queue from its fastjson object form (``brokerName``, ``queueId``, ``topic``)."""
         return cls(str(obj["topic"]), str(obj["brokerName"]), int(obj["queueId"]))
 
 
@@ -127,6 +128,7 @@ class _LazyFields(_FieldNames):
 
     @property
     def properties(self) -> dict[str, str]:
+        """User and system properties (``TAGS``, ``KEYS``, ``UNIQ_KEY``, ...), parsed on first access."""
         props = self._props
         if props is not None:
             return props
@@ -153,6 +155,7 @@ class _LazyFields(_FieldNames):
 
     @property
     def offset_msg_id(self) -> str:
+        """The broker-side id: store host and port, then the commit-log offset (hex)."""
         oid = self._oid
         if oid is None and self._oid_host is not None:
             oid = self._oid = f"{self._oid_host}{self._oid_offset & 0xFFFFFFFFFFFFFFFF:016X}"
@@ -235,14 +238,17 @@ class MessageExt(_LazyFields):
 
     @property
     def msg_id(self) -> str:
+        """The producer's unique id (``UNIQ_KEY``), else :attr:`offset_msg_id`."""
         return self.get_property(PROPERTY_UNIQ_KEY) or self.offset_msg_id
 
     @property
     def tags(self) -> str | None:
+        """The message's tag (``TAGS`` property), ``None`` without one."""
         return self.get_property(PROPERTY_TAGS)
 
     @property
     def keys(self) -> list[str]:
+        """The message's keys (``KEYS`` property, space-separated)."""
         raw = self.get_property(PROPERTY_KEYS)
         if not raw:
             return []
@@ -250,6 +256,7 @@ class MessageExt(_LazyFields):
 
     @property
     def message_queue(self) -> MessageQueue:
+        """The queue the message was read from."""
         return MessageQueue(self.topic, self.broker_name, self.queue_id)
 
     def __repr__(self) -> str:
