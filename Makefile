@@ -9,12 +9,12 @@ PYTEST_ARGS ?=
 # take the suite from about 13 to about 7 minutes on 2 cores. PYTEST_WORKERS=0 runs it serially.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup test test-unit test-unit-pure test-broker lint demo broker-up broker-down broker-status bench bench-quick clean chaos
+.PHONY: setup test test-unit test-unit-pure test-broker lint demo broker-up broker-down broker-status bench bench-quick clean chaos docs
 
 $(STAMP): pyproject.toml setup.py rmq_async/protocol/_cmessage.pyx
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,spark,bench]'
+	$(PY) -m pip install --quiet -e '.[dev,spark,bench,docs]'
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -23,6 +23,7 @@ setup: $(STAMP)
 test: setup
 	$(PY) -m pytest -ra -p no:cacheprovider --durations=25 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-unit-pure
+	$(MAKE) --no-print-directory docs
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -ra -p no:cacheprovider -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
@@ -57,8 +58,13 @@ COMPAT_VERSIONS ?= 4.9.7,5.1.4,5.3.3
 test-compat: setup
 	RMQ_COMPAT_VERSIONS=$(COMPAT_VERSIONS) $(PY) -m pytest -ra -p no:cacheprovider --durations=25 tests/compat $(PYTEST_ARGS)
 
+# The documentation site (MkDocs Material + mkdocstrings) into site/, warnings as errors.
+# Its code examples (docs/examples) run as tests in tests/broker/test_docs_examples.py.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+
 lint: $(STAMP)
-	$(PY) -m ruff check rmq_async tests benchmarks examples
+	$(PY) -m ruff check rmq_async tests benchmarks examples docs/examples
 	$(PY) -m mypy
 
 demo: setup
@@ -80,5 +86,5 @@ bench-quick: setup
 	$(PY) benchmarks/run.py --quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info site
 	rm -f rmq_async/protocol/_cmessage.c rmq_async/protocol/*.so
