@@ -47,6 +47,12 @@ def test_every_example_is_checked_and_included_in_a_page() -> None:
     assert included == files
 
 
+def test_python_blocks_of_the_pages_are_included_examples() -> None:
+    for page in DOCS.glob("*.md"):
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+            assert re.fullmatch(r'--8<-- "\w+\.py"\n', block), (page.name, block)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 async def test_docs_example_runs(name: str, rocketmq: LocalRocketMQ) -> None:
