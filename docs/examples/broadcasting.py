@@ -16,15 +16,18 @@ async def main(namesrv: str, topic: str) -> list[int]:
                          instance_name=f"member-{i}")
             for i in range(2)
         ]
-        for i, member in enumerate(members):
 
-            async def handle(msgs: list[MessageExt], i: int = i) -> ConsumeResult:
+        def handler_of(i: int):  # one listener per member, counting what that member receives
+            async def handle(msgs: list[MessageExt]) -> ConsumeResult:
                 counts[i] += len(msgs)
                 if counts[i] >= 5:
                     done[i].set()
                 return ConsumeResult.SUCCESS
 
-            member.subscribe(topic, listener=handle)
+            return handle
+
+        for i, member in enumerate(members):
+            member.subscribe(topic, listener=handler_of(i))
 
         async with members[0], members[1]:
             async with Producer("broadcast-demo-producer", namesrv=namesrv) as producer:
