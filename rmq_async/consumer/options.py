@@ -705,6 +705,7 @@ JAVA_OPTION_NAMES: dict[str, tuple[str, str]] = {
     "pollNameServerInterval": ("route_refresh_interval", "ms"),
     "mqClientApiTimeout": ("api_timeout", "ms"),
     "pullTimeDelayMillsWhenException": ("pull_time_delay_when_exception", "ms"),
+    "useTLS": ("tls", ""),
 }
 """Java ``DefaultMQPushConsumer`` / ``ClientConfig`` setting -> (option, Java unit).
 
@@ -726,7 +727,6 @@ _JAVA_HINTS = {
     "consumerGroup": "consumer_group (the first argument)",
     "namesrvAddr": "namesrv (a constructor argument)",
     "rpcHook": "credentials",
-    "useTLS": "tls",
 }
 
 

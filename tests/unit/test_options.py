@@ -243,6 +243,7 @@ def test_java_names_are_accepted_in_java_units() -> None:
     assert o.pull_time_delay_when_exception == 2.0
     assert ConsumerOptions.from_kwargs(
         "g1", suspend_current_queue_time_millis=50).suspend_current_queue_time == 0.05
+    assert ConsumerOptions.from_kwargs("g1", useTLS=True).tls is True
     with pytest.raises(InvalidOptionError, match="already sets"):
         ConsumerOptions.from_kwargs("g1", consumeTimeout=1, consume_timeout=60)
     with pytest.raises(InvalidOptionError, match="pull_interval"):
