@@ -64,7 +64,9 @@ class ConsumeCall:
 
 
 CallNext = Callable[[ConsumeCall], Awaitable[None]]
+"""What a middleware awaits to run the rest of the chain (the next middleware, then the handler)."""
 Middleware = Callable[[ConsumeCall, CallNext], Awaitable[None]]
+"""An ``async def mw(call, call_next)`` run around every handler call; see the module."""
 
 
 @dataclass(slots=True)

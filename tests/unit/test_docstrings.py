@@ -3,7 +3,10 @@ classes (methods, properties, class and static methods defined by the library)."
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
+import itertools
 import re
 from collections.abc import Iterator
 
@@ -34,13 +37,35 @@ def _needs_doc(value: object) -> object | None:
     return None
 
 
+def _alias_docstring(name: str) -> str | None:
+    """The string right after ``name = ...`` in the module rmq_async imports ``name`` from
+    (how a type alias, which has no ``__doc__`` of its own, is documented)."""
+    init = ast.parse(inspect.getsource(rmq_async))
+    module = next((node.module for node in init.body if isinstance(node, ast.ImportFrom)
+                   and any(a.name == name for a in node.names)), None)
+    if module is None:
+        return None
+    body = ast.parse(inspect.getsource(importlib.import_module(module))).body
+    for node, after in itertools.pairwise(body):
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name
+                                                 for t in node.targets)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            return after.value.value
+    return None
+
+
 def missing_docstrings() -> list[str]:
     missing: list[str] = []
     for name in rmq_async.__all__:
         obj = getattr(rmq_async, name)
         if name.startswith("__"):
             continue
-        if not (inspect.getdoc(obj) or "").strip():
+        if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.ismodule(obj):
+            documented = (inspect.getdoc(obj) or "").strip()
+        else:  # a type alias or constant: an attribute docstring in its module
+            documented = (_alias_docstring(name) or "").strip()
+        if not documented:
             missing.append(name)
         if not inspect.isclass(obj):
             continue
