@@ -2,7 +2,7 @@
 
 import asyncio
 
-from rmq_async import ConsumeResult, Message, MessageExt, Producer, PushConsumer
+from rmq_async import Message, MessageExt, Producer, PushConsumer
 
 
 async def main(namesrv: str, topic: str) -> list[str]:
@@ -13,12 +13,10 @@ async def main(namesrv: str, topic: str) -> list[str]:
                             consume_from_where="CONSUME_FROM_FIRST_OFFSET")
 
     @consumer.subscribe(topic, tags="*")
-    async def handle(msgs: list[MessageExt]) -> ConsumeResult:
-        for m in msgs:
-            received.append(m.body.decode())
+    async def handle(msg: MessageExt) -> None:  # returning acknowledges; raising retries
+        received.append(msg.body.decode())
         if len(received) >= 10:
             all_in.set()
-        return ConsumeResult.SUCCESS
 
     async with Producer("getting-started-producer", namesrv=namesrv) as producer:
         for i in range(10):

@@ -22,6 +22,7 @@ EXAMPLES = DOCS / "examples"
 EXPECTED: dict[str, Any] = {
     "getting_started": sorted(f"hello {i}" for i in range(10)),
     "retry": [0, 1],
+    "payloads": "orders 0, 1, 2",
     "orderly": {f"order-{k}": list(range(10)) for k in (1, 2, 3)},
     "broadcasting": [5, 5],
     "lag": 3,
@@ -58,5 +59,9 @@ def test_python_blocks_of_the_pages_are_included_examples() -> None:
 async def test_docs_example_runs(name: str, rocketmq: LocalRocketMQ) -> None:
     topic = unique(f"T_docs_{name}")
     await rocketmq.create_topic(topic, queues=4)
-    result = await _load(name).main(rocketmq.namesrv_addr, topic)
-    assert result == EXPECTED[name]
+    module = _load(name)
+    result = await module.main(rocketmq.namesrv_addr, topic)
+    if name == "payloads":
+        assert result == [module.Order(i, 9.5 * i) for i in range(3)]
+    else:
+        assert result == EXPECTED[name]
