@@ -2,7 +2,8 @@
 
 ::
 
-    rmq-async run module:attr [--workers N] [--grace SECONDS] [--log-format json|console]
+    rmq-async run module:attr [--workers N] [--grace SECONDS] [--metrics-port P]
+                  [--log-format json|console]
     rmq-async lag GROUP [--topic T] [--json]
     rmq-async tail TOPIC [--tags EXPR] [--from-beginning] [--count N] [--seconds S] [--json]
     rmq-async broker up|down|status|fetch [...]
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="worker processes, each with its own consumer instances (default 1)")
     run.add_argument("--grace", type=_positive, default=30.0,
                      help="seconds to drain on SIGTERM/SIGINT before giving up (default 30)")
+    run.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                     help="serve Prometheus metrics on PORT (worker i of --workers: PORT + i)")
     run.add_argument("--log-format", dest="run_log_format", choices=LOG_FORMATS, default=None)
     run.add_argument("--log-level", dest="run_log_level", choices=LOG_LEVELS, default=None)
 
@@ -118,8 +121,9 @@ def _run(args: argparse.Namespace, fmt: str, level: str) -> int:
     configure_logging(fmt, level, **({"worker": int(worker)} if worker is not None else {}))
     if args.workers > 1:
         child_args = ["--log-format", fmt, "--log-level", level]
-        return asyncio.run(run_supervisor(args.target, args.workers, args.grace, child_args))
-    return asyncio.run(run_worker(args.target, args.grace))
+        return asyncio.run(run_supervisor(args.target, args.workers, args.grace, child_args,
+                                          args.metrics_port))
+    return asyncio.run(run_worker(args.target, args.grace, args.metrics_port))
 
 
 async def _lag(args: argparse.Namespace) -> int:

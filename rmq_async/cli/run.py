@@ -10,6 +10,10 @@ With ``--workers N`` (N > 1) the process supervises N worker processes, each run
 command with its own import of the target (so its own consumer instances, members of the same
 groups). It forwards SIGTERM / SIGINT to them and exits 0 when every worker exited 0 after a
 signal; a worker that exits on its own makes the supervisor stop the others and exit 1.
+
+``--metrics-port P`` serves the consumers' Prometheus metrics (the ``prometheus`` extra,
+:mod:`rmq_async.observability.prometheus`) at ``http://host:P/metrics``; with ``--workers N``
+worker ``i`` serves its own on port ``P + i``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
+import anyio
 import structlog
 
 from rmq_async.app import App
@@ -82,7 +88,25 @@ def listener_timeout(grace: float) -> float:
     return max(grace - min(2.0, grace / 4), 0.0)
 
 
-async def run_worker(spec: str, grace: float) -> int:
+def _serve_metrics(app: App, port: int) -> Any:
+    """Export the app's consumers to Prometheus and serve them on ``port`` (``prometheus``
+    extra); returns the server."""
+    try:
+        from rmq_async.observability.prometheus import instrument, start_metrics_server
+    except ImportError as exc:
+        raise CliError(f"--metrics-port needs the prometheus extra "
+                       f"(pip install 'rmq_async[prometheus]'): {exc}") from exc
+    for c in app.consumers:
+        instrument(c)
+    try:
+        server = start_metrics_server(port)
+    except OSError as exc:
+        raise CliError(f"cannot serve metrics on port {port}: {exc}") from exc
+    log.info("cli.metrics_serving", port=server.port, path="/metrics")
+    return server
+
+
+async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -> int:
     """Run the target in this process until a stop signal; the exit status."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -100,8 +124,11 @@ async def run_worker(spec: str, grace: float) -> int:
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
+    metrics: Any = None
     try:
         app = await as_app(load_target(spec))
+        if metrics_port is not None:
+            metrics = _serve_metrics(app, metrics_port)
         try:
             await app.start()
         except Exception as exc:
@@ -126,11 +153,14 @@ async def run_worker(spec: str, grace: float) -> int:
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+        if metrics is not None:
+            await anyio.to_thread.run_sync(metrics.close)
 
 
 async def run_supervisor(spec: str, workers: int, grace: float,
-                         child_args: Sequence[str]) -> int:
-    """Start ``workers`` worker processes and supervise them; the exit status."""
+                         child_args: Sequence[str], metrics_port: int | None = None) -> int:
+    """Start ``workers`` worker processes and supervise them; the exit status. With
+    ``metrics_port`` P, worker ``i`` serves its metrics on port P + i."""
     loop = asyncio.get_running_loop()
     procs: list[asyncio.subprocess.Process] = []
     stopping: list[int] = []
@@ -151,11 +181,12 @@ async def run_supervisor(spec: str, workers: int, grace: float,
     try:
         for i in range(workers):
             env = {**os.environ, WORKER_ENV: str(i)}
+            port_args = [] if metrics_port is None else ["--metrics-port", str(metrics_port + i)]
             # Own sessions: a terminal's Ctrl-C reaches only the supervisor, which forwards it
             # once (a second copy would force the workers out of their drain).
             procs.append(await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "rmq_async.cli", "run", spec, "--workers", "1",
-                "--grace", str(grace), *child_args, env=env, start_new_session=True,
+                "--grace", str(grace), *port_args, *child_args, env=env, start_new_session=True,
             ))
         log.info("cli.workers_started", pids=[p.pid for p in procs])
         waits = {asyncio.create_task(p.wait(), name=f"worker-{i}"): i

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import signal
+import socket
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -67,6 +70,25 @@ class Command:
         return "\n".join(["--- stdout", *self.out[-40:], "--- stderr", *self.err[-60:]])
 
 
+def _free_port_pair() -> int:
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 40000)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", p))
+        except OSError:
+            continue
+        return port
+    raise AssertionError("no two free ports in a row")
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
 async def _consumer_ids(admin: AdminClient, topic: str, group: str) -> list[str]:
     addr = await admin.instance.find_any_broker(topic)
     try:
@@ -77,13 +99,16 @@ async def _consumer_ids(admin: AdminClient, topic: str, group: str) -> list[str]
 
 @pytest.mark.timeout(120)
 async def test_run_two_workers_drains_on_sigterm(rocketmq: LocalRocketMQ, topic: str) -> None:
-    """``rmq-async run examples.listener:consumer --workers 2``: both workers consume; SIGTERM
+    """``rmq-async run examples.listener:consumer --workers 2``: both workers consume and serve
+    their Prometheus metrics (``--metrics-port``, one port per worker); SIGTERM
     drains within the grace period (listener calls in flight finish) and exits 0; mqadmin
     consumerProgress then shows, per queue, the first offset never acknowledged: every
     acknowledged prefix persisted, nothing below it unconsumed."""
     ns, group, grace, n = rocketmq.namesrv_addr, unique("G_cli_run"), 10.0, 300
+    port = _free_port_pair()
     cmd = await Command.start(
         "run", "examples.listener:consumer", "--workers", "2", "--grace", str(grace),
+        "--metrics-port", str(port),
         env={"NAMESRV_ADDR": ns, "RMQ_TOPIC": topic, "RMQ_GROUP": group,
              "RMQ_LISTENER_DELAY": "0.1"},
     )
@@ -108,6 +133,12 @@ async def test_run_two_workers_drains_on_sigterm(rocketmq: LocalRocketMQ, topic:
         await produce(ns, topic, simple_messages(topic, n), batch=1, concurrency=8)
         await wait_until(lambda: len({p for _, _, p in printed()}) == 2 and len(printed()) >= 60,
                          60, what=f"both workers consuming\n{cmd.tail()}")
+        # Each worker serves its own Prometheus endpoint: port + worker index.
+        scraped = [await asyncio.to_thread(_scrape, p) for p in (port, port + 1)]
+        for text in scraped:
+            consumed = re.findall(rf'^rocketmq_consumer_messages_consumed_total{{[^}}]*group="{group}"'
+                                  rf'[^}}]*}} (\S+)$', text, re.M)
+            assert consumed, text[-2000:]
         at_signal = len(printed())
         t0 = time.monotonic()
         cmd.proc.send_signal(signal.SIGTERM)
