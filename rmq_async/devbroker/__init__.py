@@ -7,6 +7,7 @@ Used by the test suite, ``make demo`` and the benchmarks; also runnable from the
 from __future__ import annotations
 
 from .broker import AclAccount, LocalRocketMQ, TlsServerFiles
+from .cluster import LocalCluster
 from .errors import DevBrokerError
 from .maven import DEFAULT_VERSION, ensure_jars, ensure_jars_sync
 
@@ -14,6 +15,7 @@ __all__ = [
     "DEFAULT_VERSION",
     "AclAccount",
     "DevBrokerError",
+    "LocalCluster",
     "LocalRocketMQ",
     "TlsServerFiles",
     "ensure_jars",

@@ -3,7 +3,10 @@
 - ``fetch``  resolves the jars (Maven) and prints the ``lib`` folder.
 - ``up``     starts a detached NameServer + Broker (they outlive this command) and prints
              ``NAMESRV_ADDR=…`` and ``BROKER_ADDR=…``; the state file is
-             ``<cache root>/devbroker-state.json``.
+             ``<cache root>/devbroker-state.json``. ``--groups N --slaves M --namesrvs K``
+             starts a cluster instead (:class:`~.cluster.LocalCluster`): ``NAMESRV_ADDR`` then
+             lists every name server and ``BROKER_ADDR`` every master (``;``-separated), and
+             one ``BROKER_<NAME>_<ID>=…`` line per broker follows.
 - ``status`` prints the same lines for the running broker, or ``not running`` (exit 1).
 - ``down``   stops it and removes its run folder (store and logs).
 
@@ -24,6 +27,7 @@ from pathlib import Path
 import structlog
 
 from .broker import LocalRocketMQ
+from .cluster import LocalCluster
 from .errors import DevBrokerError
 from .maven import DEFAULT_VERSION, cache_root, ensure_jars_sync
 from .procs import RunRecord, pid_alive
@@ -52,6 +56,8 @@ def _load_state() -> RunRecord | None:
 
 
 def _running(record: RunRecord) -> bool:
+    if "brokers" in record.info:  # a cluster: every recorded JVM must still run
+        return bool(record.pids) and all(pid_alive(pid) for pid in record.pids.values())
     return all(
         pid_alive(record.pids.get(name, -1)) for name in ("namesrv", "broker")
     )
@@ -70,6 +76,10 @@ def _print_addrs(record: RunRecord) -> None:
     info = record.info
     print(f"NAMESRV_ADDR={info.get('namesrv_addr', '')}")
     print(f"BROKER_ADDR={info.get('broker_addr', '')}")
+    brokers = info.get("brokers")
+    if isinstance(brokers, dict):
+        for key, addr in brokers.items():
+            print(f"BROKER_{key.upper().replace('-', '_')}={addr}")
     print(f"ROCKETMQ_WORKDIR={record.workdir}")
 
 
@@ -103,13 +113,26 @@ def cmd_up(args: argparse.Namespace) -> int:
             _print_addrs(existing)
             return 0
         _clear(existing)
-    rmq = LocalRocketMQ(args.version, detached=True, heap=args.heap,
-                        broker_config=_parse_kv(args.broker_config),
-                        ready_timeout=args.timeout)
-    asyncio.run(rmq.start_all())
-    record = rmq.record
-    # The resident admin helper ends with this command; only the servers stay.
-    record.pids = {k: v for k, v in record.pids.items() if k in ("namesrv", "broker")}
+    if args.groups < 1 or args.slaves < 0 or args.namesrvs < 1:
+        raise SystemExit("--groups and --namesrvs must be >= 1, --slaves >= 0")
+    record: RunRecord
+    if (args.groups, args.slaves, args.namesrvs) != (1, 0, 1):
+        cluster = LocalCluster(args.version, groups=args.groups, slaves=args.slaves,
+                               namesrvs=args.namesrvs, detached=True,
+                               heap=args.heap or "320m",
+                               broker_config=_parse_kv(args.broker_config),
+                               ready_timeout=max(args.timeout, 180.0))
+        asyncio.run(cluster.start_all())
+        record = cluster.record
+        record.pids = {k: v for k, v in record.pids.items() if k != "admin"}
+    else:
+        rmq = LocalRocketMQ(args.version, detached=True, heap=args.heap or "512m",
+                            broker_config=_parse_kv(args.broker_config),
+                            ready_timeout=args.timeout)
+        asyncio.run(rmq.start_all())
+        record = rmq.record
+        # The resident admin helper ends with this command; only the servers stay.
+        record.pids = {k: v for k, v in record.pids.items() if k in ("namesrv", "broker")}
     record.save()
     path = state_file()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--version", default=DEFAULT_VERSION, help="RocketMQ version")
         if name == "up":
-            p.add_argument("--heap", default="512m", help="broker heap (-Xmx)")
+            p.add_argument("--heap", default=None,
+                           help="broker heap (-Xmx; 512m, or 320m per broker of a cluster)")
+            p.add_argument("--groups", type=int, default=1,
+                           help="broker groups broker-a, broker-b, ... (default 1)")
+            p.add_argument("--slaves", type=int, default=0,
+                           help="slaves per broker group (default 0)")
+            p.add_argument("--namesrvs", type=int, default=1,
+                           help="name servers (default 1)")
             p.add_argument("--timeout", type=float, default=90.0, help="start-up limit, seconds")
             p.add_argument("--broker-config", action="append", default=[], metavar="KEY=VALUE",
                            help="extra broker.conf setting (repeatable)")

@@ -8,6 +8,9 @@ Load with ``pytest_plugins = ["rmq_async.devbroker.pytest_plugin"]``.
   keeps no loop-bound state. If it cannot start, each test using it errors with the
   :class:`DevBrokerError` text (never a silent skip).
 - ``topic`` (function): a fresh, uniquely named topic with 8 queues on that broker.
+- ``rocketmq_cluster`` (module): a :class:`LocalCluster`, by default two broker groups with one
+  slave each and two name servers, shared by the tests of one module. A module shapes it with a
+  ``ROCKETMQ_CLUSTER`` dict of :class:`LocalCluster` keyword arguments.
 
 The shared broker delays every retry level by one second (``messageDelayLevel``), so a message
 a listener asks to reconsume comes back after 1 s instead of 10 s or more.
@@ -25,8 +28,10 @@ import pytest
 import pytest_asyncio
 
 from .broker import LocalRocketMQ
+from .cluster import LocalCluster
 
-__all__ = ["FAST_DELAY_LEVELS", "SESSION_BROKER_CONFIG", "rocketmq", "run_blocking", "topic"]
+__all__ = ["FAST_DELAY_LEVELS", "SESSION_BROKER_CONFIG", "rocketmq", "rocketmq_cluster",
+           "run_blocking", "topic"]
 
 T = TypeVar("T")
 
@@ -75,3 +80,17 @@ async def topic(rocketmq: LocalRocketMQ, request: pytest.FixtureRequest) -> str:
     name = f"T_{base}_{uuid.uuid4().hex[:8]}"
     await rocketmq.create_topic(name, queues=8)
     return name
+
+
+@pytest.fixture(scope="module")
+def rocketmq_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """A local cluster for the tests of one module (``ROCKETMQ_CLUSTER`` shapes it)."""
+    shape: dict[str, Any] = {"groups": 2, "slaves": 1, "namesrvs": 2,
+                             "broker_config": SESSION_BROKER_CONFIG}
+    shape.update(getattr(request.module, "ROCKETMQ_CLUSTER", {}))
+    cluster = LocalCluster(**shape)
+    run_blocking(cluster.start_all())
+    try:
+        yield cluster
+    finally:
+        run_blocking(cluster.close())
