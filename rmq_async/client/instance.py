@@ -171,6 +171,39 @@ class ClientInstance:
             raise MQClientError(f"no master address known for broker {broker_name!r}")
         return addr
 
+    def _find_in_subscribe(self, broker_name: str, broker_id: int,
+                           only_this_broker: bool) -> tuple[str, int] | None:
+        entry = self.brokers.get(broker_name)
+        if entry is None or not entry.addrs:
+            return None
+        addr = entry.addrs.get(broker_id)
+        if addr is not None:
+            return addr, broker_id
+        if broker_id != MASTER_ID and (nxt := entry.addrs.get(broker_id + 1)) is not None:
+            return nxt, broker_id + 1
+        if only_this_broker:
+            return None
+        # Java iterates a HashMap of small Long keys, i.e. by ascending broker id: the master
+        # first when it is there, else the lowest slave.
+        first = min(entry.addrs)
+        return entry.addrs[first], first
+
+    async def find_broker_in_subscribe(self, broker_name: str, broker_id: int, *,
+                                       only_this_broker: bool = False,
+                                       topic: str | None = None) -> tuple[str, int]:
+        """``(address, broker id)`` of the replica of ``broker_name`` to read from (Java
+        ``findBrokerAddressInSubscribe``): ``broker_id`` when the route has it, else for a slave
+        id the next one, else (unless ``only_this_broker``) any replica, the master first.
+        The route of ``topic`` is fetched again once when nothing matches."""
+        found = self._find_in_subscribe(broker_name, broker_id, only_this_broker)
+        if found is None and topic is not None:
+            await self.update_route(topic)
+            found = self._find_in_subscribe(broker_name, broker_id, only_this_broker)
+        if found is None:
+            raise MQClientError(f"the broker {broker_name!r} (id {broker_id}) is not in the "
+                                "route")
+        return found
+
     async def find_any_broker(self, topic: str) -> str:
         route = await self.route(topic)
         candidates = [bd for bd in route.broker_datas if bd.broker_addrs]

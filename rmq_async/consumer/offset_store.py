@@ -12,6 +12,7 @@ import anyio
 import structlog
 
 from rmq_async.client.errors import MQBrokerError, MQClientError
+from rmq_async.client.instance import MASTER_ID
 from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.codes import ResponseCode
 from rmq_async.protocol.errors import ProtocolError
@@ -87,7 +88,10 @@ class BrokerOffsetStore(_MemoryTable):
         super().__init__()
         self._instance = instance
         self._group = group
-        self._persisted: dict[MessageQueue, int] = {}
+        # (address, offset) last written per queue: a periodic round skips a queue whose
+        # offset that replica already has, not one whose write went to another replica (the
+        # slave that stood in for a master that is back).
+        self._persisted: dict[MessageQueue, tuple[str, int]] = {}
 
     async def load(self) -> None:
         return None
@@ -95,8 +99,16 @@ class BrokerOffsetStore(_MemoryTable):
     async def read_store(self, mq: MessageQueue) -> int:
         """Query the broker: the offset, ``OFFSET_NOT_FOUND`` or ``OFFSET_READ_ERROR``."""
         try:
-            addr = await self._instance.find_broker_master(mq.broker_name, mq.topic)
-            offset = await self._instance.api.query_consumer_offset(addr, self._group, mq)
+            # Java fetchConsumeOffsetFromBroker: the master only, or after a route refresh
+            # any replica (the master first).
+            inst = self._instance
+            try:
+                addr, _ = await inst.find_broker_in_subscribe(mq.broker_name, MASTER_ID,
+                                                              only_this_broker=True)
+            except MQClientError:
+                await inst.update_route(mq.topic)
+                addr, _ = await inst.find_broker_in_subscribe(mq.broker_name, MASTER_ID)
+            offset = await inst.api.query_consumer_offset(addr, self._group, mq)
         except MQBrokerError as exc:
             if exc.code == ResponseCode.QUERY_NOT_FOUND:
                 return OFFSET_NOT_FOUND
@@ -106,7 +118,7 @@ class BrokerOffsetStore(_MemoryTable):
             log.warning("offset.query_failed", queue=str(mq), error=str(exc))
             return OFFSET_READ_ERROR
         super().update(mq, offset, increase_only=False)
-        self._persisted[mq] = offset
+        self._persisted[mq] = (addr, offset)
         return offset
 
     async def persist(self, mq: MessageQueue) -> None:
@@ -119,20 +131,30 @@ class BrokerOffsetStore(_MemoryTable):
         for mq, offset in list(self._table.items()):
             if mq not in mqs or offset < 0:
                 continue
-            if oneway and self._persisted.get(mq) == offset:
+            if oneway and self._persisted.get(mq) == (self._write_addr(mq), offset):
                 continue
             await self._send(mq, offset, oneway=oneway)
 
     async def _send(self, mq: MessageQueue, offset: int, *, oneway: bool) -> None:
         try:
-            addr = await self._instance.find_broker_master(mq.broker_name, mq.topic)
+            # Java updateConsumeOffsetToBroker: the master, else any replica of the group
+            # (a slave keeps the offset while its master is down).
+            addr, _ = await self._instance.find_broker_in_subscribe(
+                mq.broker_name, MASTER_ID, topic=mq.topic)
             await self._instance.api.update_consumer_offset(addr, self._group, mq, offset,
                                                             oneway=oneway)
         except (MQClientError, RemotingError) as exc:
             log.warning("offset.persist_failed", queue=str(mq), offset=offset, error=str(exc))
             return
-        self._persisted[mq] = offset
+        self._persisted[mq] = (addr, offset)
         log.debug("offset.persisted", queue=str(mq), offset=offset)
+
+    def _write_addr(self, mq: MessageQueue) -> str | None:
+        """Where an offset of ``mq`` would be written now (known route only)."""
+        entry = self._instance.brokers.get(mq.broker_name)
+        if entry is None or not entry.addrs:
+            return None
+        return entry.addrs.get(MASTER_ID) or entry.addrs[min(entry.addrs)]
 
     def remove(self, mq: MessageQueue) -> None:
         super().remove(mq)

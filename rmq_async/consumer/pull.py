@@ -14,6 +14,7 @@ else by the exception delay).
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ import structlog
 
 from rmq_async.client.api import PendingPull, PullResult, PullStatus
 from rmq_async.client.errors import MQBrokerError, MQClientError, is_acl_refusal
+from rmq_async.client.instance import MASTER_ID
 from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.service import PullRequest
@@ -83,6 +85,13 @@ class PullService:
         self.flow_span = _RateLimitedCounter("pull.flow_control.span")
         self.flow_broker = _RateLimitedCounter("pull.flow_control.broker_busy", every=100)
         self.pulls = 0
+        #: Broker id each queue's next pull goes to, as the last answer suggested
+        #: (``suggestWhichBrokerId``); absent means the master.
+        self.pull_from: dict[MessageQueue, int] = {}
+        #: (address, broker id) each queue was last pulled from.
+        self.pulled_at: dict[MessageQueue, tuple[str, int]] = {}
+        #: Pulls sent per (broker name, broker id).
+        self.pulls_by_replica: collections.Counter[tuple[str, int]] = collections.Counter()
         #: Queues whose last pull the broker refused with NO_PERMISSION.
         self.refused: set[MessageQueue] = set()
         # Per-queue thresholds by topic, recomputed from the topic thresholds on rebalance.
@@ -95,6 +104,7 @@ class PullService:
 
     async def stop_queue(self, mq: MessageQueue) -> None:
         self.requests.pop(mq, None)
+        self.pulled_at.pop(mq, None)
         await self._owner.cancel(mq)
 
     def interrupt(self, mq: MessageQueue) -> None:
@@ -250,7 +260,19 @@ class PullService:
         commit_offset = -1
         if opts.message_model == MessageModel.CLUSTERING:
             commit_offset = rt.offset_store.read_memory(mq)
-        addr = await rt.instance.find_broker_master(mq.broker_name, mq.topic)
+        wanted = self.pull_from.get(mq, MASTER_ID)
+        addr, broker_id = await rt.instance.find_broker_in_subscribe(
+            mq.broker_name, wanted, topic=mq.topic)
+        self.pulls_by_replica[(mq.broker_name, broker_id)] += 1
+        if broker_id != MASTER_ID:
+            commit_offset = -1  # a slave does not take the piggy-backed commit (Java clears it)
+        previous = self.pulled_at.get(mq)
+        if previous != (addr, broker_id):
+            self.pulled_at[mq] = (addr, broker_id)
+            if previous is not None:
+                log.info("pull.replica_switched", queue=str(mq), broker=mq.broker_name,
+                         broker_id=broker_id, addr=addr, from_broker_id=previous[1],
+                         from_addr=previous[0], suggested_broker_id=wanted)
         req.pq.last_pull_timestamp = time.monotonic()
         return await rt.instance.api.start_pull(
             addr,
@@ -294,6 +316,9 @@ class PullService:
             pending.cancel()  # a no-op once answered; forgets the request when interrupted
         self.pulls += 1
         elapsed = time.monotonic() - pending.sent_at
+        # The replica the broker wants the next pull of this queue to go to (Java
+        # PullAPIWrapper.updatePullFromWhichNode, on every answer).
+        self.pull_from[mq] = result.suggest_which_broker_id
         if mq in self.refused:
             self.refused.discard(mq)
             rt.errors.report(ConsumerError(ConsumerErrorKind.PERMISSION_RESTORED, mq.topic, mq,

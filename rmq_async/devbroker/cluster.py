@@ -433,13 +433,28 @@ class LocalCluster:
             await anyio.sleep(0.1)
 
     async def _listed(self, node: BrokerNode) -> bool:
-        """True when the admin helper's name server lists ``node``."""
+        """True when every running name server lists ``node`` (asked directly: the admin
+        helper's client sees one name server only)."""
+        # Imported here: the client is only needed once processes run.
+        from rmq_async.client.api import MQClientAPI
+        from rmq_async.remoting.client import RemotingClient
+
+        remoting = RemotingClient(connect_timeout=2.0)
         try:
-            rows = await self.admin_request("brokers", self.cluster)
-        except DevBrokerError:
-            return False
-        return any(r.split("\t") == [node.broker_name, str(node.broker_id), node.addr]
-                   for r in rows[1:])
+            api = MQClientAPI(remoting, timeout=3.0)
+            for ns in self.namesrvs:
+                if not ns.running:
+                    continue
+                try:
+                    info = await api.get_cluster_info(ns.addr)
+                except Exception:  # not answering yet counts as not listed
+                    return False
+                data = info.broker_addr_table.get(node.broker_name)
+                if data is None or data.broker_addrs.get(node.broker_id) != node.addr:
+                    return False
+            return True
+        finally:
+            await remoting.close()
 
     def _failure(self, what: str, *paths: Path) -> DevBrokerError:
         parts = [f"local RocketMQ cluster failed: {what} (run folder {self._workdir})"]

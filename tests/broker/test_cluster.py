@@ -1,0 +1,287 @@
+"""One consumer across a real local cluster: two broker groups (master + slave each) and two name
+servers, started once for this module.
+
+The default sizes keep ``make test`` fast; ``RMQ_CLUSTER_FULL=1`` (``make test-cluster``) runs
+the acceptance sizes (100,000 messages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import os
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from rmq_async import ConsumeResult, MessageExt, PushConsumer
+from rmq_async.client.errors import MQBrokerError
+from rmq_async.devbroker import LocalCluster
+from rmq_async.producer import Producer
+from rmq_async.protocol.types import Message, MessageQueue
+from tests.helpers import AdminClient, simple_messages, unique, wait_until
+
+pytestmark = pytest.mark.broker
+
+FULL = os.environ.get("RMQ_CLUSTER_FULL") == "1"
+#: Messages of the exactly-once scenario.
+N_ONCE = 100_000 if FULL else 4_000
+#: Messages of the fail-over scenario.
+N_FAILOVER = 100_000 if FULL else 3_000
+
+Key = tuple[str, int, int]  # broker name, queue id, queue offset
+
+
+def _consumer(cluster: LocalCluster, group: str, **opts: object) -> PushConsumer:
+    opts.setdefault("consume_from_where", "CONSUME_FROM_FIRST_OFFSET")
+    opts.setdefault("persist_offset_interval", 0.5)
+    opts.setdefault("route_refresh_interval", 1.0)
+    opts.setdefault("pull_time_delay_when_exception", 0.3)
+    opts.setdefault("rebalance_interval", 2.0)
+    return PushConsumer(group, namesrv=cluster.namesrv_addr, **opts)  # type: ignore[arg-type]
+
+
+async def _produce(namesrv: str, messages: Sequence[Message], *, batch: int = 64) -> list[Key]:
+    """Send in batches over every group's queues; return where each message was stored."""
+    placed: list[Key] = []
+    async with Producer(unique("PG"), namesrv) as producer:
+        sem = asyncio.Semaphore(4)
+
+        async def send(chunk: Sequence[Message]) -> None:
+            async with sem:
+                r = await producer.send_batch(list(chunk))
+            placed.extend((r.broker_name, r.queue_id, r.queue_offset + i)
+                          for i in range(len(chunk)))
+
+        await asyncio.gather(*(send(messages[i:i + batch])
+                               for i in range(0, len(messages), batch)))
+    return placed
+
+
+async def _max_offsets_at(admin: AdminClient, addr: str, topic: str,
+                          broker_name: str) -> dict[int, int]:
+    out = {}
+    for mq in await admin.queues(topic):
+        if mq.broker_name == broker_name:
+            out[mq.queue_id] = await admin.instance.api.get_max_offset(addr, mq)
+    return out
+
+
+async def _slave_serves(admin: AdminClient, addr: str, mq: MessageQueue) -> bool:
+    """True once a slave answers pulls of ``mq``: it copies topic configurations from its master
+    every 10 s, and refuses pulls of a topic it has not copied yet (TOPIC_NOT_EXIST)."""
+    try:
+        await admin.instance.api.pull_message(addr, group="rmq_async_test_reader", mq=mq,
+                                              queue_offset=0, max_msg_nums=1,
+                                              suspend_timeout=0.0, timeout=5.0,
+                                              subscription="*")
+    except MQBrokerError:
+        return False
+    return True
+
+
+async def _wait_replicated(cluster: LocalCluster, topic: str, timeout: float = 60.0) -> None:
+    """Until every slave knows ``topic`` and holds as many messages per queue as its master
+    (a topic created seconds ago; in production topics are older than the 10 s sync)."""
+    async with AdminClient(cluster.namesrv_addr) as admin:
+        deadline = time.monotonic() + timeout
+        for name in cluster.broker_names:
+            master = await _max_offsets_at(admin, cluster.broker_addr(name, 0), topic, name)
+            mq = next(q for q in await admin.queues(topic) if q.broker_name == name)
+            for broker_id in range(1, cluster.slaves + 1):
+                addr = cluster.broker_addr(name, broker_id)
+                while (await _max_offsets_at(admin, addr, topic, name) != master
+                       or not await _slave_serves(admin, addr, mq)):
+                    assert time.monotonic() < deadline, f"{name}-{broker_id} did not catch up"
+                    await asyncio.sleep(0.2)
+
+
+async def _commits_equal_max(cluster: LocalCluster, group: str, topic: str,
+                             timeout: float = 30.0) -> dict[MessageQueue, tuple[int, int]]:
+    """Wait until every queue's committed offset (on its master) equals its max offset."""
+    async with AdminClient(cluster.namesrv_addr) as admin:
+        deadline = time.monotonic() + timeout
+        while True:
+            committed = await admin.committed_offsets(group, topic)
+            maxes = await admin.max_offsets(topic)
+            if committed == maxes:
+                return {mq: (committed[mq], maxes[mq]) for mq in maxes}
+            if time.monotonic() > deadline:
+                raise AssertionError(f"committed {committed} != max {maxes}")
+            await asyncio.sleep(0.2)
+
+
+async def test_cluster_layout_and_routes(rocketmq_cluster: LocalCluster) -> None:
+    """Two groups of master + slave registered in both name servers; a topic gets 8 queues on
+    each group's master."""
+    c = rocketmq_cluster
+    assert c.broker_names == ["broker-a", "broker-b"]
+    assert len(c.namesrv_addrs) == 2
+    print(f"cluster start-up {c.startup_seconds}s, RSS MiB "
+          f"{ {k: v >> 20 for k, v in c.rss_bytes().items()} }, "
+          f"total {sum(c.rss_bytes().values()) >> 20} MiB")
+    topic = unique("T_layout")
+    await c.create_topic(topic, 8)
+    for ns in c.namesrv_addrs:
+        async with AdminClient(ns) as admin:
+            route = await admin.instance.update_route(topic)
+            addrs = {bd.broker_name: dict(bd.broker_addrs) for bd in route.broker_datas}
+            assert addrs == {name: {0: c.broker_addr(name, 0), 1: c.broker_addr(name, 1)}
+                             for name in c.broker_names}, (ns, addrs)
+            assert sorted((q.broker_name, q.read_queue_nums) for q in route.queue_datas) == [
+                ("broker-a", 8), ("broker-b", 8)]
+
+
+async def test_one_consumer_two_groups_exactly_once(rocketmq_cluster: LocalCluster) -> None:
+    """Two groups x 8 queues: every message consumed exactly once by one consumer, offsets
+    committed on both masters up to the max offsets."""
+    c = rocketmq_cluster
+    topic = unique("T_once")
+    await c.create_topic(topic, 8)
+    started = time.monotonic()
+    placed = await _produce(c.namesrv_addr, simple_messages(topic, N_ONCE, size=64))
+    produced_s = time.monotonic() - started
+    assert len(set(placed)) == N_ONCE
+    assert {b for b, _, _ in placed} == {"broker-a", "broker-b"}
+    group = unique("G_once")
+    seen: collections.Counter[Key] = collections.Counter()
+    consumer = _consumer(c, group)
+
+    @consumer.subscribe(topic)
+    async def on_msgs(msgs: list[MessageExt]) -> ConsumeResult:
+        for m in msgs:
+            seen[(m.broker_name, m.queue_id, m.queue_offset)] += 1
+        return ConsumeResult.SUCCESS
+
+    started = time.monotonic()
+    async with consumer:
+        await wait_until(lambda: len(seen) >= N_ONCE, 300, what=f"{N_ONCE} messages")
+        consumed_s = time.monotonic() - started
+        mine = [mq for mq in consumer.process_queues if mq.topic == topic]
+        assert len(mine) == 16 and {mq.broker_name for mq in mine} == {"broker-a", "broker-b"}
+        await _commits_equal_max(c, group, topic)
+    assert set(seen) == set(placed)
+    dups = sum(n - 1 for n in seen.values())
+    assert dups == 0, f"{dups} duplicates"
+    print(f"exactly once: {N_ONCE} messages over 16 queues, produced in {produced_s:.1f}s, "
+          f"consumed in {consumed_s:.1f}s ({N_ONCE / consumed_s:,.0f} msg/s)")
+
+
+async def test_master_killed_slave_serves_then_master_returns(
+        rocketmq_cluster: LocalCluster) -> None:
+    """Kill -9 broker-a's master mid-stream: broker-a's queues go on from its slave, broker-b is
+    not disturbed; the restarted master gets the pulls back; committed = max at the end."""
+    c = rocketmq_cluster
+    topic = unique("T_failover")
+    await c.create_topic(topic, 8)
+    placed = await _produce(c.namesrv_addr, simple_messages(topic, N_FAILOVER, size=64))
+    assert len(set(placed)) == N_FAILOVER
+    await _wait_replicated(c, topic)
+    per_broker = collections.Counter(b for b, _, _ in placed)
+    group = unique("G_failover")
+    seen: collections.Counter[Key] = collections.Counter()
+    gate = asyncio.Event()
+    gate.set()
+    consumer = _consumer(c, group, pull_batch_size=8, pull_threshold_for_queue=16,
+                         broker_suspend_max_time=2.0,
+                         consume_message_batch_max_size=8)
+
+    @consumer.subscribe(topic)
+    async def on_msgs(msgs: list[MessageExt]) -> ConsumeResult:
+        await gate.wait()
+        for m in msgs:
+            seen[(m.broker_name, m.queue_id, m.queue_offset)] += 1
+        await asyncio.sleep(0.002)
+        return ConsumeResult.SUCCESS
+
+    def count(broker: str) -> int:
+        return sum(1 for k in seen if k[0] == broker)
+
+    async with consumer:
+        pulls = consumer.pull_service.pulls_by_replica
+        await wait_until(lambda: count("broker-a") >= per_broker["broker-a"] // 4, 120,
+                         what="a quarter of broker-a's messages")
+        gate.clear()
+        await asyncio.sleep(0.2)
+        c.kill_broker("broker-a", 0)
+        killed_at = time.monotonic()
+        a_before, b_before = count("broker-a"), count("broker-b")
+        slave_pulls_before = pulls[("broker-a", 1)]
+        gate.set()
+        # broker-a goes on from its slave.
+        await wait_until(lambda: pulls[("broker-a", 1)] > slave_pulls_before
+                         and count("broker-a") > a_before, 60,
+                         what="broker-a's queues consumed from its slave")
+        switch_s = time.monotonic() - killed_at
+        a_mid = count("broker-a")
+        await wait_until(lambda: count("broker-a") >= min(per_broker["broker-a"],
+                                                          a_mid + per_broker["broker-a"] // 4),
+                         120, what="more of broker-a from the slave")
+        # broker-b was served by its master all along.
+        assert count("broker-b") > b_before or count("broker-b") == per_broker["broker-b"]
+        assert pulls[("broker-b", 1)] == 0, pulls
+        master_pulls_before = pulls[("broker-a", 0)]
+        started = time.monotonic()
+        await c.start_broker("broker-a", 0)
+        restart_s = time.monotonic() - started
+        await wait_until(lambda: pulls[("broker-a", 0)] > master_pulls_before, 60,
+                         what="pulls back on broker-a's master")
+        await wait_until(lambda: len(seen) >= N_FAILOVER, 300, what="every message")
+        back = {mq: at for mq, at in consumer.pull_service.pulled_at.items()
+                if mq.broker_name == "broker-a"}
+        await wait_until(lambda: all(consumer.pull_service.pulled_at.get(mq, ("", 1))[1] == 0
+                                     for mq in back), 30, what="every broker-a queue on master")
+        offsets = await _commits_equal_max(c, group, topic, timeout=60)
+    assert set(seen) == set(placed), "messages lost"
+    dups = sum(n - 1 for n in seen.values())
+    print(f"fail-over: {N_FAILOVER} messages, slave took over {switch_s:.1f}s after the kill, "
+          f"master restarted in {restart_s:.1f}s, pulls per replica {dict(pulls)}, "
+          f"duplicates {dups}, committed=max on {len(offsets)} queues")
+
+
+async def test_one_name_server_killed(rocketmq_cluster: LocalCluster) -> None:
+    """With one of the two name servers killed, route refresh keeps working and a new consumer
+    still starts and consumes (the name server is restarted afterwards)."""
+    c = rocketmq_cluster
+    topic = unique("T_namesrv")
+    await c.create_topic(topic, 8)
+    group = unique("G_namesrv")
+    seen: collections.Counter[Key] = collections.Counter()
+
+    async def on_msgs(msgs: list[MessageExt]) -> ConsumeResult:
+        for m in msgs:
+            seen[(m.broker_name, m.queue_id, m.queue_offset)] += 1
+        return ConsumeResult.SUCCESS
+
+    first = _consumer(c, group, instance_name="ns1")
+    first.subscribe(topic, listener=on_msgs)
+    try:
+        await first.start()
+        await wait_until(lambda: len(first.process_queues) == 16, 30, what="16 queues")
+        c.kill_namesrv(0)
+        # Route refresh goes on through the other name server (every second here).
+        # (the cached route is blanked; only a refresh can fill it again)
+        first.instance.routes[topic] = dataclasses.replace(first.instance.routes[topic],
+                                                           queue_datas=[])
+        await wait_until(lambda: first.instance.routes[topic].queue_datas != [], 10,
+                         what="route refreshed from the surviving name server")
+        # Routes of topics new to the client are fetched too: a second consumer starts.
+        topic2 = unique("T_namesrv2")
+        await c.create_topic(topic2, 8)
+        second = _consumer(c, unique("G_namesrv2"), instance_name="ns2")
+        got2: list[MessageExt] = []
+        second.subscribe(topic2, listener=lambda msgs: got2.extend(msgs)
+                         or ConsumeResult.SUCCESS)
+        async with second:
+            placed = await _produce(c.namesrv_addr, simple_messages(topic, 200, size=32))
+            placed2 = await _produce(c.namesrv_addr, simple_messages(topic2, 200, size=32))
+            await wait_until(lambda: len(got2) >= 200 and len(seen) >= 200, 60,
+                             what="both consumers' messages")
+        assert {(m.broker_name, m.queue_id, m.queue_offset) for m in got2} == set(placed2)
+        assert set(seen) == set(placed)
+    finally:
+        await first.stop()
+        await c.start_namesrv(0)
+        await c.register_all()
