@@ -241,6 +241,49 @@ async def test_master_killed_slave_serves_then_master_returns(
           f"duplicates {dups}, committed=max on {len(offsets)} queues")
 
 
+async def _set_store_ratio(c: LocalCluster, addr: str, ratio: int) -> None:
+    out = await c.mqadmin("updateBrokerConfig", "-b", addr, "-k",
+                          "accessMessageInMemoryMaxRatio", "-v", str(ratio))
+    assert "success" in out, out
+
+
+async def test_broker_suggesting_its_slave_gets_the_next_pulls_there(
+        rocketmq_cluster: LocalCluster) -> None:
+    """broker-b's master with accessMessageInMemoryMaxRatio=0 finds every consumer that is
+    behind "too slow" and answers with suggestWhichBrokerId=1: the queue's next pull goes to
+    broker-b's slave (which sends it back to the master once it has caught up). broker-a,
+    unchanged, is only pulled from its master. Every message once, offsets committed."""
+    c = rocketmq_cluster
+    topic = unique("T_suggest")
+    await c.create_topic(topic, 8)
+    n = 2_000
+    placed = await _produce(c.namesrv_addr, simple_messages(topic, n, size=64))
+    await _wait_replicated(c, topic)
+    b_master = c.broker_addr("broker-b", 0)
+    await _set_store_ratio(c, b_master, 0)
+    try:
+        group = unique("G_suggest")
+        seen: collections.Counter[Key] = collections.Counter()
+        consumer = _consumer(c, group, pull_batch_size=8, pull_threshold_for_queue=16)
+
+        @consumer.subscribe(topic)
+        async def on_msgs(msgs: list[MessageExt]) -> ConsumeResult:
+            for m in msgs:
+                seen[(m.broker_name, m.queue_id, m.queue_offset)] += 1
+            return ConsumeResult.SUCCESS
+
+        async with consumer:
+            await wait_until(lambda: len(seen) >= n, 120, what=f"{n} messages")
+            pulls = dict(consumer.pull_service.pulls_by_replica)
+            await _commits_equal_max(c, group, topic)
+    finally:
+        await _set_store_ratio(c, b_master, 40)
+    assert set(seen) == set(placed) and max(seen.values()) == 1
+    assert pulls.get(("broker-b", 1), 0) > 0, pulls
+    assert pulls.get(("broker-a", 1), 0) == 0, pulls
+    print(f"suggested slave: pulls per replica {pulls}")
+
+
 async def test_one_name_server_killed(rocketmq_cluster: LocalCluster) -> None:
     """With one of the two name servers killed, route refresh keeps working and a new consumer
     still starts and consumes (the name server is restarted afterwards)."""
