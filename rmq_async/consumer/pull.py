@@ -90,6 +90,8 @@ class PullService:
         self.pull_from: dict[MessageQueue, int] = {}
         #: (address, broker id) each queue was last pulled from.
         self.pulled_at: dict[MessageQueue, tuple[str, int]] = {}
+        #: Queues pulled from another replica than the suggested one (it was not in the route).
+        self.fallen_back: set[MessageQueue] = set()
         #: Pulls sent per (broker name, broker id).
         self.pulls_by_replica: collections.Counter[tuple[str, int]] = collections.Counter()
         #: Queues whose last pull the broker refused with NO_PERMISSION.
@@ -105,6 +107,7 @@ class PullService:
     async def stop_queue(self, mq: MessageQueue) -> None:
         self.requests.pop(mq, None)
         self.pulled_at.pop(mq, None)
+        self.fallen_back.discard(mq)
         await self._owner.cancel(mq)
 
     def interrupt(self, mq: MessageQueue) -> None:
@@ -269,10 +272,19 @@ class PullService:
         previous = self.pulled_at.get(mq)
         if previous != (addr, broker_id):
             self.pulled_at[mq] = (addr, broker_id)
+            # A fall-back (the suggested replica is not in the route: a master down) and the
+            # return from one are worth an info line; following the broker's suggestion, which
+            # can alternate between master and slave on every pull, is not.
+            fell_back = broker_id != wanted
+            emit = log.info if fell_back or mq in self.fallen_back else log.debug
+            if fell_back:
+                self.fallen_back.add(mq)
+            else:
+                self.fallen_back.discard(mq)
             if previous is not None:
-                log.info("pull.replica_switched", queue=str(mq), broker=mq.broker_name,
-                         broker_id=broker_id, addr=addr, from_broker_id=previous[1],
-                         from_addr=previous[0], suggested_broker_id=wanted)
+                emit("pull.replica_switched", queue=str(mq), broker=mq.broker_name,
+                     broker_id=broker_id, addr=addr, from_broker_id=previous[1],
+                     from_addr=previous[0], suggested_broker_id=wanted)
         req.pq.last_pull_timestamp = time.monotonic()
         return await rt.instance.api.start_pull(
             addr,

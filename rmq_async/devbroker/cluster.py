@@ -580,8 +580,8 @@ class LocalCluster:
 
     async def create_topic(self, name: str, queues: int = 8, order: bool = False, *,
                            timeout: float = 60.0) -> None:
-        """Create (or update) ``name`` with ``queues`` queues on every group's master and wait
-        until the name servers serve a route naming every group."""
+        """Create (or update) ``name`` with ``queues`` queues on every group's master (and its
+        slaves) and wait until the name servers serve a route naming every group."""
         if not _TOPIC_RE.match(name):
             raise ValueError(f"invalid topic name: {name!r}")
         if not 1 <= queues <= 1024:
@@ -590,6 +590,7 @@ class LocalCluster:
         deadline = started + timeout
         await self.admin_request("create", self.cluster, name, str(queues),
                                  "true" if order else "false", timeout=timeout)
+        await self._create_on_slaves(name, queues, order, timeout)
         want = set(self.broker_names)
         while True:
             lines = await self.admin_request("route", name, timeout=timeout)
@@ -603,6 +604,25 @@ class LocalCluster:
             await anyio.sleep(0.05)
         log.info("devbroker.topic.created", topic=name, queues=queues, order=order,
                  groups=len(want), seconds=round(time.monotonic() - started, 2))
+
+    async def _create_on_slaves(self, name: str, queues: int, order: bool,
+                                timeout: float) -> None:
+        """The topic's configuration on every running slave at once. A slave copies its
+        master's topic configurations only periodically and refuses pulls of a topic it does
+        not know yet, so a topic created seconds before its master dies could not be read
+        from the slave; a production topic is older than that period."""
+        from rmq_async.client.api import MQClientAPI
+        from rmq_async.remoting.client import RemotingClient
+
+        remoting = RemotingClient(connect_timeout=2.0)
+        try:
+            api = MQClientAPI(remoting, timeout=timeout)
+            for node in self.brokers.values():
+                if not node.is_master and node.running:
+                    await api.create_topic(node.addr, name, read_queues=queues,
+                                           write_queues=queues, order=order, timeout=timeout)
+        finally:
+            await remoting.close()
 
     def tools_command(self, *args: str) -> list[str]:
         """The ``java`` command running ``mqadmin`` with ``args`` against the name servers."""

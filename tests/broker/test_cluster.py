@@ -20,12 +20,13 @@ from rmq_async import ConsumeResult, MessageExt, PushConsumer
 from rmq_async.client.errors import MQBrokerError
 from rmq_async.devbroker import LocalCluster
 from rmq_async.producer import Producer
+from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.types import Message, MessageQueue
 from tests.helpers import AdminClient, simple_messages, unique, wait_until
 
-pytestmark = pytest.mark.broker
-
 FULL = os.environ.get("RMQ_CLUSTER_FULL") == "1"
+
+pytestmark = [pytest.mark.broker, pytest.mark.timeout(1200 if FULL else 240)]
 #: Messages of the exactly-once scenario.
 N_ONCE = 100_000 if FULL else 4_000
 #: Messages of the fail-over scenario.
@@ -241,10 +242,18 @@ async def test_master_killed_slave_serves_then_master_returns(
           f"duplicates {dups}, committed=max on {len(offsets)} queues")
 
 
+#: Java RequestCode.UPDATE_BROKER_CONFIG: the body is ``key=value`` lines (a .properties text).
+UPDATE_BROKER_CONFIG = 25
+
+
 async def _set_store_ratio(c: LocalCluster, addr: str, ratio: int) -> None:
-    out = await c.mqadmin("updateBrokerConfig", "-b", addr, "-k",
-                          "accessMessageInMemoryMaxRatio", "-v", str(ratio))
-    assert "success" in out, out
+    """Change a running broker's ``accessMessageInMemoryMaxRatio`` (what mqadmin
+    updateBrokerConfig sends, without starting a JVM)."""
+    async with AdminClient(c.namesrv_addr) as admin:
+        req = RemotingCommand.request(
+            UPDATE_BROKER_CONFIG, body=f"accessMessageInMemoryMaxRatio={ratio}\n".encode())
+        resp = await admin.instance.remoting.invoke(addr, req, 5.0)
+    assert resp.code == 0, (resp.code, resp.remark)
 
 
 async def test_broker_suggesting_its_slave_gets_the_next_pulls_there(
@@ -302,7 +311,8 @@ async def test_one_name_server_killed(rocketmq_cluster: LocalCluster) -> None:
     first.subscribe(topic, listener=on_msgs)
     try:
         await first.start()
-        await wait_until(lambda: len(first.process_queues) == 16, 30, what="16 queues")
+        await wait_until(lambda: sum(mq.topic == topic for mq in first.process_queues) == 16,
+                         30, what="16 queues")
         c.kill_namesrv(0)
         # Route refresh goes on through the other name server (every second here).
         # (the cached route is blanked; only a refresh can fill it again)
