@@ -325,8 +325,12 @@ async def test_one_name_server_killed(rocketmq_cluster: LocalCluster) -> None:
         await c.create_topic(topic2, 8)
         second = _consumer(c, unique("G_namesrv2"), instance_name="ns2")
         got2: list[MessageExt] = []
-        second.subscribe(topic2, listener=lambda msgs: got2.extend(msgs)
-                         or ConsumeResult.SUCCESS)
+
+        async def on_msgs2(msgs: list[MessageExt]) -> ConsumeResult:
+            got2.extend(msgs)
+            return ConsumeResult.SUCCESS
+
+        second.subscribe(topic2, listener=on_msgs2)
         async with second:
             placed = await _produce(c.namesrv_addr, simple_messages(topic, 200, size=32))
             placed2 = await _produce(c.namesrv_addr, simple_messages(topic2, 200, size=32))
