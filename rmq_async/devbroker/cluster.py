@@ -47,8 +47,9 @@ from .broker import (
 )
 from .errors import DevBrokerError
 from .java import compile_java
-from .maven import DEFAULT_VERSION, ensure_jars, find_tool
+from .maven import DEFAULT_VERSION, ensure_jars, find_tool, version_dir
 from .procs import RunRecord, pid_start_ticks, reap_stale_runs, spawn, stop_process
+from .versions import logback_files, profile
 
 __all__ = ["BrokerNode", "LocalCluster", "NamesrvNode", "group_name"]
 
@@ -168,6 +169,7 @@ class LocalCluster:
             if name not in names:
                 raise ValueError(f"group_config names an unknown group {name!r} ({names})")
         self.version = version
+        self.profile = profile(version)
         self.groups = groups
         self.slaves = slaves
         self.namesrv_count = namesrvs
@@ -287,7 +289,9 @@ class LocalCluster:
         await anyio.to_thread.run_sync(reap_stale_runs)
         self._lib_dir = await ensure_jars(self.version, self.cache_dir)
         self._java = find_tool("java")
-        self._admin_classes = await compile_java([ADMIN_SOURCE], self._lib_dir)
+        self._admin_classes = await compile_java(
+            [ADMIN_SOURCE], self._lib_dir, version_dir(self.version, self.cache_dir) / "classes"
+        )
         if self._given_workdir is not None:
             self._given_workdir.mkdir(parents=True, exist_ok=True)
             self._workdir = self._given_workdir
@@ -324,6 +328,10 @@ class LocalCluster:
     def _layout(self) -> None:
         """Pick the ports and write every process's configuration."""
         run = self._require()
+        conf = run / "conf"  # $ROCKETMQ_HOME/conf of every JVM
+        conf.mkdir(exist_ok=True)
+        for name, text in logback_files(self.profile).items():
+            (conf / name).write_text(text)
         taken: list[int] = []
         for i in range(self.namesrv_count):
             port = cfg.free_port()
@@ -373,6 +381,7 @@ class LocalCluster:
         cmd = cfg.jvm_command(
             self.java, lib_dir=self.lib_dir, main_class=main_class, args=["-c", str(conf)],
             user_home=folder, logback=logback, heap=heap, direct=direct,
+            extra=self.profile.server_jvm_flags(),
         )
         return spawn(cmd, cwd=folder, env=self._env(), output=out,
                      die_with_parent=not self.detached)
@@ -632,7 +641,7 @@ class LocalCluster:
         return cfg.jvm_command(
             self.java, lib_dir=self.lib_dir, main_class=cfg.ADMIN_CLASS, args=argv,
             user_home=self._require() / "tools-home", logback="rmq.tools.logback.xml",
-            heap="128m", quick_start=True,
+            heap="128m", quick_start=True, extra=self.profile.server_jvm_flags(),
         )
 
     async def mqadmin(self, *args: str, timeout: float = 60.0) -> str:
