@@ -12,16 +12,19 @@ import collections
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 
 from rmq_async import ConsumeResult, MessageExt, PushConsumer
 from rmq_async.client.errors import MQBrokerError
+from rmq_async.consumer.allocate import AllocateAveragely, sort_inputs
 from rmq_async.devbroker import LocalCluster
+from rmq_async.devbroker.java import start_java
 from rmq_async.producer import Producer, select_by_key
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.types import Message, MessageQueue
+from tests.broker.conftest import JavaPrograms
 from tests.helpers import AdminClient, simple_messages, unique, wait_until
 
 FULL = os.environ.get("RMQ_CLUSTER_FULL") == "1"
@@ -418,3 +421,83 @@ async def test_orderly_across_groups_with_a_master_killed(rocketmq_cluster: Loca
     assert not violations, violations[:10]
     print(f"orderly fail-over: {total} messages over {keys} keys, duplicates {dups}, "
           f"order violations 0, broker-a queues re-locked after the restart")
+
+
+async def test_three_consumers_split_16_queues_as_java(rocketmq_cluster: LocalCluster,
+                                                       java_programs: JavaPrograms) -> None:
+    """Two rmq_async consumers and one Java DefaultMQPushConsumer in one group split the 16
+    queues of two groups exactly as Java's AllocateMessageQueueAveragely does, no queue twice;
+    the messages are consumed once between them."""
+    c = rocketmq_cluster
+    topic = unique("T_three")
+    await c.create_topic(topic, 8)
+    group = unique("G_three")
+    ours: dict[str, collections.Counter[Key]] = {}
+    consumers = []
+    for i in range(2):
+        consumer = _consumer(c, group, instance_name=f"three{i}")
+        bucket: collections.Counter[Key] = collections.Counter()
+        ours[consumer.client_id] = bucket
+
+        def make(b: collections.Counter[Key]) -> Callable[[list[MessageExt]],
+                                                            Awaitable[ConsumeResult]]:
+            async def on(msgs: list[MessageExt]) -> ConsumeResult:
+                for m in msgs:
+                    b[(m.broker_name, m.queue_id, m.queue_offset)] += 1
+                return ConsumeResult.SUCCESS
+            return on
+
+        consumer.subscribe(topic, listener=make(bucket))
+        consumers.append(consumer)
+    async with start_java("JavaPushConsumer",
+                          [c.namesrv_addr, group, topic, "java-three",
+                           "CONSUME_FROM_FIRST_OFFSET"], java_programs.classpath) as java:
+        await java.wait_for("READY", 60)
+        java_cid = next(line.split()[1] for line in java.lines if line.startswith("READY"))
+        for consumer in consumers:
+            await consumer.start()
+        try:
+            def java_held() -> set[tuple[str, int]]:
+                for line in reversed(java.lines):
+                    if line.startswith("HELD"):
+                        return {(b, int(q)) for b, q in (w.split(":") for w in line.split()[1:])}
+                return set()
+
+            def held() -> dict[str, set[tuple[str, int]]]:
+                out = {cs.client_id: {(mq.broker_name, mq.queue_id) for mq in cs.process_queues
+                                      if mq.topic == topic} for cs in consumers}
+                out[java_cid] = java_held()
+                return out
+
+            async with AdminClient(c.namesrv_addr) as admin:
+                mq_all = await admin.queues(topic)
+            mqs, cids = sort_inputs(mq_all, [*ours, java_cid])
+            expected = {cid: {(mq.broker_name, mq.queue_id)
+                              for mq in AllocateAveragely().allocate(group, cid, mqs, cids)}
+                        for cid in cids}
+            await wait_until(lambda: held() == expected, 60,
+                             what="the three consumers holding Java's assignment")
+            got = held()
+            assert sorted(len(v) for v in got.values()) == [5, 5, 6]
+            assert set().union(*got.values()) == {(mq.broker_name, mq.queue_id) for mq in mq_all}
+            placed = await _produce(c.namesrv_addr, simple_messages(topic, 1_600, size=32))
+
+            def java_count() -> int:
+                return sum(1 for line in java.lines if line.startswith("MSG "))
+
+            await wait_until(lambda: java_count() + sum(len(b) for b in ours.values())
+                             >= len(placed), 60, what="every message between the three")
+        finally:
+            for consumer in consumers:
+                await consumer.stop()
+    for cid, bucket in ours.items():
+        assert max(bucket.values(), default=1) == 1
+        assert {(b, q) for b, q, _ in bucket} <= expected[cid]
+    java_by_queue = collections.Counter(
+        int(line.split()[1]) for line in java.lines if line.startswith("MSG "))
+    ours_all = set().union(*(set(b) for b in ours.values()))
+    assert ours_all <= set(placed)
+    assert sum(java_by_queue.values()) == len(placed) - len(ours_all)
+    print(f"three consumers: queues held {sorted(len(v) for v in got.values())} as Java "
+          "computes; "
+          f"rmq_async {len(ours_all)} + Java {sum(java_by_queue.values())} = {len(placed)}")

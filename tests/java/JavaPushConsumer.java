@@ -11,7 +11,8 @@ import org.apache.rocketmq.common.message.MessageExt;
  *
  * Arguments: namesrv group topic instanceName consumeFromWhere [consumeTimestamp].
  * Prints "READY" once started, then one line per message: "MSG queueId queueOffset msgId",
- * and on request ("ASSIGNED" printed every second) the queues this client holds.
+ * and every half second the queues this client holds: "ASSIGNED id id ..." and
+ * "HELD brokerName:id ...".
  * Stops when its standard input closes.
  */
 public class JavaPushConsumer {
@@ -57,8 +58,15 @@ public class JavaPushConsumer {
                 consumer.getDefaultMQPushConsumerImpl().getRebalanceImpl().getProcessQueueTable().keySet()
                     .stream().filter(mq -> mq.getTopic().equals(topic))
                     .forEach(mq -> sb.append(' ').append(mq.getQueueId()));
+                // The same queues with their broker names (several broker groups).
+                StringBuilder named = new StringBuilder("HELD");
+                consumer.getDefaultMQPushConsumerImpl().getRebalanceImpl().getProcessQueueTable().keySet()
+                    .stream().filter(mq -> mq.getTopic().equals(topic))
+                    .forEach(mq -> named.append(' ').append(mq.getBrokerName()).append(':')
+                        .append(mq.getQueueId()));
                 synchronized (System.out) {
                     System.out.println(sb);
+                    System.out.println(named);
                     System.out.flush();
                 }
             }
