@@ -44,12 +44,12 @@ chaos: setup
 test-spark-source-full: setup
 	RMQ_SPARK_SOURCE_FULL=1 $(PY) -m pytest -ra -p no:cacheprovider --durations=25 tests/spark_source $(PYTEST_ARGS)
 
-# The local-cluster tests (tests/broker/test_cluster.py: two broker groups with a slave each,
+# The local-cluster tests (tests/broker/test_local_cluster.py: two broker groups with a slave each,
 # two name servers) at the acceptance sizes: 100,000 messages exactly once across both groups,
 # 100,000 through a master kill. make test runs them at small sizes.
 .PHONY: test-cluster
 test-cluster: setup
-	RMQ_CLUSTER_FULL=1 $(PY) -m pytest -ra -s -p no:cacheprovider --durations=25 tests/broker/test_cluster.py $(PYTEST_ARGS)
+	RMQ_CLUSTER_FULL=1 $(PY) -m pytest -ra -s -p no:cacheprovider --durations=25 tests/broker/test_local_cluster.py $(PYTEST_ARGS)
 
 # One million generated inputs through the frame, header, JSON body and stored-record decoders
 # (tests/fuzz/fuzz_decoders.py; make test runs 20,000 of them in tests/unit/test_fuzz_smoke.py).

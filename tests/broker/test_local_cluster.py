@@ -13,6 +13,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -24,10 +25,12 @@ from rmq_async.devbroker.java import start_java
 from rmq_async.producer import Producer, select_by_key
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.types import Message, MessageQueue
-from tests.broker.conftest import JavaPrograms
 from tests.helpers import AdminClient, simple_messages, unique, wait_until
 
 FULL = os.environ.get("RMQ_CLUSTER_FULL") == "1"
+
+if TYPE_CHECKING:
+    from tests.broker.conftest import JavaPrograms
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(1200 if FULL else 240)]
 #: Messages of the exactly-once scenario.
