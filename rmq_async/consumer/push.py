@@ -600,6 +600,18 @@ class PushConsumer:
         self.hooks.shutdown.append(_callable(fn))
         return fn
 
+    # ------------------------------------------------------------------ state
+
+    @property
+    def is_running(self) -> bool:
+        """``True`` from the end of a successful :meth:`start` until :meth:`stop` begins."""
+        return self._started and not self.stopping
+
+    def assignment(self) -> frozenset[MessageQueue]:
+        """The queues this member holds now (its share of the last rebalance), retry queues
+        included; empty when the consumer is not running."""
+        return frozenset(self.process_queues)
+
     # ------------------------------------------------------------------ lag and health
 
     def lag(self) -> dict[MessageQueue, QueueLag]:

@@ -48,10 +48,14 @@ async def test_basic_delivery_commit_and_restart(rocketmq) -> None:
     again: list[MessageExt] = []
     consumer2 = _consumer(rocketmq.namesrv_addr, group)
     consumer2.subscribe(topic, listener=lambda msgs: again.extend(msgs), batch=True)
+    assert not consumer2.is_running and consumer2.assignment() == frozenset()
     async with consumer2:
-        await wait_until(lambda: sum(mq.topic == topic for mq in consumer2.process_queues) == 8, 30,
+        assert consumer2.is_running
+        await wait_until(lambda: sum(mq.topic == topic for mq in consumer2.assignment()) == 8, 30,
                          what="8 queues assigned")
+        assert consumer2.assignment() >= {mq for mq in consumer2.process_queues if mq.topic == topic}
         await asyncio.sleep(3.0)
+    assert not consumer2.is_running and consumer2.assignment() == frozenset()
     assert again == []
 
 
