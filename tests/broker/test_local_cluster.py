@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -89,12 +90,14 @@ async def _slave_serves(admin: AdminClient, addr: str, mq: MessageQueue) -> bool
     return True
 
 
-async def _wait_replicated(cluster: LocalCluster, topic: str, timeout: float = 60.0) -> None:
-    """Until every slave knows ``topic`` and holds as many messages per queue as its master
-    (a topic created seconds ago; in production topics are older than the 10 s sync)."""
+async def _wait_replicated(cluster: LocalCluster, topic: str, timeout: float = 60.0,
+                           names: Sequence[str] | None = None) -> None:
+    """Until every slave (of ``names``, default all groups) knows ``topic`` and holds as many
+    messages per queue as its master (a topic created seconds ago; in production topics are
+    older than the 10 s sync)."""
     async with AdminClient(cluster.namesrv_addr) as admin:
         deadline = time.monotonic() + timeout
-        for name in cluster.broker_names:
+        for name in names or cluster.broker_names:
             master = await _max_offsets_at(admin, cluster.broker_addr(name, 0), topic, name)
             mq = next(q for q in await admin.queues(topic) if q.broker_name == name)
             for broker_id in range(1, cluster.slaves + 1):
@@ -262,18 +265,44 @@ async def _set_store_ratio(c: LocalCluster, addr: str, ratio: int) -> None:
     assert resp.code == 0, (resp.code, resp.remark)
 
 
+#: Java RequestCode.GET_BROKER_RUNTIME_INFO: a KVTable of the broker's figures (JSON body).
+GET_BROKER_RUNTIME_INFO = 28
+REPLICAS = [("broker-a", 0), ("broker-a", 1), ("broker-b", 0), ("broker-b", 1)]
+
+
+async def _served(c: LocalCluster) -> dict[tuple[str, int], int]:
+    """Messages every replica has served to pulls so far (``msgGetTotalTodayNow``)."""
+    out = {}
+    async with AdminClient(c.namesrv_addr) as admin:
+        for name, bid in REPLICAS:
+            req = RemotingCommand.request(GET_BROKER_RUNTIME_INFO)
+            resp = await admin.instance.remoting.invoke(c.broker_addr(name, bid), req, 5.0)
+            assert resp.code == 0, (resp.code, resp.remark)
+            out[(name, bid)] = int(json.loads(resp.body)["table"]["msgGetTotalTodayNow"])
+    return out
+
+
+def _delta(after: dict[tuple[str, int], int],
+           before: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+    return {k: after[k] - before[k] for k in after}
+
+
 async def test_broker_suggesting_its_slave_gets_the_next_pulls_there(
-        rocketmq_cluster: LocalCluster) -> None:
+        rocketmq_cluster: LocalCluster, java_programs: JavaPrograms) -> None:
     """broker-b's master with accessMessageInMemoryMaxRatio=0 finds every consumer that is
     behind "too slow" and answers with suggestWhichBrokerId=1: the queue's next pull goes to
     broker-b's slave (which sends it back to the master once it has caught up). broker-a,
-    unchanged, is only pulled from its master. Every message once, offsets committed."""
+    unchanged, is only pulled from its master. Every message once, offsets committed. A Java
+    DefaultMQPushConsumer reading the same topic under the same suggestion pulls from the same
+    replicas (measured on the brokers: the messages each replica served)."""
     c = rocketmq_cluster
     topic = unique("T_suggest")
     await c.create_topic(topic, 8)
     n = 2_000
     placed = await _produce(c.namesrv_addr, simple_messages(topic, n, size=64))
-    await _wait_replicated(c, topic)
+    # Only broker-b's slave is to serve here (broker-a's may still be reconnecting to its
+    # master, killed and restarted by the fail-over test).
+    await _wait_replicated(c, topic, names=["broker-b"])
     b_master = c.broker_addr("broker-b", 0)
     await _set_store_ratio(c, b_master, 0)
     try:
@@ -287,16 +316,34 @@ async def test_broker_suggesting_its_slave_gets_the_next_pulls_there(
                 seen[(m.broker_name, m.queue_id, m.queue_offset)] += 1
             return ConsumeResult.SUCCESS
 
+        before = await _served(c)
         async with consumer:
             await wait_until(lambda: len(seen) >= n, 120, what=f"{n} messages")
             pulls = dict(consumer.pull_service.pulls_by_replica)
             await _commits_equal_max(c, group, topic)
+        ours_served = _delta(await _served(c), before)
+
+        # The Java client, same topic, a group of its own, the same suggestion in force.
+        before = await _served(c)
+        async with start_java("JavaPushConsumer",
+                              [c.namesrv_addr, unique("G_suggest_java"), topic, "java-suggest",
+                               "CONSUME_FROM_FIRST_OFFSET"], java_programs.classpath) as java:
+            await java.wait_for("READY", 60)
+            await wait_until(lambda: sum(line.startswith("MSG ") for line in java.lines) >= n,
+                             120, what=f"{n} messages to the Java consumer")
+        java_served = _delta(await _served(c), before)
     finally:
         await _set_store_ratio(c, b_master, 40)
     assert set(seen) == set(placed) and max(seen.values()) == 1
     assert pulls.get(("broker-b", 1), 0) > 0, pulls
     assert pulls.get(("broker-a", 1), 0) == 0, pulls
-    print(f"suggested slave: pulls per replica {pulls}")
+    print(f"suggested slave: pulls per replica {pulls}; messages served per replica: "
+          f"rmq_async {ours_served}, Java {java_served}")
+    # The same targets as the Java client: broker-b's slave serves both, broker-a's none.
+    for served in (ours_served, java_served):
+        assert served[("broker-b", 1)] > 0, served
+        assert served[("broker-a", 1)] == 0, served
+        assert served[("broker-a", 0)] >= n // 4, served  # broker-a's share, from its master
 
 
 async def test_one_name_server_killed(rocketmq_cluster: LocalCluster) -> None:
