@@ -14,8 +14,10 @@ straight to the DLQ, without any reason). So the message is produced again, by t
   (the original message id) and ``RMQ_DLQ_REASON`` (the reason, at most 1,000 characters), and
   keeps ``UNIQ_KEY``, ``TAGS``, ``KEYS`` and the user properties;
 * if that send fails, CONSUMER_SEND_MSG_BACK with delay level ``-1`` still moves the message
-  to the DLQ (the reason is then only in the log, event ``consume.dead_lettered``); if both
-  fail the message stays cached and is consumed again later, as for a failed send-back.
+  to the DLQ (the reason is then only in the log, event ``consume.dead_lettered``), and when
+  the message's master cannot be reached at all the copy goes through another group's master
+  (``ConsumerRuntime.send_message_back``, as Java's consumer falls back to its inner producer);
+  if everything fails the message stays cached and is consumed again later.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rmq_async.client.errors import MQClientError
+from rmq_async.consumer.runtime import INNER_PRODUCER_GROUP
 from rmq_async.payloads import MAX_REASON_CHARS
 from rmq_async.protocol.message import encode_properties
 from rmq_async.protocol.types import (
@@ -49,8 +52,6 @@ __all__ = ["DLQ_GROUP_TOPIC_PREFIX", "PROPERTY_DLQ_REASON", "dlq_topic", "send_t
 #: The user property a dead-lettered copy carries its reason in.
 PROPERTY_DLQ_REASON = "RMQ_DLQ_REASON"
 DLQ_GROUP_TOPIC_PREFIX = "%DLQ%"
-#: Producer group of the client's own sends (as the Java client's inner producer).
-INNER_PRODUCER_GROUP = "CLIENT_INNER_PRODUCER"
 
 _DROPPED = (PROPERTY_CONSUME_START_TIME, PROPERTY_MIN_OFFSET, PROPERTY_MAX_OFFSET, PROPERTY_DELAY)
 

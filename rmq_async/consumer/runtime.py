@@ -16,6 +16,18 @@ from rmq_async.client.errors import MQClientError
 from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND
 from rmq_async.consumer.options import ConsumeFromWhere
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
+from rmq_async.protocol.message import encode_properties
+from rmq_async.protocol.types import (
+    PROPERTY_CONSUME_START_TIME,
+    PROPERTY_DELAY,
+    PROPERTY_MAX_OFFSET,
+    PROPERTY_MAX_RECONSUME_TIMES,
+    PROPERTY_MIN_OFFSET,
+    PROPERTY_ORIGIN_MESSAGE_ID,
+    PROPERTY_RECONSUME_TIME,
+    PROPERTY_RETRY_TOPIC,
+    PROPERTY_TRANSACTION_PREPARED,
+)
 from rmq_async.remoting.errors import RemotingError
 
 if TYPE_CHECKING:
@@ -30,6 +42,9 @@ if TYPE_CHECKING:
     from rmq_async.protocol.types import MessageExt, MessageQueue
 
 log = structlog.get_logger(__name__)
+
+#: Producer group of the client's own sends (as the Java client's inner producer).
+INNER_PRODUCER_GROUP = "CLIENT_INNER_PRODUCER"
 
 MiB = 1024 * 1024
 
@@ -117,11 +132,60 @@ class ConsumerRuntime:
         except (MQClientError, RemotingError) as exc:
             log.warning("consume.send_back_failed", msg_id=msg.msg_id, offset=msg.queue_offset,
                         error=str(exc))
-            return False
+            if not await self._resend_to_retry_topic(msg, delay_level, max_times):
+                return False
         # The broker's own rule: a negative level or retries used up goes to %DLQ%<group>.
         self.stats.record_send_back(msg.topic, dead_letter=delay_level < 0
                                     or msg.reconsume_times >= max_times)
         return True
+
+    async def _resend_to_retry_topic(self, msg: MessageExt, delay_level: int,
+                                     max_times: int) -> bool:
+        """Java's fallback when CONSUMER_SEND_MSG_BACK fails (the message's master is down or
+        refused): produce a copy into ``%RETRY%<group>`` on whichever group's master takes it,
+        other groups first. The copy carries ``RETRY_TOPIC``, ``ORIGIN_MESSAGE_ID``, the next
+        reconsume count and delay level ``3 + reconsume_times``, as the broker's own retry copies
+        do; for a dead letter (``delay_level < 0``) its reconsume count is over the limit, so the
+        broker moves it into ``%DLQ%<group>``."""
+        reconsume = max_times + 1 if delay_level < 0 else msg.reconsume_times + 1
+        props = {k: v for k, v in msg.properties.items()
+                 if k not in (PROPERTY_TRANSACTION_PREPARED, PROPERTY_CONSUME_START_TIME,
+                              PROPERTY_MIN_OFFSET, PROPERTY_MAX_OFFSET)}
+        props.setdefault(PROPERTY_RETRY_TOPIC, msg.topic)
+        props.setdefault(PROPERTY_ORIGIN_MESSAGE_ID, msg.msg_id)
+        props[PROPERTY_RECONSUME_TIME] = str(reconsume)
+        props[PROPERTY_MAX_RECONSUME_TIMES] = str(max_times)
+        props[PROPERTY_DELAY] = str(3 + msg.reconsume_times)
+        try:
+            queues = await self.instance.publish_queues(self.retry_topic)
+        except (MQClientError, RemotingError) as exc:
+            log.warning("consume.retry_resend_failed", msg_id=msg.msg_id, topic=msg.topic,
+                        queue_id=msg.queue_id, offset=msg.queue_offset, error=str(exc))
+            return False
+        by_broker: dict[str, MessageQueue] = {}
+        for mq in queues:
+            by_broker.setdefault(mq.broker_name, mq)
+        order = sorted(by_broker, key=lambda name: name == msg.broker_name)
+        last_error = "no writable queue of " + self.retry_topic
+        for name in order:
+            mq = by_broker[name]
+            try:
+                addr = await self.instance.find_broker_master(name, self.retry_topic)
+                await self.instance.api.send_message(
+                    addr, mq, producer_group=INNER_PRODUCER_GROUP, body=msg.body,
+                    properties=encode_properties(props), flag=msg.flag,
+                    reconsume_times=reconsume, max_reconsume_times=max_times,
+                )
+            except (MQClientError, RemotingError) as exc:
+                last_error = str(exc)
+                continue
+            log.info("consume.retry_resent", msg_id=msg.msg_id, topic=msg.topic,
+                     queue_id=msg.queue_id, offset=msg.queue_offset, via=name,
+                     reconsume_times=reconsume)
+            return True
+        log.warning("consume.retry_resend_failed", msg_id=msg.msg_id, topic=msg.topic,
+                    queue_id=msg.queue_id, offset=msg.queue_offset, error=last_error)
+        return False
 
     async def compute_pull_from_where(self, mq: MessageQueue) -> int:
         """Start offset of a newly assigned queue (Java ``computePullFromWhere``)."""

@@ -551,3 +551,65 @@ async def test_three_consumers_split_16_queues_as_java(rocketmq_cluster: LocalCl
     print(f"three consumers: queues held {sorted(len(v) for v in got.values())} as Java "
           "computes; "
           f"rmq_async {len(ours_all)} + Java {sum(java_by_queue.values())} = {len(placed)}")
+
+
+async def test_send_back_with_the_master_down_goes_through_another_group(
+        rocketmq_cluster: LocalCluster) -> None:
+    """A message of broker-a failing while broker-a's master is down cannot be sent back there:
+    as Java's consumer does, the client produces it into %RETRY%<group> on broker-b's master,
+    and it comes back from there with reconsume_times 1. Nothing is lost."""
+    c = rocketmq_cluster
+    topic = unique("T_sendback")
+    await c.create_topic(topic, 8)
+    n = 400
+    # Batches of 8: 50 batches go round every queue of both groups.
+    placed = await _produce(c.namesrv_addr, simple_messages(topic, n, size=64), batch=8)
+    on_a = sum(b == "broker-a" for b, _, _ in placed)
+    assert on_a > 0
+    # Enough consume workers that broker-a's messages, held at the gate, never starve broker-b's.
+    consumer = _consumer(c, unique("G_sendback"), consume_concurrency=1000)
+    gate = asyncio.Event()
+    first: dict[bytes, Key] = {}
+    again: dict[bytes, tuple[str, int]] = {}
+
+    def failing(m: MessageExt) -> bool:
+        return m.broker_name == "broker-a" and int(m.body[1:11]) % 10 == 0
+
+    @consumer.subscribe(topic)
+    async def on_msg(msg: MessageExt) -> None:
+        body = msg.body[:11]
+        if msg.reconsume_times > 0:
+            again[body] = (msg.broker_name, msg.reconsume_times)
+            return
+        if msg.broker_name == "broker-a":
+            await gate.wait()  # broker-a's messages wait in the cache until its master is gone
+        first.setdefault(body, (msg.broker_name, msg.queue_id, msg.queue_offset))
+        if failing(msg):
+            raise RuntimeError("fails once")
+
+    try:
+        async with consumer:
+            await wait_until(lambda: sum(b == "broker-b" for b, _, _ in first.values())
+                             == sum(b == "broker-b" for b, _, _ in placed), 60,
+                             what="broker-b's messages")
+
+            def cached_on_a() -> int:
+                return sum(pq.msg_count for mq, pq in consumer.process_queues.items()
+                           if mq.topic == topic and mq.broker_name == "broker-a")
+
+            # Every broker-a message pulled from its master (this test needs no slave).
+            await wait_until(lambda: cached_on_a() == on_a, 60, what="broker-a's messages cached")
+            c.kill_broker("broker-a", 0)
+            gate.set()
+            await wait_until(lambda: len(first) >= n, 120, what="every message once")
+            failed = {body for body, (b, _, _) in first.items()
+                      if b == "broker-a" and int(body[1:11]) % 10 == 0}
+            assert failed
+            # Delay level 3 (10 s) on broker-b, then the retry queue delivers them.
+            await wait_until(lambda: failed <= set(again), 90, what="the failed ones back")
+    finally:
+        await c.start_broker("broker-a", 0)
+    assert set(first.values()) == set(placed)
+    assert {again[body] for body in failed} == {("broker-b", 1)}, again
+    print(f"send-back with broker-a's master down: {len(failed)} messages came back through "
+          f"broker-b's %RETRY% queue")
