@@ -42,6 +42,9 @@ __all__ = ["AclAccount", "LocalRocketMQ"]
 
 log = structlog.get_logger(__name__)
 
+#: Starts tried when a picked port was taken before the JVM bound it.
+_START_ATTEMPTS = 3
+
 _TOPIC_RE = re.compile(r"^[%|a-zA-Z0-9_-]{1,127}$")
 NAMESRV_READY = "The Name Server boot success"
 BROKER_READY = "boot success"
@@ -255,6 +258,7 @@ class LocalRocketMQ:
         self._admin: subprocess.Popen[bytes] | None = None
         self._admin_classes: Path | None = None
         self._admin_port = 0
+        self._admin_out_offset = 0
         self._record: RunRecord | None = None
         self._closed = False
 
@@ -376,23 +380,39 @@ class LocalRocketMQ:
             owner_start=pid_start_ticks(owner) if owner else None, remove_workdir=remove,
         )
         started = time.monotonic()
-        try:
-            self._namesrv_port = cfg.free_port()
-            self._broker_port = cfg.pick_broker_port(exclude=[self._namesrv_port])
-            self._write_configs()
-            self._save_record()
-            await self._start_namesrv()
-            self._spawn_admin()
-            await self._start_broker()
-            if self.acl is not None and self.profile.acl_model == "auth":
-                # ACL 2.0 users live in the broker's metadata store: create it now (ACL 1.0
-                # accounts were written to plain_acl.yml before the start).
-                await self._create_account(self.acl)
-        except BaseException:
-            await self._teardown()
-            raise
+        attempt = 1
+        while True:
+            try:
+                await self._start_processes()
+                break
+            except DevBrokerError as exc:
+                # Ports are picked free and bound by the JVM a moment later: another process
+                # (a second test worker starting its own broker) may take one in between.
+                if attempt >= _START_ATTEMPTS or "Address already in use" not in str(exc):
+                    await self._teardown()
+                    raise
+                await self._stop_processes()
+                log.warning("devbroker.port_taken", attempt=attempt, namesrv_port=self._namesrv_port,
+                            broker_port=self._broker_port)
+                attempt += 1
+            except BaseException:
+                await self._teardown()
+                raise
         log.info("devbroker.ready", namesrv=self.namesrv_addr, broker=self.broker_addr,
                  workdir=str(self._workdir), seconds=round(time.monotonic() - started, 2))
+
+    async def _start_processes(self) -> None:
+        self._namesrv_port = cfg.free_port()
+        self._broker_port = cfg.pick_broker_port(exclude=[self._namesrv_port])
+        self._write_configs()
+        self._save_record()
+        await self._start_namesrv()
+        self._spawn_admin()
+        await self._start_broker()
+        if self.acl is not None and self.profile.acl_model == "auth":
+            # ACL 2.0 users live in the broker's metadata store: create it now (ACL 1.0
+            # accounts were written to plain_acl.yml before the start).
+            await self._create_account(self.acl)
 
     def _write_configs(self) -> None:
         p = self._paths()
@@ -474,6 +494,9 @@ class LocalRocketMQ:
             user_home=run / "admin-home", logback="rmq.client.logback.xml", heap="128m",
             quick_start=True, class_dirs=[self._admin_classes],
         )
+        # A helper started again (after a port clash) appends to the same file: its port is
+        # the one printed after this point.
+        self._admin_out_offset = _size(self._paths()["admin_out"])
         self._admin = spawn(cmd, cwd=run, env=self._env(), output=self._paths()["admin_out"],
                             die_with_parent=not self.detached, stdin_pipe=True)
         self._admin_port = 0
@@ -489,7 +512,7 @@ class LocalRocketMQ:
         deadline = time.monotonic() + timeout
         out = self._paths()["admin_out"]
         while True:
-            m = _ADMIN_PORT_RE.search(_read_from(out, 0))
+            m = _ADMIN_PORT_RE.search(_read_from(out, self._admin_out_offset))
             if m:
                 self._admin_port = int(m.group(1))
                 return self._admin_port
@@ -621,7 +644,7 @@ class LocalRocketMQ:
             self._broker = None
             self._save_record()
 
-    async def _teardown(self) -> None:
+    async def _stop_processes(self) -> None:
         # A store about to be deleted needs no orderly shutdown (the broker's takes ~13 s).
         grace = 20.0 if self._record is None or not self._record.remove_workdir else 0.0
         if self._admin is not None and self._admin.stdin is not None:
@@ -632,6 +655,9 @@ class LocalRocketMQ:
             if proc is not None:
                 await stop_process(proc, grace=grace)
                 setattr(self, attr, None)
+
+    async def _teardown(self) -> None:
+        await self._stop_processes()
         if self._record is not None:
             self._record.pids = {}
             self._record.forget()

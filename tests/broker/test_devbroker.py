@@ -419,3 +419,27 @@ async def test_acl_account(tmp_path: Path, admin: bool) -> None:
             assert created == "OK created"
         else:
             assert created.startswith("DENIED"), created
+
+
+async def test_port_taken_before_the_jvm_binds_it_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A picked port taken by someone else before the broker binds it (two test workers
+    starting brokers at once) costs a second start on other ports, not a failure."""
+    from rmq_async.devbroker import config as cfg
+
+    real = cfg.pick_broker_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks: list[int] = []
+
+        def pick(**kw: object) -> int:
+            port = busy if not picks else real(**kw)  # type: ignore[arg-type]
+            picks.append(port)
+            return port
+
+        monkeypatch.setattr(cfg, "pick_broker_port", pick)
+        async with LocalRocketMQ() as rmq:
+            assert rmq.broker_port != busy
+            assert picks[0] == busy and len(picks) == 2
+            await rmq.create_topic("T_port_retry", queues=1)
