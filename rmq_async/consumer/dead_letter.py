@@ -27,16 +27,10 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rmq_async.client.errors import MQClientError
-from rmq_async.consumer.runtime import INNER_PRODUCER_GROUP
+from rmq_async.consumer.runtime import INNER_PRODUCER_GROUP, retry_copy_properties
 from rmq_async.payloads import MAX_REASON_CHARS
 from rmq_async.protocol.message import encode_properties
 from rmq_async.protocol.types import (
-    PROPERTY_CONSUME_START_TIME,
-    PROPERTY_DELAY,
-    PROPERTY_MAX_OFFSET,
-    PROPERTY_MIN_OFFSET,
-    PROPERTY_ORIGIN_MESSAGE_ID,
-    PROPERTY_RETRY_TOPIC,
     MessageExt,
     MessageQueue,
 )
@@ -53,7 +47,6 @@ __all__ = ["DLQ_GROUP_TOPIC_PREFIX", "PROPERTY_DLQ_REASON", "dlq_topic", "send_t
 PROPERTY_DLQ_REASON = "RMQ_DLQ_REASON"
 DLQ_GROUP_TOPIC_PREFIX = "%DLQ%"
 
-_DROPPED = (PROPERTY_CONSUME_START_TIME, PROPERTY_MIN_OFFSET, PROPERTY_MAX_OFFSET, PROPERTY_DELAY)
 
 
 def dlq_topic(group: str) -> str:
@@ -62,9 +55,7 @@ def dlq_topic(group: str) -> str:
 
 def dead_letter_properties(msg: MessageExt, reason: str) -> dict[str, str]:
     """The properties of the DLQ copy of ``msg`` (its topic already reset to the original)."""
-    props = {k: v for k, v in msg.properties.items() if k not in _DROPPED}
-    props.setdefault(PROPERTY_RETRY_TOPIC, msg.topic)
-    props.setdefault(PROPERTY_ORIGIN_MESSAGE_ID, msg.msg_id)
+    props = retry_copy_properties(msg)
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[:MAX_REASON_CHARS - 3] + "..."
     props[PROPERTY_DLQ_REASON] = reason
