@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 from collections.abc import Callable
 
 from rmq_async import ConsumeResult, Message, MessageExt, Producer, PushConsumer
@@ -39,8 +40,11 @@ def build_consumer(namesrv: str, topic: str, group: str,
         for m in msgs:
             if delay:
                 await asyncio.sleep(delay)
-            print(f"{m.topic}[{m.queue_id}]@{m.queue_offset} tags={m.tags} "
-                  f"keys={m.keys} body={m.body[:60]!r} pid={os.getpid()}", flush=True)
+            # One write per line: workers of `rmq-async run --workers N` share stdout, and
+            # print() writes the text and the newline separately when unbuffered.
+            sys.stdout.write(f"{m.topic}[{m.queue_id}]@{m.queue_offset} tags={m.tags} "
+                             f"keys={m.keys} body={m.body[:60]!r} pid={os.getpid()}\n")
+            sys.stdout.flush()
             if on_message is not None:
                 on_message(m)
         return ConsumeResult.SUCCESS

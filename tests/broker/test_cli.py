@@ -150,6 +150,9 @@ async def test_run_two_workers_drains_on_sigterm(rocketmq: LocalRocketMQ, topic:
     assert took < grace, f"drain took {took:.2f}s\n{cmd.tail()}"
     assert sum("cli.stopped" in ln for ln in cmd.err) == 2, cmd.tail()
     seen = printed()
+    # Every line about the topic is whole (two workers write to one stdout).
+    garbled = [ln for ln in cmd.out if topic in ln and not line_re.match(ln)]
+    assert not garbled, garbled[:5]
     progress = await rocketmq.mqadmin("consumerProgress", "-g", group)
     rows = re.findall(rf"^{re.escape(topic[:40])}\S*\s+\S+\s+(\d+)\s+(\d+)\s+(\d+)\s+(-?\d+)\s",
                       progress, re.M)
