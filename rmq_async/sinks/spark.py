@@ -17,8 +17,10 @@ and, in a worker thread, converts the batch to a pyarrow Table column by column
 (:func:`messages_to_arrow`: with the compiled extension straight from the messages' raw fields
 into Arrow buffers, the copying without the GIL), creates the DataFrame with
 ``spark.createDataFrame(table)`` and calls the user's ``write(df, batch_info)``. While one batch
-is being written the next one fills. A failed write is retried ``write_retries`` times with
-exponential backoff (``retry_backoff``, doubled per attempt, slept on the event loop). Then every
+is being written the next one fills, and once it has closed it is converted to Arrow in another
+worker thread, so that its write starts as soon as the one before has ended. A failed write is
+retried ``write_retries`` times with exponential backoff (``retry_backoff``, doubled per attempt,
+slept on the event loop). Then every
 chunk of the batch is acknowledged: ``ack(True)`` after the write returned, ``ack(False)`` when
 all attempts failed (the consumer sends those messages back for redelivery); exactly one call per
 offered chunk.
@@ -185,7 +187,8 @@ class SinkStatistics(NamedTuple):
     batches_given_up: int
     rows_given_up: int
     write_seconds: float
-    """Time spent in successful attempts (conversion, DataFrame creation, write)."""
+    """Time spent in successful attempts (DataFrame creation, write, and the conversion to
+    Arrow unless it was done ahead, while the batch before was being written)."""
 
 
 class _Batch:
@@ -336,6 +339,8 @@ class SparkSink:
         self._next_id = 1
         self._open: _Batch | None = None
         self._pending: deque[_Batch] = deque()
+        # Closed batches already converted to Arrow while an earlier one was being written.
+        self._converted: dict[int, _Job] = {}
         self._last_closed: _Batch | None = None
         self._wakeup = asyncio.Event()
         self._room = asyncio.Event()  # set while nothing closed waits: want_more()
@@ -583,6 +588,7 @@ class SparkSink:
     def _fail_outstanding(self) -> None:
         batches = list(self._pending)
         self._pending.clear()
+        self._converted.clear()
         self._room.set()
         if self._open is not None:
             batches.append(self._open)
@@ -597,14 +603,14 @@ class SparkSink:
         if batch.rows == 0:
             self._finish(batch, True)
             return
-        job = _Job(batch)
+        job = self._converted.pop(batch.batch_id, None) or _Job(batch)
         attempt = 0
         try:
             while True:
                 attempt += 1
                 started = time.monotonic()
                 try:
-                    await _run_in_thread(self._attempt, job)
+                    await self._attempt_and_convert_ahead(job)
                 except Exception as exc:
                     error = f"{type(exc).__name__}: {exc}"
                     log.warning(
@@ -649,8 +655,57 @@ class SparkSink:
                 self._finish(batch, job.written)
             raise
 
+    async def _attempt_and_convert_ahead(self, job: _Job) -> None:
+        """One write attempt of ``job``; meanwhile the next closed batch is converted to Arrow.
+
+        The conversion of batch N+1 (mostly without the GIL) then overlaps the Spark write of
+        batch N instead of delaying the write of N+1. A conversion already running when the
+        write ends is awaited (its table is kept for the next write); one not started is not.
+        """
+        converting = asyncio.Event()
+
+        async def convert_next() -> None:
+            while not self._pending:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            batch = self._pending[0]
+            if batch.batch_id in self._converted:
+                return
+            converting.set()
+            ahead = _Job(batch)
+            await _run_in_thread(self._convert, ahead)
+            if not batch.done.is_set():
+                self._converted[batch.batch_id] = ahead
+
+        converter = asyncio.ensure_future(convert_next())
+        try:
+            await _run_in_thread(self._attempt, job)
+        finally:
+            if not converting.is_set():
+                converter.cancel()
+            try:
+                await converter
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not converter.cancelled() or (current is not None and current.cancelling()):
+                    raise  # this task itself is being cancelled
+            except Exception as exc:  # the write retries the conversion itself
+                log.warning("spark_sink.convert_ahead_failed",
+                            error=f"{type(exc).__name__}: {exc}")
+
     def _attempt(self, job: _Job) -> None:
         """One write attempt, in a worker thread."""
+        if job.table is None or job.info is None:
+            self._convert(job)
+        assert job.table is not None and job.info is not None
+        frame = self._create_dataframe(job.table)
+        if self._value_format == "json":
+            frame = self._with_json_value(frame)
+        self._write(frame, job.info)
+        job.written = True
+
+    def _convert(self, job: _Job) -> None:
+        """The batch's Arrow table and :class:`BatchInfo`, in a worker thread."""
         if job.table is None or job.info is None:
             msgs = list(itertools.chain.from_iterable(job.batch.chunks))
             chunk_rows = self._arrow_chunk_rows()
@@ -672,11 +727,6 @@ class SparkSink:
                 table = table.append_column(pa.field("value", value_type, True), values)
             job.table = table
             job.info = _batch_info(job.batch, msgs)
-        frame = self._create_dataframe(job.table)
-        if self._value_format == "json":
-            frame = self._with_json_value(frame)
-        self._write(frame, job.info)
-        job.written = True
 
     def _arrow_chunk_rows(self) -> int:
         """Rows per Arrow slice: Spark's Arrow batch size (each slice becomes one partition),
@@ -708,6 +758,7 @@ class SparkSink:
         return frame.withColumn("value", value)
 
     def _finish(self, batch: _Batch, ok: bool) -> None:
+        self._converted.pop(batch.batch_id, None)
         self._backlog_rows -= batch.rows
         self._backlog_bytes -= batch.bytes
         acks, batch.acks, batch.chunks = batch.acks, [], []

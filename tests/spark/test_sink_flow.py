@@ -137,6 +137,51 @@ async def test_expedite_while_writing_closes_the_batch_once_the_writer_is_free()
     assert write.rows == [100, 15]
 
 
+async def test_the_next_batch_is_converted_while_one_is_written_and_only_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch 2 closes while batch 1 is being written: it is converted to Arrow before that
+    write returns; its own write (failing once, then retried) reuses that table."""
+    from rmq_async.sinks import spark as spark_module
+
+    real = spark_module.messages_to_arrow
+    converted: list[int] = []  # the first offset of every batch converted
+    second_converted = threading.Event()
+
+    def recording(batch: list[MessageExt], **kw: Any) -> Any:
+        table = real(batch, **kw)
+        converted.append(batch[0].queue_offset)
+        if batch[0].queue_offset == 100:
+            second_converted.set()
+        return table
+
+    monkeypatch.setattr(spark_module, "messages_to_arrow", recording)
+    attempts: list[int] = []
+    written: list[tuple[int, int]] = []
+
+    def write(table: Any, info: BatchInfo) -> None:
+        attempts.append(info.batch_id)
+        if info.batch_id == 1:
+            assert second_converted.wait(10), "batch 2 was not converted during write 1"
+        if attempts == [1, 2]:
+            raise RuntimeError("storage hiccup")
+        written.append((info.batch_id, table.num_rows))
+
+    sink = SparkSink(None, write, create_dataframe=lambda table: table, batch_rows=100,
+                     max_batch_latency=30.0, retry_backoff=0.0)
+    acks: list[bool] = []
+    async with asyncio.TaskGroup() as tg:
+        await sink.start(tg)
+        for start in range(0, 300, 50):
+            sink.offer(msgs(start, 50), acks.append)
+            if not sink.want_more():
+                await sink.wait_for_room()
+        await sink.aclose()
+    assert attempts == [1, 2, 2, 3]
+    assert written == [(1, 100), (2, 100), (3, 100)]
+    assert converted == [0, 100, 200]
+    assert acks == [True] * 6
+
+
 async def test_caught_up_closes_the_open_batch_only_when_asked_to() -> None:
     for flush in (True, False):
         write = Writes()
