@@ -116,11 +116,12 @@ def test_bench_quick_writes_wellformed_outputs(tmp_path: Path) -> None:
 
     spark = scenarios["spark"]
     if "skipped" not in spark:
-        assert {r["contender"] for r in spark["runs"]} == {"spark-sink", "plain-spark-arrow",
-                                                              "spark-source"}
+        assert {r["contender"] for r in spark["runs"]} == {"spark-sink", "spark-sink-bulk",
+                                                              "plain-spark-arrow", "spark-source"}
         assert all(r["ok"] and r["rows"] == spark["messages"] for r in spark["runs"])
         assert data["summary"]["spark"]["sink_over_plain"] > 0
         assert data["summary"]["spark"]["source_over_plain"] > 0
+        assert data["summary"]["spark"]["bulk_sink_over_plain"] > 0
 
     md = (out / "summary.md").read_text()
     tables = _tables(md)
