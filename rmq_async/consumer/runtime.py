@@ -46,14 +46,18 @@ log = structlog.get_logger(__name__)
 #: Producer group of the client's own sends (as the Java client's inner producer).
 INNER_PRODUCER_GROUP = "CLIENT_INNER_PRODUCER"
 
-#: Properties the pull loop or the delay added to a delivered message: not carried to a copy.
-_NOT_COPIED = (PROPERTY_CONSUME_START_TIME, PROPERTY_MIN_OFFSET, PROPERTY_MAX_OFFSET, PROPERTY_DELAY)
+#: Properties the pull loop or the delay added to a delivered message, and the transaction
+#: mark (a copy is a plain message, as Java's consumer clears it on its retry copies): not
+#: carried to a copy.
+_NOT_COPIED = (PROPERTY_CONSUME_START_TIME, PROPERTY_MIN_OFFSET, PROPERTY_MAX_OFFSET, PROPERTY_DELAY,
+               PROPERTY_TRANSACTION_PREPARED)
 
 
 def retry_copy_properties(msg: MessageExt) -> dict[str, str]:
     """The properties of a copy of ``msg`` the client sends into ``%RETRY%<group>`` (a retry
     after a failed send-back, or a dead letter): its own, less what delivery added, with
-    ``RETRY_TOPIC`` (the topic it was first sent to) and ``ORIGIN_MESSAGE_ID``."""
+    ``RETRY_TOPIC`` (the topic it was first sent to) and ``ORIGIN_MESSAGE_ID``; never
+    ``TRAN_MSG``, which would make the broker store the copy as a transaction's half message."""
     props = {k: v for k, v in msg.properties.items() if k not in _NOT_COPIED}
     props.setdefault(PROPERTY_RETRY_TOPIC, msg.topic)
     props.setdefault(PROPERTY_ORIGIN_MESSAGE_ID, msg.msg_id)
@@ -162,7 +166,6 @@ class ConsumerRuntime:
         broker moves it into ``%DLQ%<group>``."""
         reconsume = max_times + 1 if delay_level < 0 else msg.reconsume_times + 1
         props = retry_copy_properties(msg)
-        props.pop(PROPERTY_TRANSACTION_PREPARED, None)
         props[PROPERTY_RECONSUME_TIME] = str(reconsume)
         props[PROPERTY_MAX_RECONSUME_TIMES] = str(max_times)
         props[PROPERTY_DELAY] = str(3 + msg.reconsume_times)

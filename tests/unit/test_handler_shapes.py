@@ -324,3 +324,30 @@ def test_middleware_registration() -> None:
     assert c.subscriptions.middlewares == [m1, m1]
     with pytest.raises(TypeError):
         c.add_middleware(3)  # type: ignore[arg-type]
+
+
+def test_copies_into_the_retry_topic_keep_the_message_but_not_what_delivery_added() -> None:
+    """The dead-letter copy and the send-back fallback's copy: the user's properties, keys and
+    tags stay; what the pull added and the transaction mark go (a TRAN_MSG copy would be
+    stored as a half message); RETRY_TOPIC / ORIGIN_MESSAGE_ID point at the original."""
+    from rmq_async.consumer.dead_letter import dead_letter_properties
+    from rmq_async.consumer.runtime import retry_copy_properties
+    from rmq_async.payloads import MAX_REASON_CHARS
+    from rmq_async.protocol.types import MessageExt
+
+    msg = MessageExt(topic="orders", body=b"x", queue_id=1, queue_offset=7, properties={
+        "TAGS": "paid", "KEYS": "k1 k2", "UNIQ_KEY": "UID1", "region": "eu",
+        "TRAN_MSG": "true", "CONSUME_START_TIME": "1", "MIN_OFFSET": "0", "MAX_OFFSET": "9",
+        "DELAY": "3"})
+    props = retry_copy_properties(msg)
+    assert props == {"TAGS": "paid", "KEYS": "k1 k2", "UNIQ_KEY": "UID1", "region": "eu",
+                     "RETRY_TOPIC": "orders", "ORIGIN_MESSAGE_ID": "UID1"}
+    # A redelivered message keeps pointing at where it was first sent.
+    again = MessageExt(topic="%RETRY%g", body=b"x", queue_id=0, queue_offset=1,
+                       properties={**props, "UNIQ_KEY": "UID2"})
+    assert retry_copy_properties(again)["RETRY_TOPIC"] == "orders"
+    assert retry_copy_properties(again)["ORIGIN_MESSAGE_ID"] == "UID1"
+    dlq = dead_letter_properties(msg, "ValueError: " + "b" * 5000)
+    assert "TRAN_MSG" not in dlq and dlq["region"] == "eu"
+    assert len(dlq["RMQ_DLQ_REASON"]) == MAX_REASON_CHARS
+    assert dlq["RMQ_DLQ_REASON"].startswith("ValueError: b") and dlq["RMQ_DLQ_REASON"].endswith("...")
