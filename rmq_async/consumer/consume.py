@@ -54,9 +54,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-#: Stands for "the call raised DeadLetter" on the direct path.
-_DEAD = object()
-
 __all__ = [
     "SEND_BACK_FAILED_RETRY_DELAY",
     "ConcurrentConsumeService",
@@ -263,20 +260,22 @@ class ConcurrentConsumeService:
             # Batch handler. The direct form skips a coroutine layer per call for
             # ``async def f(msgs: list[MessageExt])``.
             direct = adapter.fn if adapter.plain and not middlewares else None
+            success = ConsumeResult.SUCCESS
             while done < n:
                 if calls and (self._draining or pq.dropped):
                     break  # no new handler call; the rest stays cached, unacknowledged
                 batch = msgs[done:done + size] if (done or n > size) else msgs
-                ctx = ConsumeContext(message_queue=mq)
                 calls += 1
                 if direct is not None:
+                    # The handler takes no context, so nothing can set an ack index or a
+                    # delay level: a success acknowledges the whole call, a failure none.
                     try:
                         raw = await direct(batch)
                     except asyncio.CancelledError:
                         raise
                     except DeadLetter as exc:
                         dead.extend((m, exc.reason) for m in batch)
-                        raw = _DEAD
+                        raw = success
                     except Exception as exc:
                         if not isinstance(exc, RetryLater):
                             log.warning("consume.handler_raised", topic=topic, queue=str(mq),
@@ -284,14 +283,11 @@ class ConcurrentConsumeService:
                                         msg_ids=[m.msg_id for m in batch[:8]],
                                         error=f"{type(exc).__name__}: {exc}")
                         raw = ConsumeResult.RECONSUME_LATER
-                    if raw is not _DEAD:
-                        result = ConsumeResult.SUCCESS if raw is None else normalize_result(raw)
-                        k = len(batch)
-                        ok = ctx.acked_count(k, result)
-                        if ok < k:
-                            level = ctx.delay_level_when_next_consume
-                            failed.extend((m, level) for m in batch[ok:])
+                    if raw is not None and raw is not success \
+                            and not normalize_result(raw).is_success:
+                        failed.extend((m, 0) for m in batch)
                 else:
+                    ctx = ConsumeContext(message_queue=mq)
                     outcome = await run_call(adapter, batch, ctx, group=rt.group, topic=topic,
                                              queue=mq, orderly=False, middlewares=middlewares)
                     _apply_outcome(outcome, batch, ctx, failed, dead)
