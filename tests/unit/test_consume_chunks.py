@@ -184,3 +184,37 @@ async def test_a_stuck_call_sends_back_only_what_no_listener_answered() -> None:
     assert [o for o, _ in h.sent_back] == [2, 3, 4]
     assert h.pq.msg_count == 0
     assert h.updates[-1] == 5
+
+
+async def test_a_plain_batch_handler_called_directly_acknowledges_by_its_result(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``async def h(msgs: list[MessageExt])`` (no context, no middleware) is called without a
+    ConsumeContext: what it returns or raises alone decides, per call, as on the full path."""
+    from rmq_async.consumer import consume as consume_module
+    from rmq_async.consumer.results import DeadLetter, RetryLater
+
+    dead: list[tuple[int, str]] = []
+
+    async def to_dlq(rt: Any, msg: MessageExt, reason: str) -> bool:
+        dead.append((msg.queue_offset, reason))
+        return True
+
+    monkeypatch.setattr(consume_module, "send_to_dlq", to_dlq)
+    outcomes: dict[int, Any] = {
+        0: None, 2: ConsumeResult.SUCCESS, 4: "CONSUME_SUCCESS", 6: ConsumeResult.RECONSUME_LATER,
+        8: "RECONSUME_LATER", 10: {"anything": "else"}, 12: DeadLetter("poison"),
+        14: RetryLater(), 16: ValueError("boom"), 18: ConsumeResult.COMMIT,
+    }
+
+    async def listener(msgs: list[MessageExt]) -> Any:
+        outcome = outcomes[msgs[0].queue_offset]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    h = Harness(listener, consume_message_batch_max_size=2)
+    assert h.adapter.plain and h.adapter.batch
+    await h.run_chunk(20)
+    assert h.sent_back == [(o, 0) for o in (6, 7, 8, 9, 14, 15, 16, 17)]
+    assert dead == [(12, "poison"), (13, "poison")]
+    assert (h.removals, h.updates, h.recorded) == (1, [20], 1)
