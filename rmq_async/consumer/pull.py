@@ -30,7 +30,7 @@ from rmq_async.consumer.service import PullRequest
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.codes import ResponseCode
 from rmq_async.protocol.filter import tag_matches
-from rmq_async.protocol.message import ProtocolError
+from rmq_async.protocol.message import ProtocolError, stamp_delivered
 from rmq_async.protocol.salvage import decode_messages_salvaging
 from rmq_async.protocol.types import (
     PROPERTY_MAX_OFFSET,
@@ -347,12 +347,10 @@ class PullService:
                 msgs = [m for m in msgs if tag_matches(sub, m.tags)]
             first = False
             if msgs:
-                offsets = {PROPERTY_MIN_OFFSET: str(result.min_offset),
-                           PROPERTY_MAX_OFFSET: str(result.max_offset)}
-                bname = mq.broker_name
-                for m in msgs:
-                    m.broker_name = bname
-                    m.put_properties(offsets)  # does not parse the message's properties
+                # Does not parse the messages' properties.
+                stamp_delivered(msgs, mq.broker_name,
+                                {PROPERTY_MIN_OFFSET: str(result.min_offset),
+                                 PROPERTY_MAX_OFFSET: str(result.max_offset)})
                 first = req.pq.put_messages(msgs)
             # The next pull goes out before this chunk is handed on, so the broker works on it
             # while the chunk is consumed; the flow control sees the chunk already cached.

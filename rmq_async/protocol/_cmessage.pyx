@@ -22,7 +22,8 @@ from cpython.bytes cimport (
     PyBytes_FromStringAndSize,
     PyBytes_GET_SIZE,
 )
-from cpython.list cimport PyList_Append, PyList_GET_SIZE
+from cpython.dict cimport PyDict_Copy, PyDict_Update
+from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsLongLong
 from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
 from cpython.unicode cimport (
@@ -383,6 +384,28 @@ cdef _unwrap_batch(object outer, list out):
         PyList_Append(out, msg)
         pos = end
         index += 1
+
+
+def stamp_delivered(list msgs not None, str broker_name not None, dict values not None):
+    """Compiled ``_stamp_delivered``: the same, writing the slots directly."""
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(msgs)
+    cdef object msg, props, pending
+    for i in range(n):
+        msg = <object> PyList_GET_ITEM(msgs, i)
+        if type(msg) is not _message_type:
+            msg.broker_name = broker_name
+            msg.put_properties(values)
+            continue
+        _put(msg, S_BROKER_NAME, broker_name)
+        props = _get(msg, S_PROPS)
+        if props is not None:
+            PyDict_Update(props, values)
+            continue
+        pending = _get(msg, S_PROPS_PENDING)
+        if pending is None:
+            _put(msg, S_PROPS_PENDING, PyDict_Copy(values))
+        else:
+            PyDict_Update(pending, values)
 
 
 def decode_records(bytes data not None, list out not None, bint decompress, bint unwrap_batch,

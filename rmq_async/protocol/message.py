@@ -720,6 +720,14 @@ def encode_batch(messages: Iterable[Message]) -> bytes:
     return b"".join(_encode_batch_item(m.body, m.flag, m.all_properties()) for m in messages)
 
 
+def _stamp_delivered(msgs: list[MessageExt], broker_name: str, values: dict[str, str]) -> None:
+    """Set ``broker_name`` and add ``values`` to the properties of every pulled message (as
+    :meth:`MessageExt.put_properties`: unparsed properties stay unparsed)."""
+    for m in msgs:
+        m.broker_name = broker_name
+        m.put_properties(values)
+
+
 # ---------------------------------------------------------------------------------------------
 # Implementation: the compiled twin (rmq_async/protocol/_cmessage.pyx) when it can be imported
 # and RMQ_ASYNC_NO_EXTENSIONS is not set, else the pure-Python functions above.
@@ -732,13 +740,17 @@ IMPLEMENTATION: str
 _records: _RecordLoop = _decode_records
 _decode_properties_impl: Callable[[str], dict[str, str]] = _py_decode_properties
 
+stamp_delivered: Callable[[list[MessageExt], str, dict[str, str]], None] = _stamp_delivered
+"""Set the queue's broker name and the pull's properties (MIN_OFFSET, MAX_OFFSET) on every
+message of a pulled chunk (compiled when the extension is in use)."""
+
 message_columns: Callable[[list[MessageExt]], dict[str, Any] | None] | None = None
 """The compiled converter of messages to the buffers of the sink's Arrow columns, or None
 without the extension (see ``rmq_async.sinks._arrow``)."""
 
 
 def _use_compiled() -> bool:
-    global _records, _decode_properties_impl, message_columns
+    global _records, _decode_properties_impl, message_columns, stamp_delivered
     if os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0"):
         return False
     try:
@@ -755,6 +767,7 @@ def _use_compiled() -> bool:
     _decode_properties_impl = _cmessage.decode_properties
     set_properties_parser(_cmessage.parse_raw_properties, _cmessage.find_raw_property)
     message_columns = _cmessage.message_columns
+    stamp_delivered = _cmessage.stamp_delivered
     return True
 
 

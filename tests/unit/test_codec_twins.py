@@ -479,3 +479,37 @@ def test_compiled_messages_are_not_tracked_by_the_cycle_collector() -> None:
     assert out[0].properties == {"A": "b", "B": "c"}
     out[0].topic = "u"
     assert out[0].message_queue.topic == "u"
+
+
+@needs_compiled
+def test_stamp_delivered_twins_agree_and_leave_properties_unparsed() -> None:
+    """The pull's broker name and MIN/MAX_OFFSET, set by either twin on decoded messages whose
+    properties are unparsed, parsed, or already have pending ones (and on a subclass)."""
+    assert _cmessage is not None
+    stored = b"".join(encode_stored_message(MessageExt(
+        "T", f"b{i}".encode(), 1, i, properties={"TAGS": "t", "KEYS": f"k{i}", "a": str(i)}))
+        for i in range(4))
+
+    class Custom(MessageExt):
+        __slots__ = ()
+
+    def batch() -> list[MessageExt]:
+        msgs = message.decode_messages(stored)
+        _ = msgs[1].properties                      # parsed
+        msgs[2].put_property("CONSUME_START_TIME", "5")  # pending before the pull's
+        msgs.append(Custom("T", b"c", 1, 9, properties={"x": "y"}))
+        return msgs
+
+    values = {"MIN_OFFSET": "0", "MAX_OFFSET": "10"}
+    results = []
+    for stamp in (message._stamp_delivered, _cmessage.stamp_delivered):
+        msgs = batch()
+        stamp(msgs, "broker-b", values)
+        assert msgs[0]._props is None and msgs[3]._props is None  # nothing parsed
+        results.append([(m.broker_name, m.properties) for m in msgs])
+    assert results[0] == results[1]
+    assert all(b == "broker-b" and p["MAX_OFFSET"] == "10" for b, p in results[0])
+    assert results[0][0][1] == {"TAGS": "t", "KEYS": "k0", "a": "0", "MIN_OFFSET": "0",
+                                "MAX_OFFSET": "10"}
+    assert results[0][2][1]["CONSUME_START_TIME"] == "5"
+    assert values == {"MIN_OFFSET": "0", "MAX_OFFSET": "10"}  # each message got its own copy
