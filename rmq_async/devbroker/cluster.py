@@ -35,6 +35,7 @@ import structlog
 from . import config as cfg
 from .broker import (
     _ADMIN_PORT_RE,
+    _START_ATTEMPTS,
     _TOPIC_RE,
     ADMIN_SOURCE,
     BROKER_READY,
@@ -190,6 +191,7 @@ class LocalCluster:
         self._admin_classes: Path | None = None
         self._admin: subprocess.Popen[bytes] | None = None
         self._admin_port = 0
+        self._admin_out_offset = 0
         self._record: RunRecord | None = None
         self._closed = False
         self.namesrvs: list[NamesrvNode] = []
@@ -306,20 +308,33 @@ class LocalCluster:
             remove_workdir=remove,
         )
         started = time.monotonic()
-        try:
-            self._layout()
-            self._save_record()
-            with anyio.fail_after(self.ready_timeout):
-                async with anyio.create_task_group() as tg:
-                    for ns in self.namesrvs:
-                        tg.start_soon(self._start_namesrv, ns)
-                self._spawn_admin()
-                async with anyio.create_task_group() as tg:
-                    for node in self.brokers.values():
-                        tg.start_soon(self._start_broker, node)
-        except BaseException:
-            await self._teardown()
-            raise
+        attempt = 1
+        while True:
+            try:
+                self._layout()
+                self._save_record()
+                with anyio.fail_after(self.ready_timeout):
+                    async with anyio.create_task_group() as tg:
+                        for ns in self.namesrvs:
+                            tg.start_soon(self._start_namesrv, ns)
+                    self._spawn_admin()
+                    async with anyio.create_task_group() as tg:
+                        for node in self.brokers.values():
+                            tg.start_soon(self._start_broker, node)
+                break
+            except BaseException as exc:
+                # Ports are picked free and bound by the JVMs a moment later: another process
+                # (a second test worker starting its own broker) may take one in between.
+                if attempt >= _START_ATTEMPTS or not _port_taken(exc):
+                    await self._teardown()
+                    raise
+                await self._stop_processes()
+                log.warning("devbroker.cluster.port_taken", attempt=attempt,
+                            ports=[ns.port for ns in self.namesrvs]
+                            + [n.port for n in self.brokers.values()])
+                self.namesrvs.clear()
+                self.brokers.clear()
+                attempt += 1
         self.startup_seconds = round(time.monotonic() - started, 2)
         log.info("devbroker.cluster.ready", namesrv=self.namesrv_addr,
                  brokers={n.key: n.addr for n in self.brokers.values()},
@@ -546,6 +561,8 @@ class LocalCluster:
             user_home=run / "admin-home", logback="rmq.client.logback.xml", heap="128m",
             quick_start=True, class_dirs=[self._admin_classes],
         )
+        # The port is read from what this start writes (a restart appends to the same file).
+        self._admin_out_offset = _size(run / "devadmin.out")
         self._admin = spawn(cmd, cwd=run, env=self._env(), output=run / "devadmin.out",
                             die_with_parent=not self.detached, stdin_pipe=True)
         self._admin_port = 0
@@ -557,7 +574,7 @@ class LocalCluster:
         out = self._require() / "devadmin.out"
         deadline = time.monotonic() + timeout
         while True:
-            m = _ADMIN_PORT_RE.search(_read_from(out, 0))
+            m = _ADMIN_PORT_RE.search(_read_from(out, self._admin_out_offset))
             if m:
                 self._admin_port = int(m.group(1))
                 return self._admin_port
@@ -675,6 +692,12 @@ class LocalCluster:
     # ------------------------------------------------------------------ teardown
 
     async def _teardown(self) -> None:
+        await self._stop_processes()
+        if self._record is not None:
+            self._record.pids = {}
+            self._record.forget()
+
+    async def _stop_processes(self) -> None:
         grace = 20.0 if self._record is None or not self._record.remove_workdir else 0.0
         if self._admin is not None:
             if self._admin.stdin is not None:
@@ -694,9 +717,6 @@ class LocalCluster:
         async with anyio.create_task_group() as tg:
             for proc in procs:
                 tg.start_soon(_stop, proc, grace)
-        if self._record is not None:
-            self._record.pids = {}
-            self._record.forget()
 
     async def close(self) -> None:
         """Stop every JVM and remove the run folder (if this object created it)."""
@@ -706,6 +726,14 @@ class LocalCluster:
         with anyio.CancelScope(shield=True):
             await self._teardown()
         log.info("devbroker.cluster.closed", workdir=str(self._workdir))
+
+
+def _port_taken(exc: BaseException) -> bool:
+    """``exc`` (or, from a task group, every error in it) is a start that failed because a
+    picked port was taken."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_port_taken(e) for e in exc.exceptions)
+    return isinstance(exc, DevBrokerError) and "Address already in use" in str(exc)
 
 
 async def _stop(proc: subprocess.Popen[bytes], grace: float) -> None:

@@ -613,3 +613,34 @@ async def test_send_back_with_the_master_down_goes_through_another_group(
     assert {again[body] for body in failed} == {("broker-b", 1)}, again
     print(f"send-back with broker-a's master down: {len(failed)} messages came back through "
           f"broker-b's %RETRY% queue")
+
+
+async def test_cluster_port_taken_before_the_jvm_binds_it_is_retried(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broker port taken by someone else between the pick and the JVM's bind (two test
+    workers starting brokers at once) costs the cluster a second start on other ports."""
+    import socket
+
+    from rmq_async.devbroker import config as cfg
+
+    real = cfg.pick_broker_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks: list[int] = []
+
+        def pick(**kw: object) -> int:
+            port = busy if not picks else real(**kw)  # type: ignore[arg-type]
+            picks.append(port)
+            return port
+
+        monkeypatch.setattr(cfg, "pick_broker_port", pick)
+        async with LocalCluster(groups=1, slaves=0, namesrvs=1) as c:
+            node = c.broker("broker-a")
+            assert node.port != busy and picks[0] == busy and len(picks) == 2
+            await c.create_topic("T_cluster_port_retry", queues=1)
+            async with AdminClient(c.namesrv_addr) as admin:
+                await admin.instance.update_route("T_cluster_port_retry")
+                assert await admin.instance.find_broker_master(
+                    "broker-a", "T_cluster_port_retry") == node.addr
