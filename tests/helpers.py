@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any
 
 from rmq_async.client.instance import ClientInstance
 from rmq_async.producer import Producer
@@ -121,3 +124,26 @@ class AdminClient:
                 if max_per_queue is not None and offset >= max_per_queue:
                     break
         return msgs
+
+
+@contextlib.contextmanager
+def first_broker_port_taken(monkeypatch: Any) -> Iterator[tuple[int, list[int]]]:
+    """The dev broker's first broker port pick returns a port someone else listens on (as when
+    another test worker takes it between the pick and the JVM's bind); later picks are real.
+    Yields that port and the list of every pick."""
+    from rmq_async.devbroker import config as cfg
+
+    real = cfg.pick_broker_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks: list[int] = []
+
+        def pick(**kw: Any) -> int:
+            port = busy if not picks else real(**kw)
+            picks.append(port)
+            return port
+
+        monkeypatch.setattr(cfg, "pick_broker_port", pick)
+        yield busy, picks

@@ -18,6 +18,7 @@ from rmq_async.devbroker import AclAccount, DevBrokerError, LocalRocketMQ
 from rmq_async.devbroker.broker import parse_lenient_json
 from rmq_async.devbroker.java import classpath, compile_java, run_java, start_java
 from rmq_async.devbroker.procs import pid_alive, pid_cmdline, reap_stale_runs
+from tests.helpers import first_broker_port_taken
 
 pytestmark = pytest.mark.broker
 
@@ -424,21 +425,7 @@ async def test_acl_account(tmp_path: Path, admin: bool) -> None:
 async def test_port_taken_before_the_jvm_binds_it_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
     """A picked port taken by someone else before the broker binds it (two test workers
     starting brokers at once) costs a second start on other ports, not a failure."""
-    from rmq_async.devbroker import config as cfg
-
-    real = cfg.pick_broker_port
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        busy = taken.getsockname()[1]
-        picks: list[int] = []
-
-        def pick(**kw: object) -> int:
-            port = busy if not picks else real(**kw)  # type: ignore[arg-type]
-            picks.append(port)
-            return port
-
-        monkeypatch.setattr(cfg, "pick_broker_port", pick)
+    with first_broker_port_taken(monkeypatch) as (busy, picks):
         async with LocalRocketMQ() as rmq:
             assert rmq.broker_port != busy
             assert picks[0] == busy and len(picks) == 2

@@ -26,7 +26,7 @@ from rmq_async.devbroker.java import start_java
 from rmq_async.producer import Producer, select_by_key
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.types import Message, MessageQueue
-from tests.helpers import AdminClient, simple_messages, unique, wait_until
+from tests.helpers import AdminClient, first_broker_port_taken, simple_messages, unique, wait_until
 
 FULL = os.environ.get("RMQ_CLUSTER_FULL") == "1"
 
@@ -619,23 +619,7 @@ async def test_cluster_port_taken_before_the_jvm_binds_it_is_retried(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A broker port taken by someone else between the pick and the JVM's bind (two test
     workers starting brokers at once) costs the cluster a second start on other ports."""
-    import socket
-
-    from rmq_async.devbroker import config as cfg
-
-    real = cfg.pick_broker_port
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        busy = taken.getsockname()[1]
-        picks: list[int] = []
-
-        def pick(**kw: object) -> int:
-            port = busy if not picks else real(**kw)  # type: ignore[arg-type]
-            picks.append(port)
-            return port
-
-        monkeypatch.setattr(cfg, "pick_broker_port", pick)
+    with first_broker_port_taken(monkeypatch) as (busy, picks):
         async with LocalCluster(groups=1, slaves=0, namesrvs=1) as c:
             node = c.broker("broker-a")
             assert node.port != busy and picks[0] == busy and len(picks) == 2
