@@ -18,7 +18,8 @@ and, in a worker thread, converts the batch to a pyarrow Table column by column
 into Arrow buffers, the copying without the GIL), creates the DataFrame with
 ``spark.createDataFrame(table)`` and calls the user's ``write(df, batch_info)``. While one batch
 is being written the next one fills, and once it has closed it is converted to Arrow in another
-worker thread, so that its write starts as soon as the one before has ended. A failed write is
+worker thread, so that its write starts as soon as the one before has ended (the sink then holds
+up to two batches in Arrow form besides the messages the flow control lets it hold). A failed write is
 retried ``write_retries`` times with exponential backoff (``retry_backoff``, doubled per attempt,
 slept on the event loop). Then every
 chunk of the batch is acknowledged: ``ack(True)`` after the write returned, ``ack(False)`` when

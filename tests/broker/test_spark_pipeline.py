@@ -562,8 +562,10 @@ async def test_slow_write_keeps_memory_bounded_over_500k_messages(
     assert done["rows_written"] == total
     assert done["max_cached"] <= capacity and done["max_backlog"] <= capacity
     # What the process grew by is a fraction of what holding the 500,000 waiting messages
-    # would take (it holds at most a tenth of them, plus one batch in Arrow form).
-    assert growth_mib < all_cached_mib / 3, done
+    # would take (it holds at most a tenth of them, plus up to two batches in Arrow form: the
+    # one being written and the next one, converted while that write runs). Measured on the
+    # project's machine: +84 MiB with one batch in Arrow form, +121 to +124 MiB with two, of 361.
+    assert growth_mib < all_cached_mib / 2.5, done
     counts = key_counts(read_table(spark, out, ["topic", "queue_id", "queue_offset"]))
     assert len(counts) == total and max(counts.values()) == 1
     assert set(counts) == {(topic, q, o) for q, o in placed}
