@@ -178,7 +178,8 @@ async def test_the_next_batch_is_converted_while_one_is_written_and_only_once(
         await sink.aclose()
     assert attempts == [1, 2, 2, 3]
     assert written == [(1, 100), (2, 100), (3, 100)]
-    assert converted == [0, 100, 200]
+    # Each batch converted once (batch 1 by its write, 2 and 3 ahead; 1 and 2 may overlap).
+    assert sorted(converted) == [0, 100, 200]
     assert acks == [True] * 6
 
 

@@ -307,8 +307,15 @@ def run_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def _sleeper(tag: Path) -> subprocess.Popen[bytes]:
-    """A process whose command line mentions ``tag`` (as a JVM's mentions its run folder)."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", str(tag)])
+    """A process whose command line mentions ``tag`` (as a JVM's mentions its run folder),
+    returned once it does: right after the fork the child still shows this process's command
+    line, and the reaper kills only processes that mention their run folder."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", str(tag)])
+    deadline = time.monotonic() + 10
+    while str(tag) not in procs.pid_cmdline(proc.pid):
+        assert time.monotonic() < deadline, "the sleeper never showed its command line"
+        time.sleep(0.01)
+    return proc
 
 
 def test_run_record_round_trip(run_root: Path, tmp_path: Path) -> None:
