@@ -276,6 +276,11 @@ class SparkSink:
             ``max_batch_latency``. Suits draining a backlog (a catch-up, a batch job): the last
             partial batch lands at once. Off by default: under a steady trickle it would write
             many small batches back to back instead of one per ``max_batch_latency``.
+        convert_ahead: convert a batch that closes while the one before is being written to
+            Arrow at once, in another worker thread, so that its write starts as soon as that
+            write ends (the default). The sink then holds up to two batches in Arrow form; with
+            ``False`` it holds one (each batch is converted by its own write), for less memory
+            and less throughput.
         create_dataframe: replaces ``spark.createDataFrame`` (a hook for tests of the batching).
     """
 
@@ -292,6 +297,7 @@ class SparkSink:
         value_format: ValueFormat | None = None,
         value_schema: StructType | None = None,
         flush_when_caught_up: bool = False,
+        convert_ahead: bool = True,
         create_dataframe: CreateDataFrame | None = None,
     ) -> None:
         if batch_rows < 1:
@@ -325,6 +331,7 @@ class SparkSink:
         self._retry_backoff = float(retry_backoff)
         self._value_format: ValueFormat | None = value_format
         self._flush_when_caught_up = flush_when_caught_up
+        self._convert_ahead = convert_ahead
         self._value_schema = value_schema
         self._value_arrow_type: pa.StructType | None = None
         if value_format == "msgpack":
@@ -663,6 +670,9 @@ class SparkSink:
         batch N instead of delaying the write of N+1. A conversion already running when the
         write ends is awaited (its table is kept for the next write); one not started is not.
         """
+        if not self._convert_ahead:
+            await _run_in_thread(self._attempt, job)
+            return
         converting = asyncio.Event()
 
         async def convert_next() -> None:

@@ -183,6 +183,45 @@ async def test_the_next_batch_is_converted_while_one_is_written_and_only_once(
     assert acks == [True] * 6
 
 
+async def test_without_convert_ahead_each_batch_is_converted_by_its_own_write(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``convert_ahead=False``: batch 2 closes while batch 1 is being written and stays
+    messages until its own write converts it (one batch in Arrow form at a time)."""
+    from rmq_async.sinks import spark as spark_module
+
+    real = spark_module.messages_to_arrow
+    converted: list[int] = []
+
+    def recording(batch: list[MessageExt], **kw: Any) -> Any:
+        converted.append(batch[0].queue_offset)
+        return real(batch, **kw)
+
+    monkeypatch.setattr(spark_module, "messages_to_arrow", recording)
+    seen_during_write: list[list[int]] = []
+    second_closed = threading.Event()
+
+    def write(table: Any, info: BatchInfo) -> None:
+        if info.batch_id == 1:
+            assert second_closed.wait(10), "batch 2 did not close during write 1"
+            time.sleep(0.3)  # room for a conversion ahead, which must not happen
+        seen_during_write.append(list(converted))
+
+    sink = SparkSink(None, write, create_dataframe=lambda table: table, batch_rows=100,
+                     max_batch_latency=30.0, convert_ahead=False)
+    acks: list[bool] = []
+    async with asyncio.TaskGroup() as tg:
+        await sink.start(tg)
+        for start in range(0, 300, 50):
+            sink.offer(msgs(start, 50), acks.append)
+            if start == 150:
+                second_closed.set()
+            if not sink.want_more():
+                await sink.wait_for_room()
+        await sink.aclose()
+    assert seen_during_write == [[0], [0, 100], [0, 100, 200]]
+    assert acks == [True] * 6
+
+
 async def test_caught_up_closes_the_open_batch_only_when_asked_to() -> None:
     for flush in (True, False):
         write = Writes()
