@@ -201,6 +201,14 @@ def _size(path: Path) -> int:
         return 0
 
 
+def _port_taken(exc: BaseException) -> bool:
+    """``exc`` (or, from a task group, every error in it) is a start that failed because a
+    picked port was taken."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_port_taken(e) for e in exc.exceptions)
+    return isinstance(exc, DevBrokerError) and "Address already in use" in str(exc)
+
+
 class LocalRocketMQ:
     """A NameServer and one master Broker on 127.0.0.1, started from the real Apache jars.
 
@@ -388,7 +396,7 @@ class LocalRocketMQ:
             except DevBrokerError as exc:
                 # Ports are picked free and bound by the JVM a moment later: another process
                 # (a second test worker starting its own broker) may take one in between.
-                if attempt >= _START_ATTEMPTS or "Address already in use" not in str(exc):
+                if attempt >= _START_ATTEMPTS or not _port_taken(exc):
                     await self._teardown()
                     raise
                 await self._stop_processes()

@@ -41,6 +41,7 @@ from .broker import (
     BROKER_READY,
     BROKER_REGISTERED,
     NAMESRV_READY,
+    _port_taken,
     _read_from,
     _size,
     _tail,
@@ -726,14 +727,6 @@ class LocalCluster:
         with anyio.CancelScope(shield=True):
             await self._teardown()
         log.info("devbroker.cluster.closed", workdir=str(self._workdir))
-
-
-def _port_taken(exc: BaseException) -> bool:
-    """``exc`` (or, from a task group, every error in it) is a start that failed because a
-    picked port was taken."""
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_port_taken(e) for e in exc.exceptions)
-    return isinstance(exc, DevBrokerError) and "Address already in use" in str(exc)
 
 
 async def _stop(proc: subprocess.Popen[bytes], grace: float) -> None:
