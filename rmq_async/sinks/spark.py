@@ -673,16 +673,17 @@ class SparkSink:
         if not self._convert_ahead:
             await _run_in_thread(self._attempt, job)
             return
-        converting = asyncio.Event()
+        converting = False
 
         async def convert_next() -> None:
+            nonlocal converting
             while not self._pending:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             batch = self._pending[0]
             if batch.batch_id in self._converted:
                 return
-            converting.set()
+            converting = True
             ahead = _Job(batch)
             await _run_in_thread(self._convert, ahead)
             if not batch.done.is_set():
@@ -692,7 +693,7 @@ class SparkSink:
         try:
             await _run_in_thread(self._attempt, job)
         finally:
-            if not converting.is_set():
+            if not converting:
                 converter.cancel()
             try:
                 await converter
@@ -716,28 +717,27 @@ class SparkSink:
         job.written = True
 
     def _convert(self, job: _Job) -> None:
-        """The batch's Arrow table and :class:`BatchInfo`, in a worker thread."""
-        if job.table is None or job.info is None:
-            msgs = list(itertools.chain.from_iterable(job.batch.chunks))
-            chunk_rows = self._arrow_chunk_rows()
-            table = messages_to_arrow(msgs, chunk_rows=chunk_rows)
-            if self._value_arrow_type is not None:
-                assert self._value_format is not None
-                value_type = self._value_arrow_type
-                values = pa.chunked_array(
-                    [
-                        decode_values(
-                            [m.body for m in msgs[start : start + chunk_rows]],
-                            self._value_format,
-                            value_type,
-                        )
-                        for start in range(0, len(msgs), chunk_rows)
-                    ],
-                    value_type,
-                )
-                table = table.append_column(pa.field("value", value_type, True), values)
-            job.table = table
-            job.info = _batch_info(job.batch, msgs)
+        """Fill in the batch's Arrow table and :class:`BatchInfo`, in a worker thread."""
+        msgs = list(itertools.chain.from_iterable(job.batch.chunks))
+        chunk_rows = self._arrow_chunk_rows()
+        table = messages_to_arrow(msgs, chunk_rows=chunk_rows)
+        if self._value_arrow_type is not None:
+            assert self._value_format is not None
+            value_type = self._value_arrow_type
+            values = pa.chunked_array(
+                [
+                    decode_values(
+                        [m.body for m in msgs[start : start + chunk_rows]],
+                        self._value_format,
+                        value_type,
+                    )
+                    for start in range(0, len(msgs), chunk_rows)
+                ],
+                value_type,
+            )
+            table = table.append_column(pa.field("value", value_type, True), values)
+        job.table = table
+        job.info = _batch_info(job.batch, msgs)
 
     def _arrow_chunk_rows(self) -> int:
         """Rows per Arrow slice: Spark's Arrow batch size (each slice becomes one partition),
