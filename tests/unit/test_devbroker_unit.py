@@ -13,6 +13,7 @@ import textwrap
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -119,22 +120,39 @@ def test_pick_broker_port_triple_is_free() -> None:
     assert cfg.port_is_free(fast) and cfg.port_is_free(main) and cfg.port_is_free(ha, "0.0.0.0")
 
 
+class _FirstThen(random.Random):
+    """A random source whose first ``randrange`` answer is fixed, the rest random.
+
+    The busy-port tests bind a port the system hands out (so it cannot already be
+    taken by someone else) and make it the picker's first candidate.
+    """
+
+    def __init__(self, first: int) -> None:
+        super().__init__()
+        self._first: int | None = first
+
+    def randrange(self, *args: Any, **kwargs: Any) -> int:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return super().randrange(*args, **kwargs)
+
+
 def test_pick_broker_port_skips_a_busy_ha_port() -> None:
-    first = random.Random(99).randrange(20000, 60000)
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", first + 1))  # the HA port of the first candidate
+        s.bind(("0.0.0.0", 0))
         s.listen()
-        picked = cfg.pick_broker_port(rng=random.Random(99))
+        first = s.getsockname()[1] - 1  # the candidate whose HA port is the bound one
+        picked = cfg.pick_broker_port(rng=_FirstThen(first))
     assert picked != first
 
 
 def test_pick_broker_port_skips_a_busy_fast_port() -> None:
-    first = random.Random(7).randrange(20000, 60000)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", first - 2))
+        s.bind(("127.0.0.1", 0))
         s.listen()
-        picked = cfg.pick_broker_port(rng=random.Random(7))
+        first = s.getsockname()[1] + 2  # the candidate whose fast port is the bound one
+        picked = cfg.pick_broker_port(rng=_FirstThen(first))
     assert picked != first
 
 
