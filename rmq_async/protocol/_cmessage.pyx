@@ -389,7 +389,8 @@ cdef _unwrap_batch(object outer, list out):
 def stamp_delivered(list msgs not None, str broker_name not None, dict values not None):
     """Compiled ``_stamp_delivered``: the same, writing the slots directly."""
     cdef Py_ssize_t i, n = PyList_GET_SIZE(msgs)
-    cdef object msg, props, pending
+    cdef object msg, props, pending, own
+    cdef object shared = None
     for i in range(n):
         msg = <object> PyList_GET_ITEM(msgs, i)
         if type(msg) is not _message_type:
@@ -403,9 +404,15 @@ def stamp_delivered(list msgs not None, str broker_name not None, dict values no
             continue
         pending = _get(msg, S_PROPS_PENDING)
         if pending is None:
-            _put(msg, S_PROPS_PENDING, PyDict_Copy(values))
+            # One dict for the chunk, not a copy per message (each one an allocation that
+            # also counts towards the next garbage collection).
+            if shared is None:
+                shared = PyDict_Copy(values)
+            _put(msg, S_PROPS_PENDING, shared)
         else:
-            PyDict_Update(pending, values)
+            own = PyDict_Copy(pending)  # may be shared: replaced, never changed in place
+            PyDict_Update(own, values)
+            _put(msg, S_PROPS_PENDING, own)
 
 
 def decode_records(bytes data not None, list out not None, bint decompress, bint unwrap_batch,

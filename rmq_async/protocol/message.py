@@ -722,10 +722,12 @@ def encode_batch(messages: Iterable[Message]) -> bytes:
 
 def _stamp_delivered(msgs: list[MessageExt], broker_name: str, values: dict[str, str]) -> None:
     """Set ``broker_name`` and add ``values`` to the properties of every pulled message (as
-    :meth:`MessageExt.put_properties`: unparsed properties stay unparsed)."""
+    :meth:`MessageExt.put_properties`: unparsed properties stay unparsed). Messages that had
+    no pending properties share one copy of ``values`` instead of a copy each."""
+    shared = dict(values)
     for m in msgs:
         m.broker_name = broker_name
-        m.put_properties(values)
+        m._put_shared(shared)
 
 
 # ---------------------------------------------------------------------------------------------

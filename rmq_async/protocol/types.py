@@ -112,7 +112,9 @@ class _LazyFields(_FieldNames):
 
     A decoder leaves ``_props`` ``None`` and keeps the raw properties bytes of the record in
     ``_props_raw``; properties set before the first read wait in ``_props_pending`` and are
-    applied after parsing (so the result equals parsing first and setting afterwards). The
+    applied after parsing (so the result equals parsing first and setting afterwards). A
+    pending dict may be shared by several messages (the pull's values on every message of a
+    chunk), so it is never changed in place: a change replaces it with an updated copy. The
     offset message id is formatted from the store host's hex prefix and the commit-log offset
     the record carried (``_oid_host`` is ``None`` once a value was assigned).
     """
@@ -189,8 +191,10 @@ class _LazyFields(_FieldNames):
         pending = self._props_pending
         if pending is None:
             self._props_pending = {name: value}
-        else:
-            pending[name] = value
+        else:  # possibly shared with other messages: replaced, not changed
+            own = dict(pending)
+            own[name] = value
+            self._props_pending = own
 
     def put_properties(self, values: Mapping[str, str]) -> None:
         """``properties.update(values)``, without parsing properties nobody has read yet."""
@@ -201,8 +205,21 @@ class _LazyFields(_FieldNames):
         pending = self._props_pending
         if pending is None:
             self._props_pending = dict(values)
+        else:  # possibly shared with other messages: replaced, not changed
+            own = dict(pending)
+            own.update(values)
+            self._props_pending = own
+
+    def _put_shared(self, shared: dict[str, str]) -> None:
+        """:meth:`put_properties` of a dict other messages share and nobody changes: kept as
+        it is when nothing waits yet."""
+        props = self._props
+        if props is not None:
+            props.update(shared)
+        elif self._props_pending is None:
+            self._props_pending = shared
         else:
-            pending.update(values)
+            self.put_properties(shared)
 
 
 @dataclass(slots=True, eq=False)

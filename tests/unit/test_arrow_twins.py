@@ -72,7 +72,7 @@ def messages(draw: st.DrawFn) -> MessageExt:
     msg.broker_name = draw(st.sampled_from(["broker-a", "b", "中"]))
     # What a consumer or a user may have done to the message before it reached the sink.
     change = draw(st.sampled_from(["none", "raw", "read", "put", "raw+put", "replace", "oid",
-                                     "retopic"]))
+                                     "retopic", "stamp", "stamp+put"]))
     if change == "raw":
         msg._props_raw = draw(raw_props)
     elif change == "read":
@@ -84,6 +84,11 @@ def messages(draw: st.DrawFn) -> MessageExt:
     elif change == "raw+put":
         msg._props_raw = draw(raw_props)
         msg.put_properties({"MIN_OFFSET": "0", draw(st.one_of(system, names)): draw(values)})
+    elif change in ("stamp", "stamp+put"):
+        message.stamp_delivered([msg], msg.broker_name,
+                                {"MIN_OFFSET": "0", draw(st.one_of(system, names)): draw(values)})
+        if change == "stamp+put":
+            msg.put_property(draw(st.one_of(system, names)), draw(values))
     elif change == "replace":
         msg.properties = draw(st.dictionaries(st.one_of(system, names),
                                               st.one_of(values, st.just("")), max_size=3))
@@ -132,9 +137,9 @@ def test_columns_of_a_typical_batch_without_fallback(monkeypatch: pytest.MonkeyP
         for i in range(500)
     ]
     msgs = [m for s in stored for m in decode_messages(encode_stored_message(s))]
-    for m in msgs:
-        m.broker_name = "broker-a"
-        m.put_properties({"MIN_OFFSET": "0", "MAX_OFFSET": "500"})  # as the pull loop does
+    # As the pull loop does: the values wait, one dict shared by the chunk.
+    message.stamp_delivered(msgs, "broker-a", {"MIN_OFFSET": "0", "MAX_OFFSET": "500"})
+    assert msgs[0]._props_pending is msgs[-1]._props_pending
     monkeypatch.setattr(_arrow, "_convert_values", _refuse)
     table = _arrow.messages_to_arrow(msgs, chunk_rows=128)
     monkeypatch.undo()

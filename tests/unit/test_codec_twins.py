@@ -506,6 +506,16 @@ def test_stamp_delivered_twins_agree_and_leave_properties_unparsed() -> None:
         msgs = batch()
         stamp(msgs, "broker-b", values)
         assert msgs[0]._props is None and msgs[3]._props is None  # nothing parsed
+        # The messages that waited for nothing share one dict of the pull's values ...
+        assert msgs[0]._props_pending is msgs[3]._props_pending
+        assert msgs[0]._props_pending is not values
+        # ... which a change to one of them copies first (others do not see the change).
+        msgs[0].put_property("MAX_OFFSET", "11")
+        msgs[3].put_properties({"u": "v"})
+        assert msgs[3].get_property("MAX_OFFSET") == "10"
+        assert msgs[0].get_property("u") is None and msgs[0].get_property("MAX_OFFSET") == "11"
+        msgs[0].put_property("MAX_OFFSET", "10")
+        del msgs[3].properties["u"]
         results.append([(m.broker_name, m.properties) for m in msgs])
     assert results[0] == results[1]
     assert all(b == "broker-b" and p["MAX_OFFSET"] == "10" for b, p in results[0])
