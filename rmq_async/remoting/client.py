@@ -75,6 +75,8 @@ class RemotingClient:
             if self.closed:  # close() ran while we were connecting
                 await conn.close()
                 raise ConnectionClosed("remoting client is closed", addr=addr)
+            conn.on_started_timeout = self._after_started_timeout
+            conn.on_started_go_away = self._after_started_go_away
             self._connections[addr] = conn
             return conn
 
@@ -122,23 +124,22 @@ class RemotingClient:
             if fut is None:  # the transport is paused: wait for it in a request of our own
                 return asyncio.ensure_future(self.invoke(addr, cmd, timeout))
 
-        def after(f: asyncio.Future[RemotingCommand]) -> None:
-            if f.cancelled():
-                return
-            exc = f.exception()
-            if exc is None:
-                if f.result().code != ResponseCode.GO_AWAY:
-                    return
-                log.info("remoting.go_away", addr=addr)
-            elif not (self.close_on_timeout and isinstance(exc, RemotingTimeout)):
-                return
-            elif not conn.closed:
-                log.warning("remoting.closed_after_timeout", addr=addr, timeout=timeout)
-            self._forget(addr, conn)
-            conn.abort()
-
-        fut.add_done_callback(after)
         return fut
+
+    def _after_started_timeout(self, conn: Connection, timeout: float) -> None:
+        """A request kept in flight on ``conn`` timed out: as :meth:`invoke`, close it."""
+        if not self.close_on_timeout:
+            return
+        if not conn.closed:
+            log.warning("remoting.closed_after_timeout", addr=conn.addr, timeout=timeout)
+        self._forget(conn.addr, conn)
+        conn.abort()
+
+    def _after_started_go_away(self, conn: Connection) -> None:
+        """A request kept in flight on ``conn`` was answered GO_AWAY: the next call reconnects."""
+        log.info("remoting.go_away", addr=conn.addr)
+        self._forget(conn.addr, conn)
+        conn.abort()
 
     def _forget(self, addr: str, conn: Connection) -> None:
         """Stop handing out ``conn`` for ``addr`` (the next call connects anew)."""

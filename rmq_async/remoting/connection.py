@@ -8,7 +8,12 @@ decoded command is routed without an extra hop:
 * a request from the peer (the broker asking the consumer something) is handed to the
   registered handler in a task owned by this connection, and its answer is written back.
 
-Requests carry a per-request timeout that removes their table entry when it fires. ``close()``
+Requests carry a timeout. One awaited with :meth:`Connection.request` has a timer of its own;
+the requests kept in flight (:meth:`Connection.start_request`, :meth:`Connection.start_frame`:
+every PULL_MESSAGE) only note their deadline, and one timer per connection, set for the
+earliest deadline, fails those that passed it (as Java's client scans its response table). A
+pull then allocates no timer handle and no callbacks, objects that would otherwise live for
+its whole round trip and be promoted by the garbage collector, which the hot path feels. ``close()``
 (or a peer that hangs up, or a peer that sends bytes the decoder rejects) fails every pending
 request with :class:`ConnectionClosed` and cancels the connection's handler tasks.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import ssl as _ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
@@ -51,6 +57,9 @@ DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
 #: oneway request, an answer to the peer) fails with :class:`RemotingTimeout`.
 DEFAULT_WRITE_TIMEOUT = 3.0
 
+# How early the deadline timer may fire and still count as on time (the clock's resolution).
+_SWEEP_SLACK = 0.001
+
 
 class Connection(asyncio.Protocol):
     """A multiplexed request/response channel to one address."""
@@ -78,6 +87,16 @@ class Connection(asyncio.Protocol):
         # the pulls of several queues answered in the same read).
         self._out: list[bytes] | None = None
         self._can_write.set()
+        # Requests kept in flight (_start): opaque -> deadline (loop time) and -> timeout.
+        self._deadlines: dict[int, float] = {}
+        self._timeouts: dict[int, float] = {}
+        self._sweep_handle: asyncio.TimerHandle | None = None
+        self._sweep_at = math.inf
+        #: Called (soon, not from inside the read) after a request kept in flight timed out,
+        #: with the connection and that request's timeout.
+        self.on_started_timeout: Callable[[Connection, float], None] | None = None
+        #: Called (soon) when a request kept in flight was answered with GO_AWAY.
+        self.on_started_go_away: Callable[[Connection], None] | None = None
         self.last_activity = asyncio.get_running_loop().time()
 
     # ------------------------------------------------------------------ opening / closing
@@ -156,6 +175,11 @@ class Connection(asyncio.Protocol):
                     self._transport.writelines(out)
                 self._transport.close()
         reason = "connection closed" if exc is None else f"connection closed: {exc}"
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+            self._sweep_handle = None
+        self._deadlines.clear()
+        self._timeouts.clear()
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
@@ -199,6 +223,10 @@ class Connection(asyncio.Protocol):
         for cmd in commands:
             if cmd.is_response:
                 fut = self._pending.pop(cmd.opaque, None)
+                if self._deadlines.pop(cmd.opaque, None) is not None:
+                    del self._timeouts[cmd.opaque]
+                    if cmd.code == ResponseCode.GO_AWAY and self.on_started_go_away is not None:
+                        asyncio.get_running_loop().call_soon(self.on_started_go_away, self)
                 if fut is None:
                     log.debug("remoting.unmatched_response", addr=self.addr, opaque=cmd.opaque,
                               code=cmd.code)
@@ -285,9 +313,9 @@ class Connection(asyncio.Protocol):
 
         The same request as :meth:`request` (same timeout, same failure on close), for callers
         that keep a request in flight while they do other work (the pull loop sends its next
-        pull before it decodes the answer it just got). Cancelling the future forgets the
-        request. Returns ``None`` while the transport is paused: the caller then uses
-        :meth:`request`, which waits for it to drain.
+        pull before it decodes the answer it just got). A cancelled request's entry goes when
+        its answer comes or its deadline passes. Returns ``None`` while the transport is
+        paused: the caller then uses :meth:`request`, which waits for it to drain.
         """
         if self._closed:
             raise self._closed_error()
@@ -314,16 +342,43 @@ class Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[RemotingCommand] = loop.create_future()
         self._pending[opaque] = fut
-        timer = loop.call_later(timeout, self._expire, opaque, timeout)
-        pending = self._pending
-
-        def forget(_: asyncio.Future[RemotingCommand]) -> None:
-            timer.cancel()
-            pending.pop(opaque, None)
-
-        fut.add_done_callback(forget)
+        deadline = loop.time() + timeout
+        self._deadlines[opaque] = deadline
+        self._timeouts[opaque] = timeout
+        if deadline < self._sweep_at:
+            self._schedule_sweep(loop, deadline)
         self._send_soon(parts)
         return fut
+
+    def _schedule_sweep(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+        self._sweep_handle = loop.call_at(when, self._sweep)
+        self._sweep_at = when
+
+    def _sweep(self) -> None:
+        """Fail the requests kept in flight whose deadline passed; wait for the next one."""
+        self._sweep_handle = None
+        self._sweep_at = math.inf
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        # A timer may run up to the clock's resolution early: count that as on time.
+        now = loop.time() + _SWEEP_SLACK
+        deadlines = self._deadlines
+        expired = [opaque for opaque, deadline in deadlines.items() if deadline <= now]
+        timed_out = 0.0
+        for opaque in expired:
+            del deadlines[opaque]
+            timeout = self._timeouts.pop(opaque)
+            fut = self._pending.get(opaque)
+            if fut is not None and not fut.done():
+                timed_out = max(timed_out, timeout)
+            self._expire(opaque, timeout)
+        if deadlines:
+            self._schedule_sweep(loop, min(deadlines.values()))
+        if timed_out and self.on_started_timeout is not None:
+            loop.call_soon(self.on_started_timeout, self, timed_out)
 
     def _send_soon(self, parts: list[bytes]) -> None:
         out = self._out

@@ -298,3 +298,109 @@ async def test_a_timed_out_request_replaces_its_connection() -> None:
             assert peer.connections == 2
         finally:
             await client.close()
+
+
+async def test_requests_kept_in_flight_time_out_at_their_own_deadlines() -> None:
+    # start_request notes a deadline instead of arming a timer per request; one timer per
+    # connection fails each request when its deadline passes, whatever the order of sending.
+    async with Peer(silent) as peer:
+        conn = await Connection.open(peer.addr)
+        try:
+            started = time.monotonic()
+            ended: dict[str, float] = {}
+
+            async def wait(name: str, fut: asyncio.Future[RemotingCommand] | None) -> None:
+                assert fut is not None
+                with pytest.raises(RemotingTimeout):
+                    await fut
+                ended[name] = time.monotonic() - started
+
+            slow = conn.start_request(RemotingCommand.request(RequestCode.HEART_BEAT), 0.9)
+            fast = conn.start_request(RemotingCommand.request(RequestCode.HEART_BEAT), 0.2)
+            middle = conn.start_request(RemotingCommand.request(RequestCode.HEART_BEAT), 0.5)
+            assert conn.pending_count == 3
+            await asyncio.gather(wait("slow", slow), wait("fast", fast), wait("middle", middle))
+            assert 0.2 <= ended["fast"] < 0.45
+            assert 0.5 <= ended["middle"] < 0.75
+            assert 0.9 <= ended["slow"] < 1.4
+            assert conn.pending_count == 0 and not conn._deadlines and not conn._timeouts
+            assert conn._sweep_handle is None  # nothing left to wait for
+            assert not conn.closed  # a bare connection does not close itself on a timeout
+        finally:
+            await conn.close()
+
+
+async def test_answered_and_cancelled_requests_leave_nothing_behind() -> None:
+    answer = asyncio.Event()
+
+    async def on_signal(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
+        if cmd.code == RequestCode.HEART_BEAT:
+            await answer.wait()
+            await echo(cmd, writer)
+
+    async with Peer(on_signal) as peer:
+        conn = await Connection.open(peer.addr)
+        try:
+            cancelled = conn.start_request(
+                RemotingCommand.request(RequestCode.PULL_MESSAGE), 0.3)
+            answered = conn.start_request(RemotingCommand.request(RequestCode.HEART_BEAT), 5)
+            assert cancelled is not None and answered is not None
+            cancelled.cancel()
+            answer.set()
+            assert (await answered).code == ResponseCode.SUCCESS
+            assert set(conn._deadlines) == {cancelled_opaque(conn)}  # gone at its deadline
+            await asyncio.sleep(0.5)
+            assert conn.pending_count == 0 and not conn._deadlines and not conn._timeouts
+            assert not conn.closed  # a cancelled request is no timeout
+        finally:
+            await conn.close()
+
+
+def cancelled_opaque(conn: Connection) -> int:
+    (opaque,) = conn._pending
+    return opaque
+
+
+async def test_a_started_request_that_times_out_replaces_its_connection() -> None:
+    # The pipelined form (every pull) follows the same rule as invoke: the connection that
+    # let a request time out is closed, its other requests fail at once, the next call
+    # connects anew.
+    async with Peer(silent) as peer:
+        client = RemotingClient()
+        try:
+            other = await client.start_invoke(
+                peer.addr, lambda: RemotingCommand.request(RequestCode.PULL_MESSAGE), 30)
+            started = time.monotonic()
+            fut = await client.start_invoke(
+                peer.addr, lambda: RemotingCommand.request(RequestCode.HEART_BEAT), 0.2)
+            with pytest.raises(RemotingTimeout):
+                await fut
+            with pytest.raises(ConnectionClosed):
+                async with asyncio.timeout(2):
+                    await other
+            assert time.monotonic() - started < 1.5
+            await client.start_invoke(
+                peer.addr, lambda: RemotingCommand.request(RequestCode.HEART_BEAT), 5)
+            assert peer.connections == 2
+        finally:
+            await client.close()
+
+
+async def test_a_started_request_answered_go_away_replaces_its_connection() -> None:
+    async def go_away(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
+        code = ResponseCode.GO_AWAY if cmd.code == RequestCode.PULL_MESSAGE else ResponseCode.SUCCESS
+        writer.write(cmd.response_to(code).encode())
+        await writer.drain()
+
+    async with Peer(go_away) as peer:
+        client = RemotingClient()
+        try:
+            fut = await client.start_invoke(
+                peer.addr, lambda: RemotingCommand.request(RequestCode.PULL_MESSAGE), 5)
+            assert (await fut).code == ResponseCode.GO_AWAY  # the caller sees the code
+            async with asyncio.timeout(2):
+                while (await client.connection(peer.addr)) is not None and peer.connections < 2:
+                    await asyncio.sleep(0.01)
+            assert peer.connections == 2
+        finally:
+            await client.close()
