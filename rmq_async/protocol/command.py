@@ -398,6 +398,9 @@ def _ext_value(value: Any) -> str | None:
     raise ProtocolError("extFields value is not a scalar")
 
 
+_is_str = str.__instancecheck__
+
+
 def _decode_json_header(header: bytes | bytearray | memoryview) -> RemotingCommand:
     try:
         obj = json.loads(bytes(header).decode("utf-8"))
@@ -423,11 +426,14 @@ def _decode_json_header(header: bytes | bytearray | memoryview) -> RemotingComma
     if raw_ext is None:
         ext_fields = None
     elif isinstance(raw_ext, dict):
-        ext_fields = {}
-        for key, value in raw_ext.items():
-            text = _ext_value(value)
-            if text is not None:
-                ext_fields[key] = text
+        if all(map(_is_str, raw_ext.values())):
+            ext_fields = raw_ext  # the common case (Java sends a map of strings): kept as is
+        else:
+            ext_fields = {}
+            for key, value in raw_ext.items():
+                text = _ext_value(value)
+                if text is not None:
+                    ext_fields[key] = text
     else:
         raise ProtocolError("header field 'extFields' is not an object")
     return RemotingCommand(

@@ -119,12 +119,18 @@ def _format(kind: FieldKind, value: Any) -> str:
     return str(int(value))
 
 
+# Fewer decimal digits than this always fit the type (int32: 9 digits, int64: 18).
+_PLAIN_DIGITS = {FieldKind.INT32: 10, FieldKind.INT64: 19}
+
+
 def _parse(row: HeaderField, raw: str) -> Any:
     kind = row.kind
     if kind is FieldKind.STR:
         return raw
     if kind is FieldKind.BOOL:
         return raw.lower() == "true"
+    if raw.isascii() and raw.isdigit() and len(raw) < _PLAIN_DIGITS[kind]:
+        return int(raw)  # the common case: plain decimal digits that cannot overflow the type
     if not _JAVA_INT.match(raw):
         raise ProtocolError(f"header field {row.java_name!r}: {raw[:40]!r} is not an integer")
     # Leading zeros are allowed (as by Long.parseLong); what remains must fit int() and the type.

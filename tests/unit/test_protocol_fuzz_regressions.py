@@ -28,6 +28,22 @@ def test_header_integer_leading_zeros_as_long_parse_long(raw: str, value: int) -
     assert h.QueryConsumerOffsetResponseHeader.from_ext_fields({"offset": raw}).offset == value
 
 
+@pytest.mark.parametrize(("raw", "value"), [
+    ("999999999", 999_999_999), ("2147483647", 2**31 - 1), ("0042", 42), ("+7", 7)])
+def test_header_int32_plain_digits_and_the_edge(raw: str, value: int) -> None:
+    # Plain digits take a shortcut; the shortcut and the full parse agree at its edge.
+    header = h.GetMinOffsetRequestHeader.from_ext_fields({"topic": "t", "queueId": raw})
+    assert header.queue_id == value
+
+
+@pytest.mark.parametrize("raw", ["2147483648", "0000000002147483648", "\u00b2", "\u0663", "12a",
+                                 ""])
+def test_header_int32_refuses_overflow_and_digits_other_than_ascii(raw: str) -> None:
+    # Out of range, a superscript two, an Arabic-Indic three (str.isdigit says yes to both).
+    with pytest.raises(ProtocolError):
+        h.GetMinOffsetRequestHeader.from_ext_fields({"topic": "t", "queueId": raw})
+
+
 def test_header_integer_range_still_checked() -> None:
     with pytest.raises(ProtocolError, match="out of Long range"):
         h.QueryConsumerOffsetResponseHeader.from_ext_fields({"offset": "9223372036854775808"})
