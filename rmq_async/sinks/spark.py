@@ -105,9 +105,9 @@ from rmq_async.sinks import AckCallback, SinkClosedError, TaskSpawner
 from rmq_async.sinks._arrow import (
     ARROW_SCHEMA,
     ValueFormat,
+    chunk_offset_ranges,
     decode_values,
     messages_to_arrow,
-    offset_ranges,
 )
 
 if TYPE_CHECKING:
@@ -808,7 +808,7 @@ async def _run_in_thread(func: Callable[[_Job], None], job: _Job) -> None:
 
 
 def _batch_info(batch: _Batch, msgs: Sequence[MessageExt]) -> BatchInfo:
-    ranges = offset_ranges(msgs)
+    ranges = chunk_offset_ranges(batch.chunks)
     queues = tuple(sorted(ranges))
     return BatchInfo(
         batch_id=batch.batch_id,

@@ -23,7 +23,13 @@ from hypothesis import strategies as st
 
 from rmq_async.protocol.types import MessageExt, MessageQueue
 from rmq_async.sinks import MessageSink, SinkClosedError
-from rmq_async.sinks._arrow import ARROW_SCHEMA, decode_values, messages_to_arrow, offset_ranges
+from rmq_async.sinks._arrow import (
+    ARROW_SCHEMA,
+    chunk_offset_ranges,
+    decode_values,
+    messages_to_arrow,
+    offset_ranges,
+)
 from rmq_async.sinks.spark import BatchInfo, SparkSink
 
 LogList = list[MutableMapping[str, Any]]
@@ -222,6 +228,23 @@ def test_offset_ranges() -> None:
         MessageQueue("orders", "broker-a", 0): (1002, 1008),
         MessageQueue("orders", "broker-b", 1): (1003, 1003),
     }
+
+
+def test_chunk_offset_ranges_equal_the_ranges_of_all_messages() -> None:
+    one_queue = [make_msg(i, queue_id=3) for i in (7, 5, 6)]  # a chunk need not be sorted
+    later = [make_msg(i, queue_id=3) for i in (20, 21)]
+    mixed = [make_msg(4, queue_id=3), make_msg(2, queue_id=0), make_msg(9, broker="broker-b")]
+    other_topic = [make_msg(1, queue_id=3)]
+    other_topic[0].topic = "refunds"
+    chunks = [one_queue, [], later, mixed, other_topic]
+    expected = {
+        MessageQueue("orders", "broker-a", 3): (1004, 1021),
+        MessageQueue("orders", "broker-a", 0): (1002, 1002),
+        MessageQueue("orders", "broker-b", 1): (1009, 1009),  # queue_id 9 % 4
+        MessageQueue("refunds", "broker-a", 3): (1001, 1001),
+    }
+    assert chunk_offset_ranges(chunks) == expected
+    assert offset_ranges([m for c in chunks for m in c]) == expected
 
 
 # ---------------------------------------------------------------------- body decoding
