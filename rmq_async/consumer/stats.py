@@ -14,6 +14,7 @@ failed messages over the last hour.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
 
@@ -117,10 +118,9 @@ class CumulativeHistogram:
         self.sum = 0.0
 
     def observe(self, value: float, times: int = 1) -> None:
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += times
-                break
+        i = bisect_left(self.bounds, value)  # the first bucket whose bound is >= value
+        if i < len(self.counts):
+            self.counts[i] += times
         self.count += times
         self.sum += value * times
 

@@ -104,3 +104,22 @@ def test_topics_are_separate_and_listed() -> None:
     assert table["A"]["pullRT"] == pytest.approx(1.0)
     assert table["B"]["pullRT"] == pytest.approx(3.0)
     assert table["A"]["pullTPS"] == pytest.approx(10.0)
+
+
+def test_histogram_buckets_take_values_up_to_their_bound() -> None:
+    from rmq_async.consumer.stats import PULL_BUCKETS, CumulativeHistogram
+
+    h = CumulativeHistogram(PULL_BUCKETS)
+    values = [0.0, 0.001, 0.0011, 0.0025, 0.7, 30.0, 30.5, 1e9]
+    for v in values:
+        h.observe(v)
+    h.observe(0.003, times=4)
+    # Each value counted in the first bucket whose bound is >= it, as a linear scan would.
+    expected = [0] * len(PULL_BUCKETS)
+    for v, times in [*((v, 1) for v in values), (0.003, 4)]:
+        first = next((i for i, b in enumerate(PULL_BUCKETS) if v <= b), None)
+        if first is not None:
+            expected[first] += times
+    assert h.counts == expected
+    assert h.count == len(values) + 4  # values above the last bound only in +Inf
+    assert h.counts[0] == 2 and h.counts[1] == 2 and h.counts[2] == 4
