@@ -116,7 +116,9 @@ class RemotingClient:
         ``frame`` (opaque, bytes) is the request already encoded; ``make_cmd`` builds it when
         the connection cannot take the encoded form.
         """
-        conn = await self.connection(addr)
+        conn = self._connections.get(addr)
+        if conn is None or conn.closed or self._closed:  # else no need to await anything
+            conn = await self.connection(addr)
         fut = conn.start_frame(*frame, timeout) if frame is not None else None
         if fut is None:
             cmd = make_cmd()
