@@ -47,6 +47,7 @@ from rmq_async.consumer.results import (
 from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY, PullRequest
 from rmq_async.consumer.subscriptions import reset_retry_topic
 from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.protocol.message import put_each
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 
 if TYPE_CHECKING:
@@ -201,8 +202,7 @@ class ConcurrentConsumeService:
         middlewares = rt.subscriptions.middlewares
         started_ms = int(time.time() * 1000)
         now_ms = str(started_ms)
-        for m in msgs:
-            m.put_property(PROPERTY_CONSUME_START_TIME, now_ms)
+        put_each(msgs, {PROPERTY_CONSUME_START_TIME: now_ms})
         n = len(msgs)
         size = self._opts.consume_message_batch_max_size
         req.started_ms = started_ms

@@ -36,6 +36,7 @@ from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
 from rmq_async.consumer.subscriptions import Subscription, reset_retry_topic
 from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.protocol.message import put_each
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 from rmq_async.remoting.errors import RemotingError
 
@@ -188,8 +189,7 @@ class OrderlyConsumeService:
         middlewares = rt.subscriptions.middlewares
         ctx = ConsumeContext(message_queue=mq)
         now_ms = str(int(time.time() * 1000))
-        for m in msgs:
-            m.put_property(PROPERTY_CONSUME_START_TIME, now_ms)
+        put_each(msgs, {PROPERTY_CONSUME_START_TIME: now_ms})
         began = time.monotonic()
         result = ConsumeResult.SUCCESS
         failing: list[MessageExt] = []

@@ -415,6 +415,32 @@ def stamp_delivered(list msgs not None, str broker_name not None, dict values no
             _put(msg, S_PROPS_PENDING, own)
 
 
+def put_each(list msgs not None, dict values not None):
+    """Compiled ``_put_each``: the same, writing the slots directly."""
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(msgs)
+    cdef object msg, props, pending, merged
+    cdef object last_old = None, last_new = None
+    for i in range(n):
+        msg = <object> PyList_GET_ITEM(msgs, i)
+        if type(msg) is not _message_type:
+            msg.put_properties(values)
+            continue
+        props = _get(msg, S_PROPS)
+        if props is not None:
+            PyDict_Update(props, values)
+            continue
+        pending = _get(msg, S_PROPS_PENDING)
+        if last_new is not None and pending is last_old:
+            _put(msg, S_PROPS_PENDING, last_new)
+            continue
+        merged = PyDict_Copy(values if pending is None else pending)
+        if pending is not None:
+            PyDict_Update(merged, values)
+        _put(msg, S_PROPS_PENDING, merged)
+        last_old = pending
+        last_new = merged
+
+
 def decode_records(bytes data not None, list out not None, bint decompress, bint unwrap_batch,
                    max_body_size, Py_ssize_t limit):
     """Compiled ``_decode_records``: append the messages of ``data`` to ``out``."""

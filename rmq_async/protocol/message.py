@@ -730,6 +730,26 @@ def _stamp_delivered(msgs: list[MessageExt], broker_name: str, values: dict[str,
         m._put_shared(shared)
 
 
+def _put_each(msgs: list[MessageExt], values: dict[str, str]) -> None:
+    """:meth:`MessageExt.put_properties` of ``values`` on every message, with one updated
+    pending dict for each run of messages that shared one (a chunk stamped by
+    :func:`stamp_delivered`) instead of a copy per message."""
+    last_old: dict[str, str] | None = None
+    last_new: dict[str, str] | None = None
+    for m in msgs:
+        props = m._props
+        if props is not None:
+            props.update(values)
+            continue
+        pending = m._props_pending
+        if last_new is not None and pending is last_old:
+            m._set_pending(last_new)
+            continue
+        merged = dict(values) if pending is None else {**pending, **values}
+        m._set_pending(merged)
+        last_old, last_new = pending, merged
+
+
 # ---------------------------------------------------------------------------------------------
 # Implementation: the compiled twin (rmq_async/protocol/_cmessage.pyx) when it can be imported
 # and RMQ_ASYNC_NO_EXTENSIONS is not set, else the pure-Python functions above.
@@ -746,13 +766,17 @@ stamp_delivered: Callable[[list[MessageExt], str, dict[str, str]], None] = _stam
 """Set the queue's broker name and the pull's properties (MIN_OFFSET, MAX_OFFSET) on every
 message of a pulled chunk (compiled when the extension is in use)."""
 
+put_each: Callable[[list[MessageExt], dict[str, str]], None] = _put_each
+"""Add ``values`` to the properties of every message of a chunk (the consume start time), one
+pending dict per chunk (compiled when the extension is in use)."""
+
 message_columns: Callable[[list[MessageExt]], dict[str, Any] | None] | None = None
 """The compiled converter of messages to the buffers of the sink's Arrow columns, or None
 without the extension (see ``rmq_async.sinks._arrow``)."""
 
 
 def _use_compiled() -> bool:
-    global _records, _decode_properties_impl, message_columns, stamp_delivered
+    global _records, _decode_properties_impl, message_columns, put_each, stamp_delivered
     if os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0"):
         return False
     try:
@@ -770,6 +794,7 @@ def _use_compiled() -> bool:
     set_properties_parser(_cmessage.parse_raw_properties, _cmessage.find_raw_property)
     message_columns = _cmessage.message_columns
     stamp_delivered = _cmessage.stamp_delivered
+    put_each = _cmessage.put_each
     return True
 
 

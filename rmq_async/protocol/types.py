@@ -210,6 +210,10 @@ class _LazyFields(_FieldNames):
             own.update(values)
             self._props_pending = own
 
+    def _set_pending(self, pending: dict[str, str]) -> None:
+        """Replace the pending properties (a dict that nobody changes in place)."""
+        self._props_pending = pending
+
     def _put_shared(self, shared: dict[str, str]) -> None:
         """:meth:`put_properties` of a dict other messages share and nobody changes: kept as
         it is when nothing waits yet."""

@@ -523,3 +523,44 @@ def test_stamp_delivered_twins_agree_and_leave_properties_unparsed() -> None:
                                 "MAX_OFFSET": "10"}
     assert results[0][2][1]["CONSUME_START_TIME"] == "5"
     assert values == {"MIN_OFFSET": "0", "MAX_OFFSET": "10"}  # each message got its own copy
+
+
+@needs_compiled
+def test_put_each_twins_agree_and_share_one_dict_per_run() -> None:
+    """The consume start time on a chunk: each twin gives every message the same properties as
+    ``put_properties`` would, with one pending dict for the messages that shared one."""
+    assert _cmessage is not None
+    stored = b"".join(encode_stored_message(MessageExt(
+        "T", f"b{i}".encode(), 1, i, properties={"TAGS": "t", "a": str(i)})) for i in range(6))
+
+    class Custom(MessageExt):
+        __slots__ = ()
+
+    def chunk() -> list[MessageExt]:
+        msgs = message.decode_messages(stored)
+        message.stamp_delivered(msgs, "b", {"MIN_OFFSET": "0", "MAX_OFFSET": "9"})
+        _ = msgs[2].properties                    # parsed
+        msgs[4].put_property("x", "own")          # a pending dict of its own
+        msgs.append(Custom("T", b"c", 1, 9, properties={"y": "z"}))
+        return msgs
+
+    values = {"CONSUME_START_TIME": "1700000000000"}
+    expected = []
+    for m in chunk():
+        m.put_properties(values)
+        expected.append(m.properties)
+    for put in (message._put_each, _cmessage.put_each):
+        msgs = chunk()
+        put(msgs, values)
+        pending = [m._props_pending for m in msgs]
+        # 0, 1 and 3 are one run (2 is parsed, so has no pending); 4 ends it, 5 starts another.
+        assert pending[0] is pending[1] and pending[1] is pending[3]
+        assert pending[4] is not pending[0] and pending[5] is not pending[0]
+        assert pending[5] == pending[0] and pending[2] is None
+        assert msgs[0]._props is None                     # nothing parsed
+        # The shared dict is never changed in place: a later change to one message stays there.
+        msgs[0].put_property("CONSUME_START_TIME", "1")
+        assert msgs[1].get_property("CONSUME_START_TIME") == "1700000000000"
+        msgs[0].put_property("CONSUME_START_TIME", "1700000000000")
+        assert [m.properties for m in msgs] == expected
+    assert values == {"CONSUME_START_TIME": "1700000000000"}
