@@ -320,9 +320,11 @@ async def test_requests_kept_in_flight_time_out_at_their_own_deadlines() -> None
             middle = conn.start_request(RemotingCommand.request(RequestCode.HEART_BEAT), 0.5)
             assert conn.pending_count == 3
             await asyncio.gather(wait("slow", slow), wait("fast", fast), wait("middle", middle))
-            assert 0.2 <= ended["fast"] < 0.45
-            assert 0.5 <= ended["middle"] < 0.75
-            assert 0.9 <= ended["slow"] < 1.4
+            # None before its deadline, each in the order of the deadlines (not of sending:
+            # a single late check would wake them in the order they were sent), and none held
+            # long after (bounds loose enough for a loaded CI machine).
+            assert ended["fast"] >= 0.19 and ended["middle"] >= 0.49 and ended["slow"] >= 0.89
+            assert ended["fast"] < ended["middle"] < ended["slow"] < 3.0
             assert conn.pending_count == 0 and not conn._deadlines and not conn._timeouts
             assert conn._sweep_handle is None  # nothing left to wait for
             assert not conn.closed  # a bare connection does not close itself on a timeout
@@ -378,7 +380,7 @@ async def test_a_started_request_that_times_out_replaces_its_connection() -> Non
             with pytest.raises(ConnectionClosed):
                 async with asyncio.timeout(2):
                     await other
-            assert time.monotonic() - started < 1.5
+            assert time.monotonic() - started < 3.0
             await client.start_invoke(
                 peer.addr, lambda: RemotingCommand.request(RequestCode.HEART_BEAT), 5)
             assert peer.connections == 2
