@@ -389,56 +389,49 @@ cdef _unwrap_batch(object outer, list out):
 def stamp_delivered(list msgs not None, str broker_name not None, dict values not None):
     """Compiled ``_stamp_delivered``: the same, writing the slots directly."""
     cdef Py_ssize_t i, n = PyList_GET_SIZE(msgs)
-    cdef object msg, props, pending, own
-    cdef object shared = None
+    cdef object msg
+    for i in range(n):
+        msg = <object> PyList_GET_ITEM(msgs, i)
+        if type(msg) is _message_type:
+            _put(msg, S_BROKER_NAME, broker_name)
+        else:
+            msg.broker_name = broker_name
+    _put_each(msgs, values)
+
+
+def put_each(list msgs not None, dict values not None):
+    """Compiled ``_put_each``: the same, writing the slots directly."""
+    _put_each(msgs, values)
+
+
+cdef _put_each(list msgs, dict values):
+    # One dict for all messages with nothing pending (a pulled chunk) and one for each run of
+    # messages that shared a pending dict, not a copy per message (each one an allocation
+    # that also counts towards the next garbage collection). Pending dicts may be shared, so
+    # they are replaced, never changed in place.
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(msgs)
+    cdef object msg, props, pending, merged
+    cdef object fresh = None, last_old = None, last_new = None
     for i in range(n):
         msg = <object> PyList_GET_ITEM(msgs, i)
         if type(msg) is not _message_type:
-            msg.broker_name = broker_name
             msg.put_properties(values)
             continue
-        _put(msg, S_BROKER_NAME, broker_name)
         props = _get(msg, S_PROPS)
         if props is not None:
             PyDict_Update(props, values)
             continue
         pending = _get(msg, S_PROPS_PENDING)
         if pending is None:
-            # One dict for the chunk, not a copy per message (each one an allocation that
-            # also counts towards the next garbage collection).
-            if shared is None:
-                shared = PyDict_Copy(values)
-            _put(msg, S_PROPS_PENDING, shared)
-        else:
-            own = PyDict_Copy(pending)  # may be shared: replaced, never changed in place
-            PyDict_Update(own, values)
-            _put(msg, S_PROPS_PENDING, own)
-
-
-def put_each(list msgs not None, dict values not None):
-    """Compiled ``_put_each``: the same, writing the slots directly."""
-    cdef Py_ssize_t i, n = PyList_GET_SIZE(msgs)
-    cdef object msg, props, pending, merged
-    cdef object last_old = None, last_new = None
-    for i in range(n):
-        msg = <object> PyList_GET_ITEM(msgs, i)
-        if type(msg) is not _message_type:
-            msg.put_properties(values)
+            if fresh is None:
+                fresh = PyDict_Copy(values)
+            _put(msg, S_PROPS_PENDING, fresh)
             continue
-        props = _get(msg, S_PROPS)
-        if props is not None:
-            PyDict_Update(props, values)
-            continue
-        pending = _get(msg, S_PROPS_PENDING)
-        if last_new is not None and pending is last_old:
-            _put(msg, S_PROPS_PENDING, last_new)
-            continue
-        merged = PyDict_Copy(values if pending is None else pending)
-        if pending is not None:
-            PyDict_Update(merged, values)
-        _put(msg, S_PROPS_PENDING, merged)
-        last_old = pending
-        last_new = merged
+        if pending is not last_old:
+            last_old = pending
+            last_new = PyDict_Copy(pending)
+            PyDict_Update(last_new, values)
+        _put(msg, S_PROPS_PENDING, last_new)
 
 
 def decode_records(bytes data not None, list out not None, bint decompress, bint unwrap_batch,

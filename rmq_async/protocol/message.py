@@ -722,32 +722,35 @@ def encode_batch(messages: Iterable[Message]) -> bytes:
 
 def _stamp_delivered(msgs: list[MessageExt], broker_name: str, values: dict[str, str]) -> None:
     """Set ``broker_name`` and add ``values`` to the properties of every pulled message (as
-    :meth:`MessageExt.put_properties`: unparsed properties stay unparsed). Messages that had
-    no pending properties share one copy of ``values`` instead of a copy each."""
-    shared = dict(values)
+    :meth:`MessageExt.put_properties`: unparsed properties stay unparsed) with
+    :func:`_put_each`: the messages that had no pending properties share one copy of
+    ``values``."""
     for m in msgs:
         m.broker_name = broker_name
-        m._put_shared(shared)
+    _put_each(msgs, values)
 
 
 def _put_each(msgs: list[MessageExt], values: dict[str, str]) -> None:
-    """:meth:`MessageExt.put_properties` of ``values`` on every message, with one updated
-    pending dict for each run of messages that shared one (a chunk stamped by
-    :func:`stamp_delivered`) instead of a copy per message."""
+    """:meth:`MessageExt.put_properties` of ``values`` on every message, with one pending dict
+    for all messages that had none (a pulled chunk) and one for each run of messages that
+    shared one, instead of a copy per message."""
+    fresh: dict[str, str] | None = None
     last_old: dict[str, str] | None = None
-    last_new: dict[str, str] | None = None
+    last_new: dict[str, str] = values
     for m in msgs:
         props = m._props
         if props is not None:
             props.update(values)
             continue
         pending = m._props_pending
-        if last_new is not None and pending is last_old:
-            m._set_pending(last_new)
+        if pending is None:
+            if fresh is None:
+                fresh = dict(values)
+            m._set_pending(fresh)
             continue
-        merged = dict(values) if pending is None else {**pending, **values}
-        m._set_pending(merged)
-        last_old, last_new = pending, merged
+        if pending is not last_old:
+            last_old, last_new = pending, {**pending, **values}
+        m._set_pending(last_new)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -214,17 +214,6 @@ class _LazyFields(_FieldNames):
         """Replace the pending properties (a dict that nobody changes in place)."""
         self._props_pending = pending
 
-    def _put_shared(self, shared: dict[str, str]) -> None:
-        """:meth:`put_properties` of a dict other messages share and nobody changes: kept as
-        it is when nothing waits yet."""
-        props = self._props
-        if props is not None:
-            props.update(shared)
-        elif self._props_pending is None:
-            self._props_pending = shared
-        else:
-            self.put_properties(shared)
-
 
 @dataclass(slots=True, eq=False)
 class MessageExt(_LazyFields):
