@@ -54,13 +54,13 @@ class RemotingClient:
         """The open connection to ``addr``, connecting (again) when there is none."""
         if self._closed:
             raise ConnectionClosed("remoting client is closed", addr=addr)
-        conn = self._connections.get(addr)
-        if conn is not None and not conn.closed:
+        conn = self._pooled(addr)
+        if conn is not None:
             return conn
         lock = self._connect_locks.setdefault(addr, asyncio.Lock())
         async with lock:
-            conn = self._connections.get(addr)
-            if conn is not None and not conn.closed:
+            conn = self._pooled(addr)
+            if conn is not None:
                 return conn
             if self._closed:
                 raise ConnectionClosed("remoting client is closed", addr=addr)
@@ -79,6 +79,14 @@ class RemotingClient:
             conn.on_started_go_away = self._after_started_go_away
             self._connections[addr] = conn
             return conn
+
+    def _pooled(self, addr: str) -> Connection | None:
+        """The open connection to ``addr`` while the client is open, else ``None`` (then
+        :meth:`connection` connects or raises)."""
+        conn = self._connections.get(addr)
+        if conn is None or conn.closed or self._closed:
+            return None
+        return conn
 
     async def invoke(self, addr: str, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
         """Send a request and return the peer's response (any response code).
@@ -116,9 +124,7 @@ class RemotingClient:
         ``frame`` (opaque, bytes) is the request already encoded; ``make_cmd`` builds it when
         the connection cannot take the encoded form.
         """
-        conn = self._connections.get(addr)
-        if conn is None or conn.closed or self._closed:  # else no need to await anything
-            conn = await self.connection(addr)
+        conn = self._pooled(addr) or await self.connection(addr)
         fut = conn.start_frame(*frame, timeout) if frame is not None else None
         if fut is None:
             cmd = make_cmd()
