@@ -718,7 +718,8 @@ class SparkSink:
 
     def _convert(self, job: _Job) -> None:
         """Fill in the batch's Arrow table and :class:`BatchInfo`, in a worker thread."""
-        msgs = list(itertools.chain.from_iterable(job.batch.chunks))
+        chunks = job.batch.chunks  # read once: the loop may finish the batch meanwhile
+        msgs = list(itertools.chain.from_iterable(chunks))
         chunk_rows = self._arrow_chunk_rows()
         table = messages_to_arrow(msgs, chunk_rows=chunk_rows)
         if self._value_arrow_type is not None:
@@ -737,7 +738,7 @@ class SparkSink:
             )
             table = table.append_column(pa.field("value", value_type, True), values)
         job.table = table
-        job.info = _batch_info(job.batch, msgs)
+        job.info = _batch_info(job.batch, chunks, len(msgs))
 
     def _arrow_chunk_rows(self) -> int:
         """Rows per Arrow slice: Spark's Arrow batch size (each slice becomes one partition),
@@ -807,15 +808,15 @@ async def _run_in_thread(func: Callable[[_Job], None], job: _Job) -> None:
     inner.result()
 
 
-def _batch_info(batch: _Batch, msgs: Sequence[MessageExt]) -> BatchInfo:
-    ranges = chunk_offset_ranges(batch.chunks)
+def _batch_info(batch: _Batch, chunks: Sequence[Sequence[MessageExt]], rows: int) -> BatchInfo:
+    ranges = chunk_offset_ranges(chunks)
     queues = tuple(sorted(ranges))
     return BatchInfo(
         batch_id=batch.batch_id,
         topics=tuple(sorted({mq.topic for mq in queues})),
         queues=queues,
         offset_ranges={mq: ranges[mq] for mq in queues},
-        row_count=len(msgs),
+        row_count=rows,
         bytes=batch.bytes,
         opened_at=batch.opened_at,
         closed_at=batch.closed_at,
