@@ -102,9 +102,17 @@ async def _wait_replicated(cluster: LocalCluster, topic: str, timeout: float = 6
             mq = next(q for q in await admin.queues(topic) if q.broker_name == name)
             for broker_id in range(1, cluster.slaves + 1):
                 addr = cluster.broker_addr(name, broker_id)
-                while (await _max_offsets_at(admin, addr, topic, name) != master
-                       or not await _slave_serves(admin, addr, mq)):
-                    assert time.monotonic() < deadline, f"{name}-{broker_id} did not catch up"
+                while True:
+                    copied = await _max_offsets_at(admin, addr, topic, name)
+                    serves = copied == master and await _slave_serves(admin, addr, mq)
+                    if serves:
+                        break
+                    # What the slave had, for the failure message: not yet replicated (offsets
+                    # behind the master's) or not yet serving the topic (config not synced).
+                    assert time.monotonic() < deadline, (
+                        f"{name}-{broker_id} did not catch up: max offsets {copied} against "
+                        f"the master's {master}; "
+                        + ("refuses pulls of the topic" if copied == master else "behind"))
                     await asyncio.sleep(0.2)
 
 
