@@ -18,6 +18,11 @@ ascending order; entries removed from the dict are dropped from the deque lazily
 either end. Pulled messages arrive in increasing offset order, so the common path (append at the
 right, remove anywhere, read the smallest and largest live offset) is amortised O(1) per message;
 an offset that lands in the middle (not expected from the broker) triggers an O(n log n) rebuild.
+
+Sink subscriptions cache whole pulls as :class:`~rmq_async.protocol.stored.StoredChunk` entries
+(:meth:`put_chunk`): one entry per pull, filed under its first offset, counting all of its
+messages and their body bytes, and removed in one step when its batch is written
+(:meth:`remove_chunk`). The committable offset and the span see a chunk's whole offset range.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import (
     PROPERTY_CONSUME_START_TIME,
     PROPERTY_MAX_OFFSET,
@@ -77,7 +83,8 @@ class ProcessQueue:
     def __init__(self, *, now: float | None = None) -> None:
         if now is None:
             now = time.monotonic()
-        self._msgs: dict[int, MessageExt] = {}
+        # Messages, and (sink subscriptions) stored chunks under their first offset.
+        self._msgs: dict[int, MessageExt | StoredChunk] = {}
         self._offsets: deque[int] = deque()
         # Orderly mode: messages handed to the listener and not yet committed.
         self._consuming: dict[int, MessageExt] = {}
@@ -108,7 +115,7 @@ class ProcessQueue:
         while offsets and offsets[-1] not in msgs:
             offsets.pop()
 
-    def _insert(self, offset: int, msg: MessageExt) -> None:
+    def _insert(self, offset: int, msg: MessageExt | StoredChunk) -> None:
         """Cache ``msg`` under a fresh offset (the caller checked it is not cached)."""
         offsets = self._offsets
         self._msgs[offset] = msg
@@ -174,12 +181,18 @@ class ProcessQueue:
         offsets = self._offsets
         if not offsets:
             return 0
-        return offsets[-1] - offsets[0]
+        return self._top() - offsets[0]
+
+    def _top(self) -> int:
+        """The highest cached offset, the last offset of a stored chunk included (not empty)."""
+        last = self._offsets[-1]
+        entry = self._msgs.get(last)
+        return entry.last_offset if type(entry) is StoredChunk else last
 
     @property
     def cached_count(self) -> int:
         """Messages waiting in the cache (orderly: not counting those being consumed)."""
-        return len(self._msgs)
+        return self.msg_count - len(self._consuming)
 
     @property
     def min_offset(self) -> int | None:
@@ -189,7 +202,7 @@ class ProcessQueue:
     @property
     def max_offset(self) -> int | None:
         """Largest cached offset, or ``None``."""
-        return self._offsets[-1] if self._offsets else None
+        return self._top() if self._offsets else None
 
     def has_temp_message(self) -> bool:
         return bool(self._msgs)
@@ -200,6 +213,62 @@ class ProcessQueue:
     def is_pull_expired(self, now: float, max_idle: float = PULL_MAX_IDLE_TIME) -> bool:
         """No pull for more than ``max_idle`` seconds (``now`` from ``time.monotonic()``)."""
         return now - self.last_pull_timestamp > max_idle
+
+    def put_chunk(self, chunk: StoredChunk) -> bool:
+        """Cache a sink's stored chunk as one entry (see the module docstring); a chunk whose
+        first offset is already cached is ignored. Returns what :meth:`put_messages` returns."""
+        first = chunk.first_offset
+        msgs_map = self._msgs
+        if first not in msgs_map and first not in self._consuming:
+            offsets = self._offsets
+            if offsets and first <= offsets[-1]:
+                self._insert(first, chunk)
+            else:
+                msgs_map[first] = chunk
+                offsets.append(first)
+            self.msg_count += chunk.count
+            self.msg_size += chunk.size
+            if chunk.last_offset > self.queue_offset_max:
+                self.queue_offset_max = chunk.last_offset
+        if chunk.max_offset > chunk.last_offset:
+            self.msg_acc_count = chunk.max_offset - chunk.last_offset
+        if msgs_map and not self.consuming:
+            self.consuming = True
+            return True
+        return False
+
+    def remove_chunk(self, chunk: StoredChunk) -> int:
+        """Forget a stored chunk whose batch is written; returns what :meth:`remove_messages`
+        returns (the offset that may now be committed, or ``-1``)."""
+        self.last_consume_timestamp = time.monotonic()
+        msgs_map = self._msgs
+        if not msgs_map:
+            return -1
+        if msgs_map.get(chunk.first_offset) is chunk:
+            del msgs_map[chunk.first_offset]
+            self.msg_count -= chunk.count
+            self.msg_size = 0 if self.msg_count == 0 else self.msg_size - chunk.size
+            self._trim()
+        if self._offsets:
+            return self._offsets[0]
+        return self.queue_offset_max + 1
+
+    def unpack_chunk(self, chunk: StoredChunk, msgs: list[MessageExt]) -> bool:
+        """Cache ``msgs`` (the chunk decoded) in place of ``chunk``, so that they can be
+        acknowledged one by one; False when the chunk is not cached (nothing changes)."""
+        msgs_map = self._msgs
+        if msgs_map.get(chunk.first_offset) is not chunk:
+            return False
+        del msgs_map[chunk.first_offset]
+        self.msg_count -= chunk.count
+        self.msg_size -= chunk.size
+        for msg in msgs:
+            if msg.queue_offset not in msgs_map:
+                msgs_map[msg.queue_offset] = msg
+                self.msg_count += 1
+                self.msg_size += len(msg.body)
+        self._offsets = deque(sorted(msgs_map))  # rare (a failed write): a rebuild is fine
+        return True
 
     # ------------------------------------------------------------------ concurrent consume
 
@@ -217,8 +286,9 @@ class ProcessQueue:
         removed = 0
         size = 0
         for msg in msgs:
-            cached = msgs_map.pop(msg.queue_offset, None)
-            if cached is not None:
+            cached = msgs_map.get(msg.queue_offset)
+            if cached is not None and not isinstance(cached, StoredChunk):
+                del msgs_map[msg.queue_offset]
                 removed += 1
                 size += len(cached.body)
         if removed:
@@ -247,6 +317,9 @@ class ProcessQueue:
             msg = msgs_map.get(offset)
             if msg is None:
                 continue
+            if type(msg) is StoredChunk:
+                break  # a sink's chunk has no consume start time
+            assert isinstance(msg, MessageExt)
             started = msg.get_property(PROPERTY_CONSUME_START_TIME)
             if not started:
                 break
@@ -277,6 +350,7 @@ class ProcessQueue:
             msg = msgs_map.pop(offset, None)
             if msg is None:
                 continue
+            assert isinstance(msg, MessageExt)  # orderly queues hold no stored chunks
             consuming[offset] = msg
             result.append(msg)
         self._trim()
@@ -358,8 +432,8 @@ class ProcessQueue:
         return {
             "commitOffset": commit_offset,
             "cachedMsgMinOffset": offsets[0] if offsets else 0,
-            "cachedMsgMaxOffset": offsets[-1] if offsets else 0,
-            "cachedMsgCount": len(self._msgs),
+            "cachedMsgMaxOffset": self._top() if offsets else 0,
+            "cachedMsgCount": self.msg_count - len(consuming),
             "cachedMsgSizeInMiB": self.msg_size // _MiB,
             "transactionMsgMinOffset": min(consuming) if consuming else 0,
             "transactionMsgMaxOffset": max(consuming) if consuming else 0,

@@ -32,6 +32,7 @@ from rmq_async.protocol.codes import ResponseCode
 from rmq_async.protocol.filter import tag_matches
 from rmq_async.protocol.message import ProtocolError, stamp_delivered
 from rmq_async.protocol.salvage import decode_messages_salvaging
+from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import (
     PROPERTY_MAX_OFFSET,
     PROPERTY_MIN_OFFSET,
@@ -231,6 +232,21 @@ class PullService:
             f"pulling again from offset {bad_offset + 1}"))
         return msgs, bad_offset + 1
 
+    def _stored_chunk(self, mq: MessageQueue, result: PullResult,
+                      pulled: dict[str, str]) -> StoredChunk | None:
+        """A sink subscription's FOUND body kept undecoded, or None to decode it as usual.
+
+        Kept when the queue's topic is subscribed with a sink and no tag filter (the retry
+        topic, whose messages belong to several subscriptions, is decoded) and the body is one
+        the columnar path takes (:meth:`StoredChunk.scan`; never without the compiled codec).
+        """
+        if mq.topic == self._rt.retry_topic or result.offset_delta:
+            return None
+        sub = self._rt.subscriptions.topics.get(mq.topic)
+        if sub is None or sub.sink is None or sub.orderly or sub.data.tags_set:
+            return None
+        return StoredChunk.scan(result.body, mq.topic, mq.broker_name, pulled, result.max_offset)
+
     def _error_delay(self, req: PullRequest, exc: MQBrokerError) -> float:
         opts = self._opts
         if is_acl_refusal(exc.code, exc.remark):
@@ -340,18 +356,26 @@ class PullService:
         status = result.status
         if status is PullStatus.FOUND:
             sub = rt.subscriptions.subscription_data(mq.topic)
-            msgs, next_offset = self._decode(req, result)
-            rt.stats.record_pull(mq.topic, len(msgs), elapsed)
-            req.next_offset = next_offset
-            if sub is not None and sub.tags_set:
-                msgs = [m for m in msgs if tag_matches(sub, m.tags)]
-            first = False
-            if msgs:
-                # Does not parse the messages' properties.
-                stamp_delivered(msgs, mq.broker_name,
-                                {PROPERTY_MIN_OFFSET: str(result.min_offset),
-                                 PROPERTY_MAX_OFFSET: str(result.max_offset)})
-                first = req.pq.put_messages(msgs)
+            pulled = {PROPERTY_MIN_OFFSET: str(result.min_offset),
+                      PROPERTY_MAX_OFFSET: str(result.max_offset)}
+            chunk = self._stored_chunk(mq, result, pulled)
+            msgs: list[MessageExt] | StoredChunk
+            if chunk is not None:
+                # A sink's chunk: kept undecoded, cached and acknowledged as one entry.
+                rt.stats.record_pull(mq.topic, chunk.count, elapsed)
+                req.next_offset = result.next_begin_offset
+                msgs = chunk
+                first = req.pq.put_chunk(chunk)
+            else:
+                msgs, req.next_offset = self._decode(req, result)
+                rt.stats.record_pull(mq.topic, len(msgs), elapsed)
+                if sub is not None and sub.tags_set:
+                    msgs = [m for m in msgs if tag_matches(sub, m.tags)]
+                first = False
+                if msgs:
+                    # Does not parse the messages' properties.
+                    stamp_delivered(msgs, mq.broker_name, pulled)
+                    first = req.pq.put_messages(msgs)
             # The next pull goes out before this chunk is handed on, so the broker works on it
             # while the chunk is consumed; the flow control sees the chunk already cached.
             ahead: PendingPull | None = None
@@ -362,7 +386,10 @@ class PullService:
                     log.debug("pull.ahead_failed", queue=str(mq), error=str(exc))
             if msgs and not req.pq.dropped:
                 try:
-                    self._router.submit(msgs, req.pq, mq, first)
+                    if isinstance(msgs, StoredChunk):
+                        self._router.submit_stored(msgs, req.pq, mq, first)
+                    else:
+                        self._router.submit(msgs, req.pq, mq, first)
                 except BaseException:
                     if ahead is not None:
                         ahead.cancel()

@@ -22,6 +22,7 @@ from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC
 if TYPE_CHECKING:
     from rmq_async.consumer.process_queue import ProcessQueue
     from rmq_async.consumer.subscriptions import Subscriptions
+    from rmq_async.protocol.stored import StoredChunk
     from rmq_async.protocol.types import MessageExt, MessageQueue
 
 #: A message that could not be handed back to the broker is consumed again after this long.
@@ -67,6 +68,13 @@ class ConsumeService(Protocol):
         """End every task of the service."""
 
 
+class StoredChunkService(ConsumeService, Protocol):
+    """A consumption service that also takes undecoded chunks (the sink service)."""
+
+    def submit_stored(self, chunk: StoredChunk, pq: ProcessQueue, mq: MessageQueue) -> None:
+        """Take a pulled chunk of ``mq`` kept undecoded (cached in ``pq`` as one entry)."""
+
+
 class ServiceRouter:
     """Hands each pulled chunk to the service that consumes its topic.
 
@@ -77,7 +85,7 @@ class ServiceRouter:
     """
 
     def __init__(self, subscriptions: Subscriptions, *, concurrent: ConsumeService,
-                 orderly: ConsumeService, sink: ConsumeService) -> None:
+                 orderly: ConsumeService, sink: StoredChunkService) -> None:
         self._subs = subscriptions
         self._retry_topic = subscriptions.retry_topic
         self.concurrent = concurrent
@@ -107,6 +115,11 @@ class ServiceRouter:
             by_origin.setdefault(m.properties.get(PROPERTY_RETRY_TOPIC, topic), []).append(m)
         for origin, part in by_origin.items():
             self._submit_to(origin, part, pq, mq, first)
+
+    def submit_stored(self, chunk: StoredChunk, pq: ProcessQueue, mq: MessageQueue,
+                      first: bool) -> None:
+        """Take a sink subscription's undecoded chunk (see :mod:`rmq_async.protocol.stored`)."""
+        self.sink.submit_stored(chunk, pq, mq)
 
     def _submit_to(self, origin: str, msgs: list[MessageExt], pq: ProcessQueue,
                    mq: MessageQueue, first: bool) -> None:

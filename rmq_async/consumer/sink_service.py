@@ -20,6 +20,11 @@ The verdict decides what happens to the chunk:
   so the offset cannot pass it, and is offered to the sink again after a pause. A sink's data
   is never dropped.
 
+A sink subscription's pulls usually arrive undecoded, as one
+:class:`~rmq_async.protocol.stored.StoredChunk` each (see :mod:`rmq_async.protocol.stored`):
+the ProcessQueue holds it as one entry, the sink converts its body straight to Arrow, and only a
+failed chunk is decoded into messages (to be sent back one by one).
+
 Rows keep the coordinates of the queue they were read from (a redelivered message keeps
 ``%RETRY%<group>`` as its topic and carries RETRY_TOPIC), so that
 ``(topic, broker_name, queue_id, queue_offset)`` stays a unique, idempotent row key.
@@ -35,6 +40,7 @@ import structlog
 
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY
+from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import PROPERTY_MAX_OFFSET
 
 if TYPE_CHECKING:
@@ -45,6 +51,9 @@ if TYPE_CHECKING:
     from rmq_async.sinks.spark import SparkSink
 
 log = structlog.get_logger(__name__)
+
+#: What the sink service hands a sink: a pull's messages, or its undecoded records.
+Chunk = list["MessageExt"] | StoredChunk
 
 #: Failed messages are sent back this many at a time.
 SEND_BACK_PARALLEL = 32
@@ -82,16 +91,27 @@ class SinkConsumeService:
             return
         self._offer(sink, msgs, pq, mq)
         if msgs and mq.topic != rt.retry_topic:
-            self._note_position(sink, msgs[-1], mq)
+            last = msgs[-1]
+            raw = last.get_property(PROPERTY_MAX_OFFSET)
+            try:
+                behind = raw is not None and int(raw) > last.queue_offset + 1
+            except ValueError:
+                behind = False
+            self._note_position(sink, mq, behind)
 
-    def _note_position(self, sink: SparkSink, last: MessageExt, mq: MessageQueue) -> None:
-        """Track whether ``mq`` is read to its end; tell the sink once every queue of its topic
-        is (queues that never delivered count as read: they had nothing)."""
-        raw = last.get_property(PROPERTY_MAX_OFFSET)
-        try:
-            behind = raw is not None and int(raw) > last.queue_offset + 1
-        except ValueError:
-            behind = False
+    def submit_stored(self, chunk: StoredChunk, pq: ProcessQueue, mq: MessageQueue) -> None:
+        """Take an undecoded chunk of a sink subscription (never of the retry topic)."""
+        sink = self._rt.subscriptions.sink_for(mq.topic)
+        if sink is None:
+            log.warning("sink.no_sink", queue=str(mq), count=chunk.count)
+            return
+        self._offer(sink, chunk, pq, mq)
+        self._note_position(sink, mq, chunk.max_offset > chunk.last_offset + 1)
+
+    def _note_position(self, sink: SparkSink, mq: MessageQueue, behind: bool) -> None:
+        """Track whether ``mq`` is read to its end (``behind``: its last chunk ended before
+        the queue's max offset); tell the sink once every queue of its topic is (queues that
+        never delivered count as read: they had nothing)."""
         if behind:
             self._behind.add(mq)
             return
@@ -127,8 +147,7 @@ class SinkConsumeService:
 
     # ------------------------------------------------------------------ offer / acknowledge
 
-    def _offer(self, sink: SparkSink, msgs: list[MessageExt], pq: ProcessQueue,
-               mq: MessageQueue) -> None:
+    def _offer(self, sink: SparkSink, msgs: Chunk, pq: ProcessQueue, mq: MessageQueue) -> None:
         from rmq_async.sinks import SinkClosedError
 
         rt = self._rt
@@ -143,7 +162,7 @@ class SinkConsumeService:
         if rt.thresholds.queue_blocked(mq.topic, pq):
             sink.expedite()
 
-    def _acked(self, ok: bool, sink: SparkSink, msgs: list[MessageExt], pq: ProcessQueue,
+    def _acked(self, ok: bool, sink: SparkSink, msgs: Chunk, pq: ProcessQueue,
                mq: MessageQueue) -> None:
         """The sink's verdict on an offered chunk."""
         if ok:
@@ -153,7 +172,7 @@ class SinkConsumeService:
             self._rt.tasks.spawn(self._failed(sink, msgs, pq, mq), name="sink-failed")
         except RuntimeError:  # the consumer is stopping: nothing commits, all is redelivered
             log.warning("sink.failed_chunk_left_uncommitted", queue=str(mq), count=len(msgs),
-                        first_offset=msgs[0].queue_offset if msgs else -1)
+                        first_offset=_first_offset(msgs))
 
     def _tell_flow_limit(self, sink: SparkSink, topic: str) -> None:
         """Report to ``sink`` what the flow control lets it hold for ``topic`` on this client."""
@@ -168,25 +187,38 @@ class SinkConsumeService:
         per_queue = min(count, self._opts.consume_concurrently_max_span) + 1
         sink.set_flow_limit(queues * per_queue, queues * size_mib * 1024 * 1024)
 
-    def _commit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
+    def _commit(self, msgs: Chunk, pq: ProcessQueue, mq: MessageQueue,
                 *, stored: bool = True) -> None:
         """``msgs`` are stored (or handed back): forget them, move the in-memory offset."""
         rt = self._rt
         if stored:
-            rt.stats.record_consume(rt.subscriptions.origin_topic(mq.topic, msgs), len(msgs), 0,
-                                    0.0)
+            topic = (mq.topic if isinstance(msgs, StoredChunk)
+                     else rt.subscriptions.origin_topic(mq.topic, msgs))
+            rt.stats.record_consume(topic, len(msgs), 0, 0.0)
         if pq.dropped:
             # Rebalance took the queue away meanwhile: this result commits nothing.
             return
-        offset = pq.remove_messages(msgs)
+        offset = (pq.remove_chunk(msgs) if isinstance(msgs, StoredChunk)
+                  else pq.remove_messages(msgs))
         if offset >= 0 and not pq.dropped:
             rt.offset_store.update(mq, offset, increase_only=True)
 
-    async def _failed(self, sink: SparkSink, msgs: list[MessageExt], pq: ProcessQueue,
+    async def _failed(self, sink: SparkSink, chunk: Chunk, pq: ProcessQueue,
                       mq: MessageQueue) -> None:
         """A chunk the sink could not write: hand it back to the broker, or offer it again."""
         rt = self._rt
-        rt.stats.record_consume(rt.subscriptions.origin_topic(mq.topic, msgs), 0, len(msgs), 0.0)
+        if isinstance(chunk, StoredChunk):
+            rt.stats.record_consume(mq.topic, 0, chunk.count, 0.0)
+            if pq.dropped:
+                return
+            # Its messages are handed back (and acknowledged) one by one from now on.
+            msgs = chunk.messages()
+            if not pq.unpack_chunk(chunk, msgs):
+                return
+        else:
+            msgs = chunk
+            rt.stats.record_consume(rt.subscriptions.origin_topic(mq.topic, msgs), 0, len(msgs),
+                                    0.0)
         if pq.dropped or not msgs:
             return
         not_sent = msgs
@@ -220,7 +252,7 @@ class _ChunkAck:
 
     __slots__ = ("_mq", "_msgs", "_pq", "_service", "_sink")
 
-    def __init__(self, service: SinkConsumeService, sink: SparkSink, msgs: list[MessageExt],
+    def __init__(self, service: SinkConsumeService, sink: SparkSink, msgs: Chunk,
                  pq: ProcessQueue, mq: MessageQueue) -> None:
         self._service = service
         self._sink = sink
@@ -230,3 +262,9 @@ class _ChunkAck:
 
     def __call__(self, ok: bool) -> None:
         self._service._acked(ok, self._sink, self._msgs, self._pq, self._mq)
+
+
+def _first_offset(chunk: Chunk) -> int:
+    if isinstance(chunk, StoredChunk):
+        return chunk.first_offset
+    return chunk[0].queue_offset if chunk else -1

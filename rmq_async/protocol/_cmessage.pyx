@@ -834,7 +834,7 @@ cdef int _pairs_from_dict(object msg, Row *row, Entries *entries, list refs) exc
     return 0
 
 
-cdef int _apply_pending(object msg, Row *row, Entries *entries, list refs) except -1:
+cdef int _apply_pairs(dict pending, Row *row, Entries *entries, list refs) except -1:
     # The row's raw pairs, copied to the end, with the pending properties set over them.
     cdef Py_ssize_t i, first = entries.size
     for i in range(row.first_entry, row.first_entry + row.n_entries):
@@ -842,7 +842,7 @@ cdef int _apply_pending(object msg, Row *row, Entries *entries, list refs) excep
         if _entries_push(entries, entries.items[i].name.p, entries.items[i].name.n,
                          entries.items[i].value.p, entries.items[i].value.n) < 0:
             raise MemoryError()
-    _set_pairs(<dict> _get(msg, S_PROPS_PENDING), first, entries, refs)
+    _set_pairs(pending, first, entries, refs)
     row.first_entry = first
     row.n_entries = entries.size - first
     row.props_state = PROPS_READY
@@ -942,24 +942,30 @@ cdef inline void _put_oid(int32_t *offsets, char *data, Py_ssize_t index, int32_
     offsets[index + 1] = pos[0]
 
 
-def message_columns(list msgs not None):
-    """The buffers of the sink's Arrow columns for ``msgs``, or None.
+cdef int _split_rows(Row *rows, Py_ssize_t n, Entries *entries) noexcept nogil:
+    # Split the raw properties of every row that has them; rows that must be read through
+    # Python are marked PROPS_FROM_DICT, rows with pending pairs PROPS_MERGE. -1: no memory.
+    cdef Py_ssize_t r
+    cdef int state
+    for r in range(n):
+        if rows[r].props_state == PROPS_RAW or rows[r].props_state == PROPS_RAW_PENDING:
+            state = _split_raw(&rows[r], entries)
+            if state < 0:
+                return -1
+            if state:
+                rows[r].props_state = PROPS_FROM_DICT
+            elif rows[r].props_state == PROPS_RAW:
+                rows[r].props_state = PROPS_READY
+            else:
+                rows[r].props_state = PROPS_MERGE
+    return 0
 
-    None means the list holds something the columnar path does not take (a value of an
-    unexpected type, a property that is not text, a column over 2 GiB); the caller then builds
-    the columns from Python values, which gives the same table or the same error. Otherwise a
-    dict of column name to a tuple of buffers (``bytearray``, little-endian, Arrow layout):
-    fixed-width columns as one data buffer, strings as (offsets, data), ``tags`` as (validity or
-    None, offsets, data), ``keys`` as (list offsets, string offsets, data) and ``properties``
-    as (map offsets, name offsets, name data, value offsets, value data); plus the counts
-    ``rows``, ``key_tokens``, ``entries`` and ``tags_null``.
-    """
-    cdef Py_ssize_t n = PyList_GET_SIZE(msgs), r, i, t
-    cdef Row *rows = NULL
-    cdef Entries entries
+
+cdef object _columns(Row *rows, Py_ssize_t n, Entries *e_in):
+    # Measure the rows, allocate the column buffers and fill them (the rows' pairs are ready).
+    cdef Entries entries = e_in[0]
+    cdef Py_ssize_t r, i, t
     cdef Sizes z
-    cdef list refs = []
-    cdef int failed = 0, state
     cdef int32_t p_topic = 0, p_broker = 0, p_msg_id = 0, p_oid = 0, p_tags = 0, p_keys = 0
     cdef int32_t p_tok = 0, p_body = 0, p_names = 0, p_values = 0, p_entries = 0, p_born = 0
     cdef int32_t p_store = 0
@@ -995,6 +1001,144 @@ def message_columns(list msgs not None):
     cdef char *c_values
     cdef char *c_born
     cdef char *c_store
+    with nogil:
+        _measure(rows, n, entries.items, &z)
+    if max(z.topic, z.broker, z.msg_id, z.oid, z.tags, z.keys, z.body, z.prop_names,
+           z.prop_values, z.born_host, z.store_host, z.entries) > INT32_LIMIT:
+        return None
+
+    topic_off, topic_data = _alloc(4 * (n + 1)), _alloc(z.topic)
+    broker_off, broker_data = _alloc(4 * (n + 1)), _alloc(z.broker)
+    queue_id, queue_offset = _alloc(4 * n), _alloc(8 * n)
+    msg_id_off, msg_id_data = _alloc(4 * (n + 1)), _alloc(z.msg_id)
+    oid_off, oid_data = _alloc(4 * (n + 1)), _alloc(z.oid)
+    tags_valid = _alloc((n + 7) // 8) if z.tags_null else None
+    tags_off, tags_data = _alloc(4 * (n + 1)), _alloc(z.tags)
+    keys_off, tok_off, tok_data = _alloc(4 * (n + 1)), _alloc(4 * (z.key_tokens + 1)), \
+        _alloc(z.keys)
+    body_off, body_data = _alloc(4 * (n + 1)), _alloc(z.body)
+    props_off = _alloc(4 * (n + 1))
+    names_off, names_data = _alloc(4 * (z.entries + 1)), _alloc(z.prop_names)
+    values_off, values_data = _alloc(4 * (z.entries + 1)), _alloc(z.prop_values)
+    born_ts, store_ts = _alloc(8 * n), _alloc(8 * n)
+    born_off, born_data = _alloc(4 * (n + 1)), _alloc(z.born_host)
+    store_off, store_data = _alloc(4 * (n + 1)), _alloc(z.store_host)
+    reconsume = _alloc(4 * n)
+
+    c_topic_off, c_topic = <int32_t *> _buf(topic_off), _buf(topic_data)
+    c_broker_off, c_broker = <int32_t *> _buf(broker_off), _buf(broker_data)
+    c_queue_id, c_queue_offset = <int32_t *> _buf(queue_id), <int64_t *> _buf(queue_offset)
+    c_msg_id_off, c_msg_id = <int32_t *> _buf(msg_id_off), _buf(msg_id_data)
+    c_oid_off, c_oid = <int32_t *> _buf(oid_off), _buf(oid_data)
+    c_tags_valid = <unsigned char *> (_buf(tags_valid) if tags_valid is not None else NULL)
+    c_tags_off, c_tags = <int32_t *> _buf(tags_off), _buf(tags_data)
+    c_keys_off, c_tok_off, c_tok = <int32_t *> _buf(keys_off), <int32_t *> _buf(tok_off), \
+        _buf(tok_data)
+    c_body_off, c_body = <int32_t *> _buf(body_off), _buf(body_data)
+    c_props_off = <int32_t *> _buf(props_off)
+    c_names_off, c_names = <int32_t *> _buf(names_off), _buf(names_data)
+    c_values_off, c_values = <int32_t *> _buf(values_off), _buf(values_data)
+    c_born_ts, c_store_ts = <int64_t *> _buf(born_ts), <int64_t *> _buf(store_ts)
+    c_born_off, c_born = <int32_t *> _buf(born_off), _buf(born_data)
+    c_store_off, c_store = <int32_t *> _buf(store_off), _buf(store_data)
+    c_reconsume = <int32_t *> _buf(reconsume)
+
+    with nogil:
+        c_topic_off[0] = c_broker_off[0] = c_msg_id_off[0] = c_oid_off[0] = 0
+        c_tags_off[0] = c_keys_off[0] = c_tok_off[0] = c_body_off[0] = c_props_off[0] = 0
+        c_names_off[0] = c_values_off[0] = c_born_off[0] = c_store_off[0] = 0
+        if c_tags_valid != NULL:
+            memset(c_tags_valid, 0, (n + 7) // 8)
+        for r in range(n):
+            _put_text(c_topic_off, c_topic, r, &p_topic, rows[r].topic.p, rows[r].topic.n)
+            _put_text(c_broker_off, c_broker, r, &p_broker, rows[r].broker.p,
+                      rows[r].broker.n)
+            c_queue_id[r] = rows[r].queue_id
+            c_queue_offset[r] = rows[r].queue_offset
+            if rows[r].uniq >= 0 and entries.items[rows[r].uniq].value.n > 0:
+                v = entries.items[rows[r].uniq].value
+                _put_text(c_msg_id_off, c_msg_id, r, &p_msg_id, v.p, v.n)
+            else:
+                _put_oid(c_msg_id_off, c_msg_id, r, &p_msg_id, &rows[r])
+            _put_oid(c_oid_off, c_oid, r, &p_oid, &rows[r])
+            if rows[r].tags >= 0:
+                v = entries.items[rows[r].tags].value
+                if c_tags_valid != NULL:
+                    c_tags_valid[r >> 3] |= <unsigned char> (1 << (r & 7))
+                _put_text(c_tags_off, c_tags, r, &p_tags, v.p, v.n)
+            else:
+                c_tags_off[r + 1] = p_tags
+            if rows[r].keys >= 0:
+                v = entries.items[rows[r].keys].value
+                t = 0
+                while t < v.n:
+                    if v.p[t] == 32:
+                        t += 1
+                        continue
+                    i = t
+                    while i < v.n and v.p[i] != 32:
+                        i += 1
+                    memcpy(c_tok + p_keys, v.p + t, i - t)
+                    p_keys += <int32_t> (i - t)
+                    p_tok += 1
+                    c_tok_off[p_tok] = p_keys
+                    t = i
+            c_keys_off[r + 1] = p_tok
+            _put_text(c_body_off, c_body, r, &p_body, rows[r].body.p, rows[r].body.n)
+            for i in range(rows[r].first_entry, rows[r].first_entry + rows[r].n_entries):
+                e = &entries.items[i]
+                _put_text(c_names_off, c_names, p_entries, &p_names, e.name.p, e.name.n)
+                _put_text(c_values_off, c_values, p_entries, &p_values, e.value.p,
+                          e.value.n)
+                p_entries += 1
+            c_props_off[r + 1] = p_entries
+            c_born_ts[r] = rows[r].born_ts
+            c_store_ts[r] = rows[r].store_ts
+            _put_text(c_born_off, c_born, r, &p_born, rows[r].born_host.p,
+                      rows[r].born_host.n)
+            _put_text(c_store_off, c_store, r, &p_store, rows[r].store_host.p,
+                      rows[r].store_host.n)
+            c_reconsume[r] = rows[r].reconsume
+    return {
+        "rows": n,
+        "key_tokens": z.key_tokens,
+        "entries": z.entries,
+        "tags_null": z.tags_null,
+        "topic": (topic_off, topic_data),
+        "broker_name": (broker_off, broker_data),
+        "queue_id": (queue_id,),
+        "queue_offset": (queue_offset,),
+        "msg_id": (msg_id_off, msg_id_data),
+        "offset_msg_id": (oid_off, oid_data),
+        "tags": (tags_valid, tags_off, tags_data),
+        "keys": (keys_off, tok_off, tok_data),
+        "body": (body_off, body_data),
+        "properties": (props_off, names_off, names_data, values_off, values_data),
+        "born_timestamp": (born_ts,),
+        "store_timestamp": (store_ts,),
+        "born_host": (born_off, born_data),
+        "store_host": (store_off, store_data),
+        "reconsume_times": (reconsume,),
+    }
+
+
+def message_columns(list msgs not None):
+    """The buffers of the sink's Arrow columns for ``msgs``, or None.
+
+    None means the list holds something the columnar path does not take (a value of an
+    unexpected type, a property that is not text, a column over 2 GiB); the caller then builds
+    the columns from Python values, which gives the same table or the same error. Otherwise a
+    dict of column name to a tuple of buffers (``bytearray``, little-endian, Arrow layout):
+    fixed-width columns as one data buffer, strings as (offsets, data), ``tags`` as (validity or
+    None, offsets, data), ``keys`` as (list offsets, string offsets, data) and ``properties``
+    as (map offsets, name offsets, name data, value offsets, value data); plus the counts
+    ``rows``, ``key_tokens``, ``entries`` and ``tags_null``.
+    """
+    cdef Py_ssize_t n = PyList_GET_SIZE(msgs), r, i, t
+    cdef Row *rows = NULL
+    cdef Entries entries
+    cdef list refs = []
+    cdef int failed = 0
     entries.items = NULL
     entries.size = 0
     entries.cap = 0
@@ -1008,18 +1152,7 @@ def message_columns(list msgs not None):
         except (TypeError, OverflowError, ValueError, UnicodeError):
             return None
         with nogil:
-            for r in range(n):
-                if rows[r].props_state == PROPS_RAW or rows[r].props_state == PROPS_RAW_PENDING:
-                    state = _split_raw(&rows[r], &entries)
-                    if state < 0:
-                        failed = 1
-                        break
-                    if state:
-                        rows[r].props_state = PROPS_FROM_DICT
-                    elif rows[r].props_state == PROPS_RAW:
-                        rows[r].props_state = PROPS_READY
-                    else:
-                        rows[r].props_state = PROPS_MERGE
+            failed = _split_rows(rows, n, &entries)
         if failed:
             raise MemoryError()
         try:
@@ -1027,128 +1160,210 @@ def message_columns(list msgs not None):
                 if rows[r].props_state == PROPS_FROM_DICT:
                     _pairs_from_dict(msgs[r], &rows[r], &entries, refs)
                 elif rows[r].props_state == PROPS_MERGE:
-                    _apply_pending(msgs[r], &rows[r], &entries, refs)
+                    _apply_pairs(<dict> _get(msgs[r], S_PROPS_PENDING), &rows[r], &entries, refs)
         except (TypeError, UnicodeError):
             return None
-        with nogil:
-            _measure(rows, n, entries.items, &z)
-        if max(z.topic, z.broker, z.msg_id, z.oid, z.tags, z.keys, z.body, z.prop_names,
-               z.prop_values, z.born_host, z.store_host, z.entries) > INT32_LIMIT:
+        return _columns(rows, n, &entries)
+    finally:
+        free(rows)
+        free(entries.items)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stored chunks: the records of a pull body straight to the sink's Arrow columns
+#
+# A sink does not need a MessageExt per message: the pull loop checks a FOUND body with
+# ``scan_records`` (one pass, no objects) and keeps it as it came; ``record_columns`` later reads
+# the rows out of the bodies (with the GIL only for the host texts, which are cached) and fills
+# the same buffers as ``message_columns``.
+
+
+def scan_records(bytes data not None, bytes topic not None):
+    """``(count, first_offset, last_offset, body_bytes, queue_id)`` of a pull body that the
+    columnar path can keep as it is, else None.
+
+    It can when every record is well formed, belongs to ``topic`` and one queue, with rising
+    offsets, and is plain: not compressed, not an inner batch, both hosts IPv4. Anything else
+    (and an empty body) is None: the caller decodes the body the usual way, which inflates,
+    unwraps or reports what is wrong.
+    """
+    cdef const unsigned char *buf = <const unsigned char *> PyBytes_AS_STRING(data)
+    cdef const char *want = PyBytes_AS_STRING(topic)
+    cdef Py_ssize_t want_len = PyBytes_GET_SIZE(topic)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data), pos = 0, end, p, count = 0
+    cdef int32_t total, magic, sys_flag, body_len, topic_len, queue_id = 0
+    cdef int16_t props_len
+    cdef int64_t offset, first = 0, last = 0, size = 0
+    if n == 0:
+        return None
+    while pos < n:
+        if n - pos < MIN_RECORD:
             return None
+        total = _i32(buf + pos)
+        magic = _i32(buf + pos + 4)
+        if total < MIN_RECORD or total > n - pos or (magic != MAGIC_V1 and magic != MAGIC_V2):
+            return None
+        end = pos + total
+        sys_flag = _i32(buf + pos + 36)
+        if sys_flag & (BORNHOST_V6 | STOREHOST_V6 | COMPRESSED | UNWRAP_BOTH):
+            return None
+        p = pos + 72
+        body_len = _i32(buf + p + 12)
+        p += TAIL_SIZE
+        if magic == MAGIC_V1:
+            if body_len < 0 or body_len > end - p - 3:
+                return None
+            p += body_len
+            topic_len = buf[p]
+            if topic_len > 127:
+                return None
+            p += 1
+        else:
+            if body_len < 0 or body_len > end - p - 4:
+                return None
+            p += body_len
+            topic_len = _i16(buf + p)
+            p += 2
+        if topic_len != want_len or topic_len > end - p - 2 or memcmp(buf + p, want, want_len):
+            return None
+        p += topic_len
+        props_len = _i16(buf + p)
+        p += 2
+        if props_len < 0 or p + props_len != end:
+            return None
+        offset = _i64(buf + pos + 20)
+        if count == 0:
+            first = offset
+            queue_id = _i32(buf + pos + 12)
+        elif offset <= last or _i32(buf + pos + 12) != queue_id:
+            return None
+        last = offset
+        size += body_len
+        count += 1
+        pos = end
+    return (count, first, last, size, queue_id)
 
-        topic_off, topic_data = _alloc(4 * (n + 1)), _alloc(z.topic)
-        broker_off, broker_data = _alloc(4 * (n + 1)), _alloc(z.broker)
-        queue_id, queue_offset = _alloc(4 * n), _alloc(8 * n)
-        msg_id_off, msg_id_data = _alloc(4 * (n + 1)), _alloc(z.msg_id)
-        oid_off, oid_data = _alloc(4 * (n + 1)), _alloc(z.oid)
-        tags_valid = _alloc((n + 7) // 8) if z.tags_null else None
-        tags_off, tags_data = _alloc(4 * (n + 1)), _alloc(z.tags)
-        keys_off, tok_off, tok_data = _alloc(4 * (n + 1)), _alloc(4 * (z.key_tokens + 1)), \
-            _alloc(z.keys)
-        body_off, body_data = _alloc(4 * (n + 1)), _alloc(z.body)
-        props_off = _alloc(4 * (n + 1))
-        names_off, names_data = _alloc(4 * (z.entries + 1)), _alloc(z.prop_names)
-        values_off, values_data = _alloc(4 * (z.entries + 1)), _alloc(z.prop_values)
-        born_ts, store_ts = _alloc(8 * n), _alloc(8 * n)
-        born_off, born_data = _alloc(4 * (n + 1)), _alloc(z.born_host)
-        store_off, store_data = _alloc(4 * (n + 1)), _alloc(z.store_host)
-        reconsume = _alloc(4 * n)
 
-        c_topic_off, c_topic = <int32_t *> _buf(topic_off), _buf(topic_data)
-        c_broker_off, c_broker = <int32_t *> _buf(broker_off), _buf(broker_data)
-        c_queue_id, c_queue_offset = <int32_t *> _buf(queue_id), <int64_t *> _buf(queue_offset)
-        c_msg_id_off, c_msg_id = <int32_t *> _buf(msg_id_off), _buf(msg_id_data)
-        c_oid_off, c_oid = <int32_t *> _buf(oid_off), _buf(oid_data)
-        c_tags_valid = <unsigned char *> (_buf(tags_valid) if tags_valid is not None else NULL)
-        c_tags_off, c_tags = <int32_t *> _buf(tags_off), _buf(tags_data)
-        c_keys_off, c_tok_off, c_tok = <int32_t *> _buf(keys_off), <int32_t *> _buf(tok_off), \
-            _buf(tok_data)
-        c_body_off, c_body = <int32_t *> _buf(body_off), _buf(body_data)
-        c_props_off = <int32_t *> _buf(props_off)
-        c_names_off, c_names = <int32_t *> _buf(names_off), _buf(names_data)
-        c_values_off, c_values = <int32_t *> _buf(values_off), _buf(values_data)
-        c_born_ts, c_store_ts = <int64_t *> _buf(born_ts), <int64_t *> _buf(store_ts)
-        c_born_off, c_born = <int32_t *> _buf(born_off), _buf(born_data)
-        c_store_off, c_store = <int32_t *> _buf(store_off), _buf(store_data)
-        c_reconsume = <int32_t *> _buf(reconsume)
+cdef int _read_records(bytes data, object broker, object pending, Row *rows, Py_ssize_t start,
+                       Py_ssize_t limit, list refs) except -1:
+    # Fills rows[start:] from the records of ``data`` (checked by ``scan_records``); returns
+    # how many, or raises ValueError when they would not fit.
+    cdef const unsigned char *buf = <const unsigned char *> PyBytes_AS_STRING(data)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data), pos = 0, p, r = start
+    cdef int32_t total, magic, body_len, topic_len
+    cdef Row *row
+    cdef tuple born, store
+    cdef object prev_born = None, prev_store = None
+    cdef Span broker_span = _utf8(broker)
+    cdef int state = PROPS_RAW if pending is None else PROPS_RAW_PENDING
+    refs.append(broker)
+    refs.append(data)
+    while pos < n:
+        if r >= limit:
+            raise ValueError("more records than counted")
+        row = &rows[r]
+        total = _i32(buf + pos)
+        magic = _i32(buf + pos + 4)
+        row.queue_id = _i32(buf + pos + 12)
+        row.queue_offset = _i64(buf + pos + 20)
+        row.oid_offset = _i64(buf + pos + 28)
+        row.born_ts = _i64(buf + pos + 40)
+        born = _host4(_u32(buf + pos + 48), _i32(buf + pos + 52), 0)
+        row.store_ts = _i64(buf + pos + 56)
+        store = _host4(_u32(buf + pos + 64), _i32(buf + pos + 68), 1)
+        row.reconsume = _i32(buf + pos + 72)
+        body_len = _i32(buf + pos + 84)
+        p = pos + 88
+        row.body.p = <const char *> buf + p
+        row.body.n = body_len
+        p += body_len
+        if magic == MAGIC_V1:
+            topic_len = buf[p]
+            p += 1
+        else:
+            topic_len = _i16(buf + p)
+            p += 2
+        row.topic.p = <const char *> buf + p
+        row.topic.n = topic_len
+        p += topic_len + 2
+        row.props.p = <const char *> buf + p
+        row.props.n = pos + total - p
+        row.props_state = state
+        row.broker = broker_span
+        # The cached host tuples are shared by many rows: each is kept alive once.
+        if born is not prev_born:
+            refs.append(born)
+            prev_born = born
+        if store is not prev_store:
+            refs.append(store)
+            prev_store = store
+        row.born_host = _utf8(born[0])
+        row.store_host = _utf8(store[0])
+        row.oid = _utf8(store[1])
+        row.oid_host = True
+        pos += total
+        r += 1
+    return r - start
 
+
+def record_columns(list chunks not None, Py_ssize_t rows_total):
+    """The buffers of ``message_columns`` for stored chunks, without a message object per row.
+
+    ``chunks`` holds ``(data, broker_name, pending)`` per chunk: a pull body that
+    ``scan_records`` accepted, the broker name of its queue and the properties the pull adds
+    (``MIN_OFFSET``/``MAX_OFFSET``; None for none), ``rows_total`` the records of all bodies.
+    Each row is what the decoded, stamped message would give ``message_columns``. None when a
+    column would exceed 2 GiB or a body holds a different number of records.
+    """
+    cdef Py_ssize_t n = rows_total, r, c, k = 0
+    cdef Row *rows = NULL
+    cdef Entries entries
+    cdef list refs = []
+    cdef int failed = 0
+    entries.items = NULL
+    entries.size = 0
+    entries.cap = 0
+    rows = <Row *> malloc((n if n else 1) * sizeof(Row))
+    if rows == NULL:
+        raise MemoryError()
+    try:
+        starts = []
+        try:
+            for item in chunks:
+                data, broker, pending = item
+                if not (PyBytes_CheckExact(data) and PyUnicode_CheckExact(broker)
+                        and (pending is None or type(pending) is dict)):
+                    return None
+                starts.append(k)
+                k += _read_records(data, broker, pending, rows, k, n, refs)
+        except (TypeError, ValueError, UnicodeError):
+            return None
+        if k != n:
+            return None
         with nogil:
-            c_topic_off[0] = c_broker_off[0] = c_msg_id_off[0] = c_oid_off[0] = 0
-            c_tags_off[0] = c_keys_off[0] = c_tok_off[0] = c_body_off[0] = c_props_off[0] = 0
-            c_names_off[0] = c_values_off[0] = c_born_off[0] = c_store_off[0] = 0
-            if c_tags_valid != NULL:
-                memset(c_tags_valid, 0, (n + 7) // 8)
+            failed = _split_rows(rows, n, &entries)
+        if failed:
+            raise MemoryError()
+        try:
+            c = 0
             for r in range(n):
-                _put_text(c_topic_off, c_topic, r, &p_topic, rows[r].topic.p, rows[r].topic.n)
-                _put_text(c_broker_off, c_broker, r, &p_broker, rows[r].broker.p,
-                          rows[r].broker.n)
-                c_queue_id[r] = rows[r].queue_id
-                c_queue_offset[r] = rows[r].queue_offset
-                if rows[r].uniq >= 0 and entries.items[rows[r].uniq].value.n > 0:
-                    v = entries.items[rows[r].uniq].value
-                    _put_text(c_msg_id_off, c_msg_id, r, &p_msg_id, v.p, v.n)
-                else:
-                    _put_oid(c_msg_id_off, c_msg_id, r, &p_msg_id, &rows[r])
-                _put_oid(c_oid_off, c_oid, r, &p_oid, &rows[r])
-                if rows[r].tags >= 0:
-                    v = entries.items[rows[r].tags].value
-                    if c_tags_valid != NULL:
-                        c_tags_valid[r >> 3] |= <unsigned char> (1 << (r & 7))
-                    _put_text(c_tags_off, c_tags, r, &p_tags, v.p, v.n)
-                else:
-                    c_tags_off[r + 1] = p_tags
-                if rows[r].keys >= 0:
-                    v = entries.items[rows[r].keys].value
-                    t = 0
-                    while t < v.n:
-                        if v.p[t] == 32:
-                            t += 1
-                            continue
-                        i = t
-                        while i < v.n and v.p[i] != 32:
-                            i += 1
-                        memcpy(c_tok + p_keys, v.p + t, i - t)
-                        p_keys += <int32_t> (i - t)
-                        p_tok += 1
-                        c_tok_off[p_tok] = p_keys
-                        t = i
-                c_keys_off[r + 1] = p_tok
-                _put_text(c_body_off, c_body, r, &p_body, rows[r].body.p, rows[r].body.n)
-                for i in range(rows[r].first_entry, rows[r].first_entry + rows[r].n_entries):
-                    e = &entries.items[i]
-                    _put_text(c_names_off, c_names, p_entries, &p_names, e.name.p, e.name.n)
-                    _put_text(c_values_off, c_values, p_entries, &p_values, e.value.p,
-                              e.value.n)
-                    p_entries += 1
-                c_props_off[r + 1] = p_entries
-                c_born_ts[r] = rows[r].born_ts
-                c_store_ts[r] = rows[r].store_ts
-                _put_text(c_born_off, c_born, r, &p_born, rows[r].born_host.p,
-                          rows[r].born_host.n)
-                _put_text(c_store_off, c_store, r, &p_store, rows[r].store_host.p,
-                          rows[r].store_host.n)
-                c_reconsume[r] = rows[r].reconsume
-        return {
-            "rows": n,
-            "key_tokens": z.key_tokens,
-            "entries": z.entries,
-            "tags_null": z.tags_null,
-            "topic": (topic_off, topic_data),
-            "broker_name": (broker_off, broker_data),
-            "queue_id": (queue_id,),
-            "queue_offset": (queue_offset,),
-            "msg_id": (msg_id_off, msg_id_data),
-            "offset_msg_id": (oid_off, oid_data),
-            "tags": (tags_valid, tags_off, tags_data),
-            "keys": (keys_off, tok_off, tok_data),
-            "body": (body_off, body_data),
-            "properties": (props_off, names_off, names_data, values_off, values_data),
-            "born_timestamp": (born_ts,),
-            "store_timestamp": (store_ts,),
-            "born_host": (born_off, born_data),
-            "store_host": (store_off, store_data),
-            "reconsume_times": (reconsume,),
-        }
+                while c + 1 < len(starts) and r >= starts[c + 1]:
+                    c += 1
+                if rows[r].props_state == PROPS_FROM_DICT:
+                    pending = chunks[c][2]
+                    props = _parse_text(PyUnicode_DecodeUTF8(rows[r].props.p, rows[r].props.n,
+                                                             b"replace"))
+                    if pending is not None:
+                        PyDict_Update(props, pending)
+                    rows[r].first_entry = entries.size
+                    _set_pairs(props, rows[r].first_entry, &entries, refs)
+                    rows[r].n_entries = entries.size - rows[r].first_entry
+                    rows[r].props_state = PROPS_READY
+                elif rows[r].props_state == PROPS_MERGE:
+                    _apply_pairs(<dict> chunks[c][2], &rows[r], &entries, refs)
+        except (TypeError, UnicodeError):
+            return None
+        return _columns(rows, n, &entries)
     finally:
         free(rows)
         free(entries.items)

@@ -777,9 +777,19 @@ message_columns: Callable[[list[MessageExt]], dict[str, Any] | None] | None = No
 """The compiled converter of messages to the buffers of the sink's Arrow columns, or None
 without the extension (see ``rmq_async.sinks._arrow``)."""
 
+scan_records: Callable[[bytes, bytes], tuple[int, int, int, int, int] | None] | None = None
+"""The compiled check of a pull body that a sink can keep undecoded, or None without the
+extension (see :mod:`rmq_async.protocol.stored`)."""
+
+record_columns: Callable[[list[tuple[bytes, str, dict[str, str] | None]], int],
+                         dict[str, Any] | None] | None = None
+"""The compiled converter of stored chunks to the buffers of the sink's Arrow columns, or None
+without the extension."""
+
 
 def _use_compiled() -> bool:
     global _records, _decode_properties_impl, message_columns, put_each, stamp_delivered
+    global scan_records, record_columns
     if os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0"):
         return False
     try:
@@ -798,6 +808,8 @@ def _use_compiled() -> bool:
     message_columns = _cmessage.message_columns
     stamp_delivered = _cmessage.stamp_delivered
     put_each = _cmessage.put_each
+    scan_records = _cmessage.scan_records
+    record_columns = _cmessage.record_columns
     return True
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from rmq_async.errors import IllegalStateError
+from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import MessageExt
 
 __all__ = ["AckCallback", "MessageSink", "SinkClosedError", "TaskSpawner"]
@@ -34,8 +35,10 @@ class TaskSpawner(Protocol):
 class MessageSink(Protocol):
     """What a consumer needs from a sink. Every method is called on the event loop."""
 
-    def offer(self, msgs: list[MessageExt], ack: AckCallback) -> None:
-        """Take a chunk of messages; ``ack`` is called once its fate is known."""
+    def offer(self, msgs: list[MessageExt] | StoredChunk, ack: AckCallback) -> None:
+        """Take a chunk: a pull's messages, or its records undecoded (a
+        :class:`~rmq_async.protocol.stored.StoredChunk`, whose ``messages()`` decodes them);
+        ``ack`` is called once its fate is known."""
         ...
 
     def want_more(self) -> bool:

@@ -13,9 +13,10 @@ callback. Chunks are gathered into a batch until it holds ``batch_rows`` message
 (a chunk is never split, so a batch may overshoot a size limit by one chunk); with
 ``flush_when_caught_up`` also as soon as the consumer has read every queue to its end. One writer
 loop (:meth:`SparkSink.run`, owned by the consumer's task group) takes closed batches in order
-and, in a worker thread, converts the batch to a pyarrow Table column by column
-(:func:`messages_to_arrow`: with the compiled extension straight from the messages' raw fields
-into Arrow buffers, the copying without the GIL), creates the DataFrame with
+and, in a worker thread, converts the batch to a pyarrow Table column by column (with the
+compiled extension the consumer hands over each pull undecoded, and :func:`stored_to_arrow`
+fills the Arrow buffers straight from the pull bodies, the copying without the GIL; decoded
+messages go through :func:`messages_to_arrow`), creates the DataFrame with
 ``spark.createDataFrame(table)`` and calls the user's ``write(df, batch_info)``. While one batch
 is being written the next one fills, and once it has closed it is converted to Arrow in another
 worker thread, so that its write starts as soon as the one before has ended (the sink then holds
@@ -82,7 +83,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import anyio.to_thread
 import pyarrow as pa
@@ -100,6 +101,7 @@ from pyspark.sql.types import (
 )
 
 from rmq_async.errors import InvalidArgumentError
+from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import MessageExt, MessageQueue
 from rmq_async.sinks import AckCallback, SinkClosedError, TaskSpawner
 from rmq_async.sinks._arrow import (
@@ -108,6 +110,7 @@ from rmq_async.sinks._arrow import (
     chunk_offset_ranges,
     decode_values,
     messages_to_arrow,
+    stored_to_arrow,
 )
 
 if TYPE_CHECKING:
@@ -208,7 +211,7 @@ class _Batch:
 
     def __init__(self, batch_id: int) -> None:
         self.batch_id = batch_id
-        self.chunks: list[list[MessageExt]] = []
+        self.chunks: list[list[MessageExt] | StoredChunk] = []
         self.acks: list[AckCallback] = []
         self.rows = 0
         self.bytes = 0
@@ -367,7 +370,7 @@ class SparkSink:
 
     # ------------------------------------------------------------------ consumer-facing
 
-    def offer(self, msgs: list[MessageExt], ack: AckCallback) -> None:
+    def offer(self, msgs: list[MessageExt] | StoredChunk, ack: AckCallback) -> None:
         """Add a chunk to the open batch; ``ack`` is called once, after the batch's outcome.
 
         Never blocks and never refuses for lack of room: the consumer's flow control bounds
@@ -381,7 +384,7 @@ class SparkSink:
             batch = self._open = _Batch(self._next_id)
             self._next_id += 1
             self._wakeup.set()  # the writer starts the latency clock of this batch
-        size = sum(len(m.body) for m in msgs)
+        size = msgs.size if isinstance(msgs, StoredChunk) else sum(len(m.body) for m in msgs)
         batch.chunks.append(msgs)
         batch.acks.append(ack)
         batch.rows += len(msgs)
@@ -719,26 +722,32 @@ class SparkSink:
     def _convert(self, job: _Job) -> None:
         """Fill in the batch's Arrow table and :class:`BatchInfo`, in a worker thread."""
         chunks = job.batch.chunks  # read once: the loop may finish the batch meanwhile
-        msgs = list(itertools.chain.from_iterable(chunks))
         chunk_rows = self._arrow_chunk_rows()
-        table = messages_to_arrow(msgs, chunk_rows=chunk_rows)
+        if all(type(c) is StoredChunk for c in chunks):
+            # Undecoded pulls: straight from their bodies, no message objects.
+            table = stored_to_arrow(cast("list[StoredChunk]", chunks), chunk_rows=chunk_rows)
+            bodies: list[bytes] = []
+            if self._value_arrow_type is not None:
+                bodies = table.column("body").to_pylist()
+        else:
+            msgs = list(itertools.chain.from_iterable(
+                c.messages() if isinstance(c, StoredChunk) else c for c in chunks))
+            table = messages_to_arrow(msgs, chunk_rows=chunk_rows)
+            bodies = [m.body for m in msgs] if self._value_arrow_type is not None else []
         if self._value_arrow_type is not None:
             assert self._value_format is not None
             value_type = self._value_arrow_type
             values = pa.chunked_array(
                 [
-                    decode_values(
-                        [m.body for m in msgs[start : start + chunk_rows]],
-                        self._value_format,
-                        value_type,
-                    )
-                    for start in range(0, len(msgs), chunk_rows)
+                    decode_values(bodies[start : start + chunk_rows], self._value_format,
+                                  value_type)
+                    for start in range(0, len(bodies), chunk_rows)
                 ],
                 value_type,
             )
             table = table.append_column(pa.field("value", value_type, True), values)
         job.table = table
-        job.info = _batch_info(job.batch, chunks, len(msgs))
+        job.info = _batch_info(job.batch, chunks, table.num_rows)
 
     def _arrow_chunk_rows(self) -> int:
         """Rows per Arrow slice: Spark's Arrow batch size (each slice becomes one partition),
@@ -808,7 +817,8 @@ async def _run_in_thread(func: Callable[[_Job], None], job: _Job) -> None:
     inner.result()
 
 
-def _batch_info(batch: _Batch, chunks: Sequence[Sequence[MessageExt]], rows: int) -> BatchInfo:
+def _batch_info(batch: _Batch, chunks: Sequence[Sequence[MessageExt] | StoredChunk],
+                rows: int) -> BatchInfo:
     ranges = chunk_offset_ranges(chunks)
     queues = tuple(sorted(ranges))
     return BatchInfo(

@@ -31,6 +31,7 @@ pytest.importorskip("pyspark", reason="needs the spark extra")
 
 from rmq_async import Message, MessageQueue, Producer, PushConsumer
 from rmq_async.devbroker import LocalRocketMQ
+from rmq_async.protocol import message
 from rmq_async.sinks.spark import BatchInfo, SparkSink, parquet_writer
 from tests.helpers import AdminClient, unique, wait_until
 from tests.spark.session import local_spark
@@ -223,7 +224,17 @@ async def test_100k_mixed_messages_land_in_parquet_exactly(
     consumer = consumer_for(rocketmq.namesrv_addr, group, pull_threshold_for_queue=5000,
                             consume_concurrently_max_span=5000)
     consumer.subscribe(topic, sink=sink)
+    kinds: collections.Counter[str] = collections.Counter()
+    offer = sink.offer
+
+    def counted(chunk: Any, ack: Any) -> None:
+        kinds[type(chunk).__name__] += 1
+        offer(chunk, ack)
+
+    sink.offer = counted  # type: ignore[method-assign]
     seconds = await consume_until(consumer, sink, len(msgs), 240)
+    # With the compiled codec every pull (plain bodies) reaches the sink undecoded.
+    assert set(kinds) == {"StoredChunk" if message.scan_records is not None else "list"}, kinds
     print(f"\n100k mixed messages: {len(msgs) / seconds:,.0f} rows/s end to end "
           f"({sink.statistics().batches_written} batches, Spark {sink.statistics().write_seconds:.1f} s)")
 

@@ -19,6 +19,8 @@ from rmq_async.consumer.runtime import ConsumerRuntime
 from rmq_async.consumer.service import ServiceRouter
 from rmq_async.consumer.sink_service import SinkConsumeService
 from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.protocol.message import encode_stored_message
+from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import MessageExt, MessageQueue
 from rmq_async.sinks.spark import BatchInfo, SparkSink
 
@@ -401,3 +403,87 @@ async def test_failed_chunk_is_sent_back_and_what_the_broker_refused_is_offered_
 async def _offered(sink: FakeSink, n: int) -> None:
     while len(sink.offers) < n:
         await asyncio.sleep(0.005)
+
+
+# ---------------------------------------------------------------------------- stored chunks
+
+
+def stored(mq: MessageQueue, start: int, n: int, *, max_offset: int = -1) -> StoredChunk:
+    """A pull of ``mq`` kept undecoded, as the pull loop keeps a sink subscription's pulls."""
+    data = b"".join(
+        encode_stored_message(MessageExt(
+            topic=mq.topic, body=b"0123456789", queue_id=mq.queue_id, queue_offset=i,
+            properties={"UNIQ_KEY": f"K{i:08d}"}, born_host="127.0.0.1:1",
+            store_host="127.0.0.1:10911"))
+        for i in range(start, start + n))
+    return StoredChunk(data, mq.topic, mq.broker_name, mq.queue_id, start, start + n - 1, n,
+                       10 * n, {"MAX_OFFSET": str(max_offset)}, max_offset)
+
+
+def pull_stored(side: SinkSide, mq: MessageQueue, chunk: StoredChunk) -> None:
+    pq = side.consumer.process_queues[mq]
+    side.router.submit_stored(chunk, pq, mq, pq.put_chunk(chunk))
+
+
+async def test_stored_chunks_are_offered_whole_and_committed_on_ack(side: SinkSide) -> None:
+    sink, mqs = attach(side, queues=2)
+    first, second = stored(mqs[0], 0, 32, max_offset=64), stored(mqs[0], 32, 32, max_offset=64)
+    pull_stored(side, mqs[0], first)
+    assert sink.caught == 0  # 32 more on the broker
+    pull_stored(side, mqs[0], second)
+    assert sink.caught == 1  # queue 1 never delivered: it had nothing
+    assert [chunk for chunk, _ in sink.offers] == [first, second]
+    pq = side.consumer.process_queues[mqs[0]]
+    assert (pq.msg_count, pq.msg_size) == (64, 640)
+    sink.offers[1][1](True)
+    assert side.offset_store.read_memory(mqs[0]) == 0  # the first chunk still holds the offset
+    sink.offers[0][1](True)
+    assert side.offset_store.read_memory(mqs[0]) == 64
+    assert pq.msg_count == 0
+
+
+async def test_a_failed_stored_chunk_is_sent_back_message_by_message(
+        side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    sink, mqs = attach(side, queues=1)
+    monkeypatch.setattr(sink_service_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
+    sent: list[tuple[int, str]] = []
+
+    async def send_back(msg: MessageExt, delay_level: int) -> bool:
+        if msg.queue_offset == 4:
+            return False
+        sent.append((msg.queue_offset, msg.broker_name))
+        return True
+
+    monkeypatch.setattr(side.rt, "send_message_back", send_back)
+    pull_stored(side, mqs[0], stored(mqs[0], 0, 8))
+    pull_stored(side, mqs[0], stored(mqs[0], 8, 8))
+    sink.offers[0][1](False)
+    await asyncio.wait_for(_offered(sink, 3), 5)
+    assert sorted(sent) == [(i, "broker-a") for i in (0, 1, 2, 3, 5, 6, 7)]
+    again, ack_again = sink.offers[2]
+    assert isinstance(again, list) and [m.queue_offset for m in again] == [4]
+    assert side.offset_store.read_memory(mqs[0]) == 4
+    ack_again(True)
+    assert side.offset_store.read_memory(mqs[0]) == 8  # the second chunk is still cached
+    sink.offers[1][1](True)
+    assert side.offset_store.read_memory(mqs[0]) == 16
+    await side.rt.tasks.aclose()
+
+
+async def test_a_batch_of_stored_chunks_and_messages_converts_in_pull_order() -> None:
+    writes = Writes()
+    tables: list[Any] = []
+    sink = SparkSink(None, writes, batch_rows=20, max_batch_latency=30.0,
+                     create_dataframe=lambda table: tables.append(table) or table)
+    mq = MessageQueue("orders", "broker-a", 0)
+    owner = TaskOwner("test")
+    await sink.start(owner)
+    sink.offer(stored(mq, 0, 8), ignore)
+    sink.offer(msgs(8, 4), ignore)  # a pull that had to be decoded (say, compressed bodies)
+    sink.offer(stored(mq, 12, 8), ignore)
+    await sink.flush()
+    await sink.aclose()
+    await owner.aclose()
+    assert writes.rows == [20]
+    assert tables[0].column("queue_offset").to_pylist() == list(range(20))
+    assert tables[0].column("msg_id").to_pylist() == [f"K{i:08d}" for i in range(20)]
