@@ -15,6 +15,7 @@ offsets are read from the class's member descriptors when this module is importe
 import fails (so the pure decoder is used) if the class does not have the expected layout.
 """
 
+from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport (
     PyBytes_AS_STRING,
@@ -913,6 +914,18 @@ cdef inline char *_buf(bytearray b) noexcept:
     return PyByteArray_AS_STRING(b)
 
 
+cdef char *_writable(object buf) except NULL:
+    # The memory of a writable buffer the caller's allocator returned (kept alive by ``buf``).
+    cdef Py_buffer view
+    cdef char *p
+    PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+    p = <char *> view.buf
+    PyBuffer_Release(&view)
+    if p == NULL:
+        raise MemoryError("the allocator returned a buffer without memory")
+    return p
+
+
 cdef bytearray _alloc(Py_ssize_t size):
     return PyByteArray_FromStringAndSize(NULL, size)
 
@@ -961,8 +974,10 @@ cdef int _split_rows(Row *rows, Py_ssize_t n, Entries *entries) noexcept nogil:
     return 0
 
 
-cdef object _columns(Row *rows, Py_ssize_t n, Entries *e_in):
+cdef object _columns(Row *rows, Py_ssize_t n, Entries *e_in, object alloc):
     # Measure the rows, allocate the column buffers and fill them (the rows' pairs are ready).
+    # ``alloc(size)``, when given, allocates the body data (nearly all the bytes), for example
+    # from Arrow's memory pool, which reuses its pages instead of mapping fresh ones each time.
     cdef Entries entries = e_in[0]
     cdef Py_ssize_t r, i, t
     cdef Sizes z
@@ -1016,7 +1031,8 @@ cdef object _columns(Row *rows, Py_ssize_t n, Entries *e_in):
     tags_off, tags_data = _alloc(4 * (n + 1)), _alloc(z.tags)
     keys_off, tok_off, tok_data = _alloc(4 * (n + 1)), _alloc(4 * (z.key_tokens + 1)), \
         _alloc(z.keys)
-    body_off, body_data = _alloc(4 * (n + 1)), _alloc(z.body)
+    body_off = _alloc(4 * (n + 1))
+    body_data = _alloc(z.body) if alloc is None or z.body == 0 else alloc(z.body)
     props_off = _alloc(4 * (n + 1))
     names_off, names_data = _alloc(4 * (z.entries + 1)), _alloc(z.prop_names)
     values_off, values_data = _alloc(4 * (z.entries + 1)), _alloc(z.prop_values)
@@ -1034,7 +1050,8 @@ cdef object _columns(Row *rows, Py_ssize_t n, Entries *e_in):
     c_tags_off, c_tags = <int32_t *> _buf(tags_off), _buf(tags_data)
     c_keys_off, c_tok_off, c_tok = <int32_t *> _buf(keys_off), <int32_t *> _buf(tok_off), \
         _buf(tok_data)
-    c_body_off, c_body = <int32_t *> _buf(body_off), _buf(body_data)
+    c_body_off = <int32_t *> _buf(body_off)
+    c_body = _buf(body_data) if type(body_data) is bytearray else _writable(body_data)
     c_props_off = <int32_t *> _buf(props_off)
     c_names_off, c_names = <int32_t *> _buf(names_off), _buf(names_data)
     c_values_off, c_values = <int32_t *> _buf(values_off), _buf(values_data)
@@ -1163,7 +1180,7 @@ def message_columns(list msgs not None):
                     _apply_pairs(<dict> _get(msgs[r], S_PROPS_PENDING), &rows[r], &entries, refs)
         except (TypeError, UnicodeError):
             return None
-        return _columns(rows, n, &entries)
+        return _columns(rows, n, &entries, None)
     finally:
         free(rows)
         free(entries.items)
@@ -1306,14 +1323,15 @@ cdef int _read_records(bytes data, object broker, object pending, Row *rows, Py_
     return r - start
 
 
-def record_columns(list chunks not None, Py_ssize_t rows_total):
+def record_columns(list chunks not None, Py_ssize_t rows_total, alloc=None):
     """The buffers of ``message_columns`` for stored chunks, without a message object per row.
 
     ``chunks`` holds ``(data, broker_name, pending)`` per chunk: a pull body that
     ``scan_records`` accepted, the broker name of its queue and the properties the pull adds
     (``MIN_OFFSET``/``MAX_OFFSET``; None for none), ``rows_total`` the records of all bodies.
     Each row is what the decoded, stamped message would give ``message_columns``. None when a
-    column would exceed 2 GiB or a body holds a different number of records.
+    column would exceed 2 GiB or a body holds a different number of records. ``alloc(size)``,
+    if given, returns the writable buffer for the body column's data (else a ``bytearray``).
     """
     cdef Py_ssize_t n = rows_total, r, c, k = 0
     cdef Row *rows = NULL
@@ -1363,7 +1381,7 @@ def record_columns(list chunks not None, Py_ssize_t rows_total):
                     _apply_pairs(<dict> chunks[c][2], &rows[r], &entries, refs)
         except (TypeError, UnicodeError):
             return None
-        return _columns(rows, n, &entries)
+        return _columns(rows, n, &entries, alloc)
     finally:
         free(rows)
         free(entries.items)

@@ -781,8 +781,8 @@ scan_records: Callable[[bytes, bytes], tuple[int, int, int, int, int] | None] | 
 """The compiled check of a pull body that a sink can keep undecoded, or None without the
 extension (see :mod:`rmq_async.protocol.stored`)."""
 
-record_columns: Callable[[list[tuple[bytes, str, dict[str, str] | None]], int],
-                         dict[str, Any] | None] | None = None
+record_columns: Callable[[list[tuple[bytes, str, dict[str, str] | None]], int,
+                          Callable[[int], Any] | None], dict[str, Any] | None] | None = None
 """The compiled converter of stored chunks to the buffers of the sink's Arrow columns, or None
 without the extension."""
 

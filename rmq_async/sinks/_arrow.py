@@ -173,7 +173,8 @@ def stored_to_arrow(chunks: Sequence[StoredChunk], *, chunk_rows: int = 10_000) 
 def _convert_stored(group: list[StoredChunk], rows: int) -> pa.Table:
     convert = _message.record_columns
     if convert is not None:
-        buffers = convert([(c.data, c.broker_name, c.pending) for c in group], rows)
+        buffers = convert([(c.data, c.broker_name, c.pending) for c in group], rows,
+                          pa.allocate_buffer)
         if buffers is not None:
             return _from_buffers(buffers)
     return _convert([m for chunk in group for m in chunk.messages()])
