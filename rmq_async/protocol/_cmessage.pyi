@@ -28,3 +28,6 @@ def record_columns(
     rows_total: int,
     alloc: Callable[[int], Any] | None = None,
 ) -> dict[str, Any] | None: ...
+def json_header(
+    header: bytes,
+) -> tuple[int, str | None, int, int, int, str | None, dict[str, str] | None] | None: ...

@@ -13,6 +13,10 @@ only to strings, bytes, integers and dicts of strings, so it cannot be part of a
 holding many thousands of them does not make every full collection walk them all. The slot
 offsets are read from the class's member descriptors when this module is imported, and the
 import fails (so the pure decoder is used) if the class does not have the expected layout.
+
+The module also reads the plain JSON command headers brokers write (``json_header``, used by
+:mod:`rmq_async.protocol.command`) and turns stored records straight into the buffers of the
+sink's Arrow columns (``message_columns``, ``scan_records``, ``record_columns``).
 """
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
@@ -1385,3 +1389,243 @@ def record_columns(list chunks not None, Py_ssize_t rows_total, alloc=None):
     finally:
         free(rows)
         free(entries.items)
+
+
+# ---------------------------------------------------------------------------------------------
+# The JSON header of a remoting command (the compiled twin of ``command._decode_json_header``'s
+# parse step)
+#
+# Brokers write every header the same way: one flat object of known keys, integers, a few
+# strings and the ``extFields`` object of strings, with no escapes. ``json_header`` reads exactly
+# that and returns ``None`` for anything else (an escape, a fraction, an array, a nested object
+# outside ``extFields``, a value of an unexpected type, an integer outside int32 where the
+# command keeps it, bytes after the object), so that the pure decoder, which accepts all of
+# JSON, decides and words the error. Where it answers, it answers what the pure decoder would.
+
+cdef enum:
+    H_OTHER = 0
+    H_CODE = 1
+    H_EXT = 2
+    H_FLAG = 3
+    H_LANGUAGE = 4
+    H_OPAQUE = 5
+    H_REMARK = 6
+    H_VERSION = 7
+
+
+cdef inline Py_ssize_t _skip_ws(const unsigned char *p, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    while i < n and (p[i] == 32 or p[i] == 9 or p[i] == 10 or p[i] == 13):
+        i += 1
+    return i
+
+
+cdef inline Py_ssize_t _string_end(const unsigned char *p, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    """Index of the closing quote of a string whose text starts at ``i``; -1 for an escape, a
+    control character or no closing quote."""
+    cdef unsigned char c
+    while i < n:
+        c = p[i]
+        if c == 34:  # "
+            return i
+        if c == 92 or c < 32:  # backslash, control characters
+            return -1
+        i += 1
+    return -1
+
+
+cdef inline bint _key_is(const unsigned char *p, Py_ssize_t n, const char *name,
+                         Py_ssize_t name_len) noexcept nogil:
+    return n == name_len and memcmp(p, name, <size_t>n) == 0
+
+
+cdef int _header_key(const unsigned char *p, Py_ssize_t n) noexcept nogil:
+    if _key_is(p, n, b"code", 4):
+        return H_CODE
+    if _key_is(p, n, b"extFields", 9):
+        return H_EXT
+    if _key_is(p, n, b"flag", 4):
+        return H_FLAG
+    if _key_is(p, n, b"language", 8):
+        return H_LANGUAGE
+    if _key_is(p, n, b"opaque", 6):
+        return H_OPAQUE
+    if _key_is(p, n, b"remark", 6):
+        return H_REMARK
+    if _key_is(p, n, b"version", 7):
+        return H_VERSION
+    return H_OTHER
+
+
+cdef inline bint _literal(const unsigned char *p, Py_ssize_t i, Py_ssize_t n, const char *word,
+                          Py_ssize_t length) noexcept nogil:
+    return i + length <= n and memcmp(p + i, word, <size_t>length) == 0
+
+
+cdef Py_ssize_t _json_number(const unsigned char *p, Py_ssize_t i, Py_ssize_t n,
+                             int64_t *value) noexcept nogil:
+    """End of a JSON integer starting at ``i`` with its value (saturated beyond 18 digits);
+    -1 for anything that is not a plain integer (a fraction or an exponent included)."""
+    cdef bint negative = False
+    cdef Py_ssize_t start
+    cdef int64_t v = 0
+    if i < n and p[i] == 45:  # -
+        negative = True
+        i += 1
+    start = i
+    while i < n and 48 <= p[i] <= 57:
+        if i - start < 18:
+            v = v * 10 + (p[i] - 48)
+        else:
+            v = 1000000000000000000  # beyond any int32: the caller declines it
+        i += 1
+    if i == start or (p[start] == 48 and i - start > 1):
+        return -1  # no digits, or a leading zero (not JSON)
+    if i < n and (p[i] == 46 or p[i] == 101 or p[i] == 69):  # . e E
+        return -1
+    value[0] = -v if negative else v
+    return i
+
+
+cdef object _json_text(const unsigned char *p, Py_ssize_t start, Py_ssize_t end):
+    """The text of a string's bytes, or None when they are not valid UTF-8."""
+    try:
+        return PyUnicode_DecodeUTF8(<const char *>(p + start), end - start, NULL)
+    except UnicodeDecodeError:
+        return None
+
+
+cdef Py_ssize_t _json_ext(const unsigned char *p, Py_ssize_t i, Py_ssize_t n, dict out) except -2:
+    """Read an ``extFields`` object of string values starting at its ``{`` into ``out``; the
+    index after its ``}``, or -1 for anything else."""
+    cdef Py_ssize_t key_end, value_end
+    cdef object key, value
+    i = _skip_ws(p, i + 1, n)
+    if i < n and p[i] == 125:  # }
+        return i + 1
+    while True:
+        if i >= n or p[i] != 34:
+            return -1
+        key_end = _string_end(p, i + 1, n)
+        if key_end < 0:
+            return -1
+        key = _json_text(p, i + 1, key_end)
+        if key is None:
+            return -1
+        i = _skip_ws(p, key_end + 1, n)
+        if i >= n or p[i] != 58:  # :
+            return -1
+        i = _skip_ws(p, i + 1, n)
+        if i >= n or p[i] != 34:
+            return -1  # a value that is not a string: the pure decoder converts it
+        value_end = _string_end(p, i + 1, n)
+        if value_end < 0:
+            return -1
+        value = _json_text(p, i + 1, value_end)
+        if value is None:
+            return -1
+        out[key] = value
+        i = _skip_ws(p, value_end + 1, n)
+        if i < n and p[i] == 44:  # ,
+            i = _skip_ws(p, i + 1, n)
+            continue
+        if i < n and p[i] == 125:
+            return i + 1
+        return -1
+
+
+def json_header(bytes header not None):
+    """``(code, language, version, opaque, flag, remark, ext_fields)`` of a JSON command header,
+    or None when the header is not of the plain shape brokers write (see above). ``language``
+    is the name given or None when absent; the integers default to 0."""
+    cdef const unsigned char *p = <const unsigned char *>PyBytes_AS_STRING(header)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(header)
+    cdef Py_ssize_t i, key_end, value_end
+    cdef int key
+    cdef int64_t number
+    cdef int64_t ints[8]
+    cdef object language = None, remark = None, ext = None
+    cdef object text
+    cdef dict fields
+    memset(ints, 0, sizeof(ints))
+    i = _skip_ws(p, 0, n)
+    if i >= n or p[i] != 123:  # {
+        return None
+    i = _skip_ws(p, i + 1, n)
+    if i < n and p[i] == 125:
+        i += 1
+    else:
+        while True:
+            if i >= n or p[i] != 34:
+                return None
+            key_end = _string_end(p, i + 1, n)
+            if key_end < 0:
+                return None
+            key = _header_key(p + i + 1, key_end - i - 1)
+            if key == H_OTHER and _json_text(p, i + 1, key_end) is None:
+                return None  # a key the pure decoder cannot even read
+            i = _skip_ws(p, key_end + 1, n)
+            if i >= n or p[i] != 58:
+                return None
+            i = _skip_ws(p, i + 1, n)
+            if i >= n:
+                return None
+            if p[i] == 34:
+                value_end = _string_end(p, i + 1, n)
+                if value_end < 0:
+                    return None
+                if key == H_LANGUAGE or key == H_REMARK or key == H_OTHER:
+                    text = _json_text(p, i + 1, value_end)
+                    if text is None:
+                        return None
+                    if key == H_LANGUAGE:
+                        language = text
+                    elif key == H_REMARK:
+                        remark = text
+                else:
+                    return None  # a number given as a string, or a string for extFields
+                i = value_end + 1
+            elif p[i] == 45 or 48 <= p[i] <= 57:
+                i = _json_number(p, i, n, &number)
+                if i < 0:
+                    return None
+                if key == H_CODE or key == H_FLAG or key == H_OPAQUE or key == H_VERSION:
+                    if number < -2147483648 or number > 2147483647:
+                        return None
+                    ints[key] = number
+                elif key != H_OTHER:
+                    return None  # a number for language, remark or extFields
+            elif p[i] == 123:
+                if key != H_EXT:
+                    return None
+                fields = {}
+                i = _json_ext(p, i, n, fields)
+                if i < 0:
+                    return None
+                ext = fields
+            elif _literal(p, i, n, b"null", 4):
+                if key == H_CODE or key == H_FLAG or key == H_OPAQUE or key == H_VERSION:
+                    ints[key] = 0
+                elif key == H_LANGUAGE:
+                    language = None
+                elif key == H_REMARK:
+                    remark = None
+                elif key == H_EXT:
+                    ext = None
+                i += 4
+            elif _literal(p, i, n, b"true", 4) or _literal(p, i, n, b"false", 5):
+                if key != H_OTHER:
+                    return None
+                i += 4 if p[i] == 116 else 5
+            else:
+                return None
+            i = _skip_ws(p, i, n)
+            if i < n and p[i] == 44:
+                i = _skip_ws(p, i + 1, n)
+                continue
+            if i < n and p[i] == 125:
+                i += 1
+                break
+            return None
+    if _skip_ws(p, i, n) != n:
+        return None
+    return (ints[H_CODE], language, ints[H_VERSION], ints[H_OPAQUE], ints[H_FLAG], remark, ext)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -401,9 +401,41 @@ def _ext_value(value: Any) -> str | None:
 _is_str = str.__instancecheck__
 
 
+_JsonHeaderFields = tuple[int, str | None, int, int, int, str | None, dict[str, str] | None]
+_json_header_fast: Callable[[bytes], _JsonHeaderFields | None] | None = None
+
+
+def set_json_header_parser(parser: Callable[[bytes], _JsonHeaderFields | None] | None) -> None:
+    """Install the compiled reader of plain JSON headers (:mod:`rmq_async.protocol.message`
+    does, with the rest of the compiled codec), or remove it with ``None``."""
+    global _json_header_fast
+    _json_header_fast = parser
+
+
 def _decode_json_header(header: bytes | bytearray | memoryview) -> RemotingCommand:
+    raw = bytes(header)
+    if _json_header_fast is not None:
+        fields = _json_header_fast(raw)
+        if fields is not None:
+            code, language_name, version, opaque, flag, remark, ext_fields = fields
+            return RemotingCommand(
+                code=code,
+                language=(LanguageCode.JAVA if language_name is None
+                          else _LANGUAGE_BY_NAME.get(language_name, LanguageCode.OTHER)),
+                version=version,
+                opaque=opaque,
+                flag=flag,
+                remark=remark,
+                ext_fields=ext_fields,
+                serialize_type=SerializeType.JSON,
+            )
+    return _decode_json_header_py(raw)
+
+
+def _decode_json_header_py(header: bytes) -> RemotingCommand:
+    """The JSON header by :func:`json.loads`: any JSON, and the wording of every error."""
     try:
-        obj = json.loads(bytes(header).decode("utf-8"))
+        obj = json.loads(header.decode("utf-8"))
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"bad JSON header: {exc}") from None
     if not isinstance(obj, dict):
@@ -539,26 +571,26 @@ class FrameDecoder:
         """Add received bytes; return every command completed by them (possibly none)."""
         if self._error is not None:
             raise ProtocolError(f"decoder failed earlier: {self._error}")
+        out: list[RemotingCommand] = []
+        src = data if isinstance(data, bytes) else bytes(data)
+        pos = 0
         buf = self._buf
         if buf:
-            buf += data
-            view_src: bytes | bytearray = buf
-        else:
-            # Fast path: nothing pending, parse straight from the caller's bytes.
-            view_src = data if isinstance(data, bytes) else bytes(data)
-        out: list[RemotingCommand] = []
-        total = len(view_src)
-        pos = 0
+            # A frame begun earlier: take from ``src`` only what completes it (a read of many
+            # frames is then parsed where it lies, not appended to the buffer and moved out).
+            pos = self._complete(buf, src, out)
+            if pos < 0:
+                return out
+            self._buf = bytearray()
+        total = len(src)
         max_size = self.max_frame_size
-        with memoryview(view_src) as view:
+        with memoryview(src) as view:
             while total - pos >= 4:
                 (length,) = _I32.unpack_from(view, pos)
                 if length < 4:
                     raise self._fail(f"bad frame length {length}")
                 if length + 4 > max_size:
-                    raise self._fail(
-                        f"frame length {length + 4} exceeds maximum {max_size}"
-                    )
+                    raise self._fail(f"frame length {length + 4} exceeds maximum {max_size}")
                 end = pos + 4 + length
                 if end > total:
                     break
@@ -567,13 +599,38 @@ class FrameDecoder:
                 except ProtocolError as exc:
                     raise self._fail(str(exc)) from None
                 pos = end
-        if view_src is buf:
-            if pos:
-                del buf[:pos]
-        elif pos < total:
-            with memoryview(view_src) as rest:
-                self._buf = bytearray(rest[pos:])
+            if pos < total:
+                self._buf = bytearray(view[pos:])
         return out
+
+    def _complete(self, buf: bytearray, src: bytes, out: list[RemotingCommand]) -> int:
+        """Add to ``buf`` the bytes of ``src`` that complete its frame and decode it into
+        ``out``; the index in ``src`` after them, or -1 when ``src`` did not complete it (all of
+        it is then in ``buf``)."""
+        total = len(src)
+        with memoryview(src) as view:
+            pos = 0
+            if len(buf) < 4:
+                pos = min(4 - len(buf), total)
+                buf += view[:pos]
+                if len(buf) < 4:
+                    return -1
+            (length,) = _I32.unpack_from(buf, 0)
+            if length < 4:
+                raise self._fail(f"bad frame length {length}")
+            if length + 4 > self.max_frame_size:
+                raise self._fail(f"frame length {length + 4} exceeds maximum {self.max_frame_size}")
+            need = length + 4 - len(buf)
+            if need > total - pos:
+                buf += view[pos:]
+                return -1
+            buf += view[pos : pos + need]
+        with memoryview(buf) as frame:
+            try:
+                out.append(RemotingCommand.decode(frame[4:]))
+            except ProtocolError as exc:
+                raise self._fail(str(exc)) from None
+        return pos + need
 
 
 class FrameTemplate:

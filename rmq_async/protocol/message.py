@@ -43,6 +43,7 @@ from .codes import (
     MSG_NEED_UNWRAP_FLAG,
     MSG_STOREHOST_V6_FLAG,
 )
+from .command import set_json_header_parser
 from .errors import BodyDecompressionError, ProtocolError
 from .types import Message, MessageExt, _LazyFields, set_properties_parser
 
@@ -805,6 +806,7 @@ def _use_compiled() -> bool:
     _records = _cmessage.decode_records
     _decode_properties_impl = _cmessage.decode_properties
     set_properties_parser(_cmessage.parse_raw_properties, _cmessage.find_raw_property)
+    set_json_header_parser(_cmessage.json_header)
     message_columns = _cmessage.message_columns
     stamp_delivered = _cmessage.stamp_delivered
     put_each = _cmessage.put_each

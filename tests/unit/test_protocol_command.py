@@ -320,3 +320,25 @@ def test_frame_decoder_partial_length_prefix() -> None:
     assert [c.code for c in dec.feed(frame[5:] + frame[:3])] == [9]
     assert dec.buffered == 3
     assert [c.code for c in dec.feed(frame[3:])] == [9]
+
+
+def test_frame_decoder_keeps_only_the_unfinished_frame() -> None:
+    frames = [RemotingCommand(code=i, opaque=i, body=bytes([i]) * 1000).encode() for i in range(4)]
+    dec = FrameDecoder()
+    assert dec.feed(frames[0][:700]) == []
+    assert dec.buffered == 700
+    # The rest of the first, two whole frames and the start of the last, in one read.
+    got = dec.feed(frames[0][700:] + frames[1] + frames[2] + frames[3][:10])
+    assert [c.code for c in got] == [0, 1, 2]
+    assert [c.body for c in got] == [bytes([i]) * 1000 for i in range(3)]
+    assert dec.buffered == 10
+    assert [c.code for c in dec.feed(frames[3][10:])] == [3]
+    assert dec.buffered == 0
+
+
+def test_frame_decoder_checks_a_length_completed_by_the_next_read() -> None:
+    dec = FrameDecoder(max_frame_size=1024)
+    assert dec.feed(struct.pack(">i", 4096)[:2]) == []
+    with pytest.raises(ProtocolError, match="exceeds maximum"):
+        dec.feed(struct.pack(">i", 4096)[2:] + b"\x00" * 10)
+    assert dec.failed and dec.buffered == 0
