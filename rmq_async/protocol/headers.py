@@ -109,6 +109,8 @@ def hfield(java: str, kind: FieldKind, *, required: bool = False, default: Any =
 _TABLES: dict[type, tuple[HeaderField, ...]] = {}
 _PUT_ORDERS: dict[type, tuple[HeaderField, ...]] = {}
 _LAYOUTS: dict[type, tuple[tuple[str, ...], tuple[str, ...] | None]] = {}
+# For from_ext_fields: (java name, python name, _PLAIN_DIGITS of the kind or 0, row) per field.
+_READ_PLANS: dict[type, tuple[tuple[str, str, int, HeaderField], ...]] = {}
 
 
 def _format(kind: FieldKind, value: Any) -> str:
@@ -216,18 +218,26 @@ class CommandHeader:
     @classmethod
     def from_ext_fields(cls, ext_fields: Mapping[str, str] | None) -> Self:
         """Parse received ``extFields``; :class:`ProtocolError` if a required one is missing."""
-        source: Mapping[str, str] = ext_fields if ext_fields is not None else {}
+        get = (ext_fields if ext_fields is not None else {}).get
         kwargs: dict[str, Any] = {}
-        for row in cls.field_table():
-            raw = source.get(row.java_name)
+        plan = _READ_PLANS.get(cls)
+        if plan is None:
+            plan = _READ_PLANS[cls] = tuple(
+                (row.java_name, row.py_name, _PLAIN_DIGITS.get(row.kind, 0), row)
+                for row in cls.field_table()
+            )
+        for java_name, py_name, plain_digits, row in plan:
+            raw = get(java_name)
             if raw is None:
                 if row.required:
-                    raise ProtocolError(
-                        f"{cls.__name__}: required field {row.java_name!r} is missing"
-                    )
-                kwargs[row.py_name] = row.default
+                    raise ProtocolError(f"{cls.__name__}: required field {java_name!r} is missing")
+                kwargs[py_name] = row.default
+            elif row.kind is FieldKind.STR:
+                kwargs[py_name] = raw
+            elif len(raw) < plain_digits and raw.isdigit() and raw.isascii():
+                kwargs[py_name] = int(raw)  # the common case, as in _parse
             else:
-                kwargs[row.py_name] = _parse(row, raw)
+                kwargs[py_name] = _parse(row, raw)
         return cls(**kwargs)
 
 
