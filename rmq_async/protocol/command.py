@@ -537,9 +537,11 @@ def _decode_binary_header(header: bytes | bytearray | memoryview) -> RemotingCom
 class FrameDecoder:
     """Incremental decoder: feed received bytes, get complete commands.
 
-    Partial frames are kept in one ``bytearray`` (amortised appends, consumed prefix dropped
-    once per :meth:`feed`), so a multi-megabyte body arriving in small chunks is copied a
-    constant number of times. A declared length above ``max_frame_size`` (which counts the
+    Only an unfinished frame is kept, in one ``bytearray`` with amortised appends: a read that
+    completes it gives up just the bytes it lacks, and the frames after them are decoded where
+    they lie in the read; so a multi-megabyte body arriving in small chunks is copied a
+    constant number of times, and a read of many small frames is not copied at all before
+    their bodies are taken out. A declared length above ``max_frame_size`` (which counts the
     4-byte length field, as Java does) is refused as soon as the length is read, before the
     frame is buffered. After a :class:`ProtocolError` the decoder stays failed.
     """
