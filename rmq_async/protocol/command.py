@@ -617,7 +617,7 @@ class FrameDecoder:
                 buf += view[:pos]
                 if len(buf) < 4:
                     return -1
-            (length,) = _I32.unpack_from(buf, 0)
+            length: int = _I32.unpack_from(buf, 0)[0]
             if length < 4:
                 raise self._fail(f"bad frame length {length}")
             if length + 4 > self.max_frame_size:
