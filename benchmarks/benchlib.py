@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -44,6 +45,44 @@ def cpu_times() -> tuple[float, float]:
     """(user, system) CPU seconds of this process, all threads."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime, ru.ru_stime
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads) from ``/proc``; None when
+    it is gone or ``/proc`` is not there."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, from field 3 on
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendant_pids(root: int) -> list[int]:
+    """Every live process below ``root`` (children, their children, ...), from ``/proc``."""
+    parents: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="ascii") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        parents.setdefault(ppid, []).append(int(name))
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def peak_rss_kib() -> int:

@@ -35,8 +35,10 @@ from benchlib import (
     UNCOUNTED_TAGS,
     Tally,
     cpu_times,
+    descendant_pids,
     emit,
     emit_result,
+    process_cpu_seconds,
 )
 
 from rmq_async import ConsumeResult, MessageExt, PushConsumer
@@ -391,6 +393,32 @@ def _write_parquet(spark: Any, table: Any, path: Path) -> None:
     spark.createDataFrame(table).write.mode("append").parquet(str(path))
 
 
+class _CpuMeter:
+    """CPU seconds of the processes a Spark round runs on: this one (the consumer and the sink,
+    or the plain path's table serialisation: the driver's Python side), Spark (every process
+    below this one: the JVM and the Python workers it started) and the broker (when its pid is
+    known). A Spark Python worker that exits during a round takes its CPU with it (local mode
+    reuses them, so few do)."""
+
+    def __init__(self, broker_pid: int | None) -> None:
+        self.broker_pid = broker_pid
+
+    def snapshot(self) -> tuple[float, float, float | None]:
+        user, system = cpu_times()
+        spark = sum(process_cpu_seconds(pid) or 0.0 for pid in descendant_pids(os.getpid()))
+        broker = process_cpu_seconds(self.broker_pid) if self.broker_pid else None
+        return user + system, spark, broker
+
+    @staticmethod
+    def per_million(start: tuple[float, float, float | None],
+                    end: tuple[float, float, float | None], rows: int) -> dict[str, float | None]:
+        def rate(a: float | None, b: float | None) -> float | None:
+            return round((b - a) / rows * 1e6, 2) if a is not None and b is not None and rows else None
+
+        return {"python": rate(start[0], end[0]), "spark": rate(start[1], end[1]),
+                "broker": rate(start[2], end[2])}
+
+
 async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
     from rmq_async.sinks.spark import messages_to_arrow
     from rmq_async.sources.spark import register
@@ -404,6 +432,7 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
     session_seconds = time.perf_counter() - t_start
     await asyncio.to_thread(register, spark)
     runs: list[dict[str, Any]] = []
+    meter = _CpuMeter(spec.get("broker_pid"))
     try:
         # The in-memory Arrow tables of the baseline: the same rows, built before timing.
         batches = await _pull_batches(spec, batch_rows)
@@ -421,7 +450,10 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
         for rnd in range(int(spec.get("rounds", 1))):
             path = out_dir / f"sink-{rnd}"
             emit(f"PHASE sink round {rnd + 1}")
+            cpu0 = await asyncio.to_thread(meter.snapshot)
             sink_run = await _sink_run(spark, spec, path)
+            sink_run["cpu_s_per_million"] = meter.per_million(
+                cpu0, await asyncio.to_thread(meter.snapshot), sink_run["rows"])
             ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
             if sink_run["ok"] and not ok:
                 sink_run.update(ok=False, reason=reason)
@@ -434,7 +466,10 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
                 emit(f"PHASE bulk sink round {rnd + 1}")
                 path = out_dir / f"sink-bulk-{rnd}"
                 async with _broker_config(spec, BULK_BROKER_CONFIG):
+                    cpu0 = await asyncio.to_thread(meter.snapshot)
                     sink_run = await _sink_run(spark, spec, path, BULK_PULL_BATCH_SIZE)
+                    sink_run["cpu_s_per_million"] = meter.per_million(
+                        cpu0, await asyncio.to_thread(meter.snapshot), sink_run["rows"])
                 ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
                 if sink_run["ok"] and not ok:
                     sink_run.update(ok=False, reason=reason)
@@ -443,6 +478,7 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
 
             emit(f"PHASE plain spark round {rnd + 1}")
             path = out_dir / f"plain-{rnd}"
+            cpu0 = await asyncio.to_thread(meter.snapshot)
             t = time.perf_counter()
             done_rows = 0
             for table in tables:
@@ -450,12 +486,14 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
                 done_rows += table.num_rows
                 emit(f"PROGRESS {done_rows}")
             seconds = time.perf_counter() - t
+            plain_cpu = meter.per_million(cpu0, await asyncio.to_thread(meter.snapshot),
+                                          done_rows)
             ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
             if pulled != expected:
                 ok, reason = False, f"pulled {pulled} rows for the baseline, not {expected}"
             runs.append({"contender": "plain-spark-arrow", "round": rnd + 1, "ok": ok,
                          "reason": reason, "rows": done_rows, "seconds": round(seconds, 3),
-                         "batches": len(tables),
+                         "batches": len(tables), "cpu_s_per_million": plain_cpu,
                          "rows_per_s": round(done_rows / seconds, 1) if seconds > 0 else 0.0})
             shutil.rmtree(path, ignore_errors=True)
 
@@ -464,13 +502,16 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
             emit(f"PHASE source round {rnd + 1}")
             path = out_dir / f"source-{rnd}"
             checkpoint = out_dir / f"source-checkpoint-{rnd}"
+            cpu0 = await asyncio.to_thread(meter.snapshot)
             t = time.perf_counter()
             rows = await asyncio.to_thread(_source_stream, spark, spec, path, checkpoint)
             seconds = time.perf_counter() - t
+            source_cpu = meter.per_million(cpu0, await asyncio.to_thread(meter.snapshot), rows)
             emit(f"PROGRESS {rows}")
             ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
             runs.append({"contender": "spark-source", "round": rnd + 1, "ok": ok,
                          "reason": reason, "rows": rows, "seconds": round(seconds, 3),
+                         "cpu_s_per_million": source_cpu,
                          "rows_per_s": round(rows / seconds, 1) if seconds > 0 else 0.0})
             shutil.rmtree(path, ignore_errors=True)
             shutil.rmtree(checkpoint, ignore_errors=True)

@@ -87,13 +87,20 @@ def _ratios(row: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None
     return r
 
 
+_SPARK_CPU_PROCESSES = ("python", "spark", "broker")
+
+
 def _summarize_spark(sc: dict[str, Any]) -> dict[str, Any]:
     runs = sc.get("runs", [])
     out: dict[str, Any] = {}
     for contender in ("spark-sink", "spark-sink-bulk", "plain-spark-arrow", "spark-source"):
         good = [r for r in runs if r["contender"] == contender and r["ok"]]
         out[contender] = {"runs": len(good), "rows_per_s": _median(r["rows_per_s"] for r in good),
-                          "seconds": _median(r["seconds"] for r in good)}
+                          "seconds": _median(r["seconds"] for r in good),
+                          "cpu_s_per_million": {
+                              proc: _median(r["cpu_s_per_million"][proc] for r in good
+                                            if r.get("cpu_s_per_million", {}).get(proc) is not None)
+                              for proc in _SPARK_CPU_PROCESSES}}
     out["sink_over_plain"] = _ratio(out["spark-sink"]["rows_per_s"],
                                     out["plain-spark-arrow"]["rows_per_s"])
     out["bulk_sink_over_plain"] = _ratio(out["spark-sink-bulk"]["rows_per_s"],
@@ -228,7 +235,22 @@ def _spark_table(sc: dict[str, Any], s: dict[str, Any]) -> list[str]:
         "the broker serving the pulls and the consumer decoding them, both of which cost per "
         "pull: a default broker hands out at most 32 in-memory messages (256 KiB) per pull.",
         "",
+        "CPU seconds per million rows, per process (medians; read from /proc around each timed "
+        "path; a sink's figures include its consumer's start and stop):",
+        "",
+        "| path | this Python process | Spark (JVM and its Python workers) | broker | all |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
+    for key, label in (("spark-sink", "consumer + SparkSink"),
+                       ("spark-sink-bulk", "the same, broker's caps raised"),
+                       ("plain-spark-arrow", "plain Spark from Arrow"),
+                       ("spark-source", "RocketMQ source")):
+        cpu = s.get(key, none).get("cpu_s_per_million") or {}
+        parts = [cpu.get(proc) for proc in _SPARK_CPU_PROCESSES]
+        total = sum(p for p in parts if p is not None) if any(p is not None for p in parts) else None
+        lines.append(f"| {label} | " + " | ".join(_fmt(p, '.1f') for p in parts)
+                     + f" | {_fmt(total, '.1f')} |")
+    lines.append("")
     for r in sc.get("runs", []):
         if not r["ok"]:
             lines.append(f"- **not verified**: {r['contender']} round {r['round']}: {r['reason']}")

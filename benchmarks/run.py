@@ -607,7 +607,7 @@ async def run_spark(rt: Runtime, sc: Scenario, topic: str) -> dict[str, Any]:
             "expected": sc.messages, "queues": QUEUES, "batch_rows": sc.batch_rows,
             "rounds": sc.rounds, "stall_timeout": rt.stall_timeout,
             "source_rounds": sc.capped_rounds.get("spark-source", sc.rounds),
-            "work_dir": str(rt.work / "spark")}
+            "work_dir": str(rt.work / "spark"), "broker_pid": rt.rmq.pids.get("broker")}
     if rt.profile_dir is not None:
         spec["profile"] = str(rt.profile_dir / f"{sc.name}-spark.pstats")
     child = ChildRun(cmd=[sys.executable, str(BENCH_DIR / "child.py"), json.dumps(spec)],

@@ -122,8 +122,17 @@ def test_bench_quick_writes_wellformed_outputs(tmp_path: Path) -> None:
         assert data["summary"]["spark"]["sink_over_plain"] > 0
         assert data["summary"]["spark"]["source_over_plain"] > 0
         assert data["summary"]["spark"]["bulk_sink_over_plain"] > 0
+        # Each timed path says where its CPU went: this process, Spark's, the broker's.
+        for r in spark["runs"]:
+            cpu = r["cpu_s_per_million"]
+            assert cpu["python"] > 0 and cpu["spark"] > 0, r
+            assert cpu["broker"] is not None and cpu["broker"] >= 0, r
+        sink_cpu = data["summary"]["spark"]["spark-sink"]["cpu_s_per_million"]
+        assert sink_cpu["broker"] > 0, sink_cpu  # the sink's pulls cost the broker something
 
     md = (out / "summary.md").read_text()
+    if "skipped" not in spark:
+        assert "CPU seconds per million rows, per process" in md
     tables = _tables(md)
     assert len(tables) >= len(DRAINS) + 1
     for table in tables:
