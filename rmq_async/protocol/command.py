@@ -412,6 +412,18 @@ def set_json_header_parser(parser: Callable[[bytes], _JsonHeaderFields | None] |
     _json_header_fast = parser
 
 
+def _json_language(raw: object) -> int:
+    """The ``language`` of a JSON header: absent is Java (as Java reads it), a name unknown to
+    the Java enum is OTHER, a number is taken as the binary header takes it."""
+    if raw is None:
+        return LanguageCode.JAVA
+    if isinstance(raw, str):
+        return _LANGUAGE_BY_NAME.get(raw, LanguageCode.OTHER)
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return _language_value(raw)
+    raise ProtocolError("header field 'language' is neither a name nor a number")
+
+
 def _decode_json_header(header: bytes | bytearray | memoryview) -> RemotingCommand:
     raw = bytes(header)
     if _json_header_fast is not None:
@@ -420,8 +432,7 @@ def _decode_json_header(header: bytes | bytearray | memoryview) -> RemotingComma
             code, language_name, version, opaque, flag, remark, ext_fields = fields
             return RemotingCommand(
                 code=code,
-                language=(LanguageCode.JAVA if language_name is None
-                          else _LANGUAGE_BY_NAME.get(language_name, LanguageCode.OTHER)),
+                language=_json_language(language_name),
                 version=version,
                 opaque=opaque,
                 flag=flag,
@@ -440,16 +451,7 @@ def _decode_json_header_py(header: bytes) -> RemotingCommand:
         raise ProtocolError(f"bad JSON header: {exc}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("JSON header is not an object")
-    language_raw = obj.get("language")
-    language: int
-    if language_raw is None:
-        language = LanguageCode.JAVA
-    elif isinstance(language_raw, str):
-        language = _LANGUAGE_BY_NAME.get(language_raw, LanguageCode.OTHER)
-    elif isinstance(language_raw, int) and not isinstance(language_raw, bool):
-        language = _language_value(language_raw)
-    else:
-        raise ProtocolError("header field 'language' is neither a name nor a number")
+    language = _json_language(obj.get("language"))
     remark = obj.get("remark")
     if remark is not None and not isinstance(remark, str):
         raise ProtocolError("header field 'remark' is not a string")
@@ -585,25 +587,33 @@ class FrameDecoder:
                 return out
             self._buf = bytearray()
         total = len(src)
-        max_size = self.max_frame_size
         with memoryview(src) as view:
             while total - pos >= 4:
-                (length,) = _I32.unpack_from(view, pos)
-                if length < 4:
-                    raise self._fail(f"bad frame length {length}")
-                if length + 4 > max_size:
-                    raise self._fail(f"frame length {length + 4} exceeds maximum {max_size}")
-                end = pos + 4 + length
+                end = pos + self._frame_size(view, pos)
                 if end > total:
                     break
-                try:
-                    out.append(RemotingCommand.decode(view[pos + 4 : end]))
-                except ProtocolError as exc:
-                    raise self._fail(str(exc)) from None
+                out.append(self._decode(view[pos + 4 : end]))
                 pos = end
             if pos < total:
                 self._buf = bytearray(view[pos:])
         return out
+
+    def _frame_size(self, data: bytes | bytearray | memoryview, pos: int) -> int:
+        """The size (length field included) of the frame whose length field is at ``pos``;
+        fails the decoder if that length is impossible or over ``max_frame_size``."""
+        length: int = _I32.unpack_from(data, pos)[0]
+        if length < 4:
+            raise self._fail(f"bad frame length {length}")
+        if length + 4 > self.max_frame_size:
+            raise self._fail(f"frame length {length + 4} exceeds maximum {self.max_frame_size}")
+        return length + 4
+
+    def _decode(self, frame: memoryview) -> RemotingCommand:
+        """One frame given without its length field; a ProtocolError fails the decoder."""
+        try:
+            return RemotingCommand.decode(frame)
+        except ProtocolError as exc:
+            raise self._fail(str(exc)) from None
 
     def _complete(self, buf: bytearray, src: bytes, out: list[RemotingCommand]) -> int:
         """Add to ``buf`` the bytes of ``src`` that complete its frame and decode it into
@@ -617,21 +627,13 @@ class FrameDecoder:
                 buf += view[:pos]
                 if len(buf) < 4:
                     return -1
-            length: int = _I32.unpack_from(buf, 0)[0]
-            if length < 4:
-                raise self._fail(f"bad frame length {length}")
-            if length + 4 > self.max_frame_size:
-                raise self._fail(f"frame length {length + 4} exceeds maximum {self.max_frame_size}")
-            need = length + 4 - len(buf)
+            need = self._frame_size(buf, 0) - len(buf)
             if need > total - pos:
                 buf += view[pos:]
                 return -1
             buf += view[pos : pos + need]
         with memoryview(buf) as frame:
-            try:
-                out.append(RemotingCommand.decode(frame[4:]))
-            except ProtocolError as exc:
-                raise self._fail(str(exc)) from None
+            out.append(self._decode(frame[4:]))
         return pos + need
 
 

@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rmq_async.protocol import command, message
-from rmq_async.protocol.codes import LanguageCode
 from rmq_async.protocol.command import (
     FrameDecoder,
     RemotingCommand,
@@ -70,9 +69,7 @@ def _check(raw: bytes) -> bool:
         code, language, version, opaque, flag, remark, ext = fast
         cmd = RemotingCommand(code=code, version=version, opaque=opaque, flag=flag,
                               remark=remark, ext_fields=ext,
-                              language=(LanguageCode.JAVA if language is None else
-                                        command._LANGUAGE_BY_NAME.get(language,
-                                                                      LanguageCode.OTHER)))
+                              language=command._json_language(language))
         assert _fields(cmd) == pure[1], raw
     saved = command._json_header_fast
     command.set_json_header_parser(_cmessage.json_header)
