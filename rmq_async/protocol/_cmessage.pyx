@@ -827,16 +827,21 @@ cdef int _set_pairs(dict pairs, Py_ssize_t first, Entries *entries, list refs) e
     return 0
 
 
+cdef int _put_dict(dict props, Row *row, Entries *entries, list refs) except -1:
+    # The row's pairs are those of ``props``, appended to the entries.
+    row.first_entry = entries.size
+    _set_pairs(props, row.first_entry, entries, refs)
+    row.n_entries = entries.size - row.first_entry
+    row.props_state = PROPS_READY
+    return 0
+
+
 cdef int _pairs_from_dict(object msg, Row *row, Entries *entries, list refs) except -1:
     # The pairs of ``msg.properties``, the Python parse (pending properties included).
     props = msg.properties
     if type(props) is not dict:
         raise TypeError("properties is not a dict")
-    row.first_entry = entries.size
-    _set_pairs(<dict> props, row.first_entry, entries, refs)
-    row.n_entries = entries.size - row.first_entry
-    row.props_state = PROPS_READY
-    return 0
+    return _put_dict(<dict> props, row, entries, refs)
 
 
 cdef int _apply_pairs(dict pending, Row *row, Entries *entries, list refs) except -1:
@@ -1377,10 +1382,7 @@ def record_columns(list chunks not None, Py_ssize_t rows_total, alloc=None):
                                                              b"replace"))
                     if pending is not None:
                         PyDict_Update(props, pending)
-                    rows[r].first_entry = entries.size
-                    _set_pairs(props, rows[r].first_entry, &entries, refs)
-                    rows[r].n_entries = entries.size - rows[r].first_entry
-                    rows[r].props_state = PROPS_READY
+                    _put_dict(props, &rows[r], &entries, refs)
                 elif rows[r].props_state == PROPS_MERGE:
                     _apply_pairs(<dict> chunks[c][2], &rows[r], &entries, refs)
         except (TypeError, UnicodeError):
