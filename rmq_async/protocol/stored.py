@@ -62,11 +62,6 @@ class StoredChunk:
         return cls(data, topic, broker_name, queue_id, first, last, count, size, pending,
                    max_offset)
 
-    @property
-    def queue_offset(self) -> int:
-        """The chunk's first offset: where a ProcessQueue files it."""
-        return self.first_offset
-
     def messages(self) -> list[MessageExt]:
         """The chunk decoded and stamped as the pull loop would have delivered it."""
         msgs = _message.decode_messages(self.data)
