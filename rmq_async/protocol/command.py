@@ -537,30 +537,43 @@ def _decode_binary_header(header: bytes | bytearray | memoryview) -> RemotingCom
 
 
 class FrameDecoder:
-    """Incremental decoder: feed received bytes, get complete commands.
+    """Incremental decoder: received bytes in, complete commands out.
 
-    Only an unfinished frame is kept, in one ``bytearray`` with amortised appends: a read that
-    completes it gives up just the bytes it lacks, and the frames after them are decoded where
-    they lie in the read; so a multi-megabyte body arriving in small chunks is copied a
-    constant number of times, and a read of many small frames is not copied at all before
-    their bodies are taken out. A declared length above ``max_frame_size`` (which counts the
-    4-byte length field, as Java does) is refused as soon as the length is read, before the
-    frame is buffered. After a :class:`ProtocolError` the decoder stays failed.
+    Bytes arrive in one reusable receive buffer: a connection (an
+    :class:`asyncio.BufferedProtocol`) lets the transport read straight into the space
+    :meth:`get_buffer` offers and then calls :meth:`buffer_updated`, which decodes every frame
+    completed in place and keeps only the unfinished one. Reads then allocate nothing (a
+    transport that makes a new ``bytes`` per read asks the allocator for a quarter megabyte
+    each time), and decoded commands copy out what they keep (a body becomes ``bytes`` of its
+    own), so the buffer is reused at once. A frame larger than the buffer grows it to the
+    frame's size, announced by its length field, so the frame is read in place as well; the
+    buffer shrinks back once it is empty. :meth:`feed` offers the same for bytes in hand.
+
+    A declared length above ``max_frame_size`` (which counts the 4-byte length field, as Java
+    does) is refused as soon as the length is read, before the frame is buffered. After a
+    :class:`ProtocolError` the decoder stays failed.
     """
 
-    __slots__ = ("_buf", "_error", "max_frame_size")
+    __slots__ = ("_buf", "_end", "_error", "_need", "_start", "max_frame_size")
+
+    #: Capacity of a receive buffer, and the least free space offered to one read.
+    BUFFER_SIZE = 256 * 1024
+    MIN_READ = 64 * 1024
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         if max_frame_size < 8:
             raise InvalidArgumentError("max_frame_size must be at least 8")
         self.max_frame_size = max_frame_size
-        self._buf = bytearray()
+        self._buf = bytearray(self.BUFFER_SIZE)
+        self._start = 0  # the unfinished frame (if any) is _buf[_start:_end]
+        self._end = 0
+        self._need = 0  # its whole size once its length field is in, else 0
         self._error: ProtocolError | None = None
 
     @property
     def buffered(self) -> int:
         """Bytes held for an incomplete frame."""
-        return len(self._buf)
+        return self._end - self._start
 
     @property
     def failed(self) -> bool:
@@ -568,34 +581,67 @@ class FrameDecoder:
 
     def _fail(self, message: str) -> ProtocolError:
         self._error = ProtocolError(message)
-        self._buf = bytearray()
+        self._start = self._end = self._need = 0
         return self._error
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Space for the next read: the tail of the receive buffer, at least
+        :attr:`MIN_READ` bytes, or the room the unfinished frame still needs if that is more.
+        Nothing in the buffer is ever resized, so a view the transport still holds is harmless."""
+        buf, start, end = self._buf, self._start, self._end
+        pending = end - start
+        room = max(self.MIN_READ, self._need - pending)
+        if not pending and len(buf) > 4 * self.BUFFER_SIZE and room <= self.BUFFER_SIZE:
+            self._buf = buf = bytearray(self.BUFFER_SIZE)  # the large frame that grew it is gone
+        if len(buf) - end < room:
+            size = max(self.BUFFER_SIZE, pending + room)
+            if size > len(buf):
+                grown = bytearray(size)
+                grown[:pending] = buf[start:end]
+                self._buf = buf = grown
+            else:
+                buf[:pending] = buf[start:end]
+            self._start, self._end = 0, pending
+            end = pending
+        return memoryview(buf)[end:]
+
+    def buffer_updated(self, nbytes: int) -> list[RemotingCommand]:
+        """``nbytes`` were written at the start of the last :meth:`get_buffer` space; return every
+        command they completed (possibly none)."""
+        if self._error is not None:
+            raise ProtocolError(f"decoder failed earlier: {self._error}")
+        self._end = end = self._end + nbytes
+        pos = self._start
+        out: list[RemotingCommand] = []
+        need = 0
+        with memoryview(self._buf) as view:
+            while end - pos >= 4:
+                size = self._frame_size(view, pos)
+                if pos + size > end:
+                    need = size
+                    break
+                out.append(self._decode(view[pos + 4 : pos + size]))
+                pos += size
+        self._need = need
+        if pos < end:
+            self._start = pos
+        else:
+            self._start = self._end = 0
+        return out
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[RemotingCommand]:
         """Add received bytes; return every command completed by them (possibly none)."""
         if self._error is not None:
             raise ProtocolError(f"decoder failed earlier: {self._error}")
         out: list[RemotingCommand] = []
-        src = data if isinstance(data, bytes) else bytes(data)
-        pos = 0
-        buf = self._buf
-        if buf:
-            # A frame begun earlier: take from ``src`` only what completes it (a read of many
-            # frames is then parsed where it lies, not appended to the buffer and moved out).
-            pos = self._complete(buf, src, out)
-            if pos < 0:
-                return out
-            self._buf = bytearray()
-        total = len(src)
-        with memoryview(src) as view:
-            while total - pos >= 4:
-                end = pos + self._frame_size(view, pos)
-                if end > total:
-                    break
-                out.append(self._decode(view[pos + 4 : end]))
-                pos = end
-            if pos < total:
-                self._buf = bytearray(view[pos:])
+        with memoryview(data if isinstance(data, bytes | bytearray) else bytes(data)) as src:
+            pos, total = 0, len(src)
+            while pos < total:
+                space = self.get_buffer()
+                n = min(len(space), total - pos)
+                space[:n] = src[pos : pos + n]
+                out.extend(self.buffer_updated(n))
+                pos += n
         return out
 
     def _frame_size(self, data: bytes | bytearray | memoryview, pos: int) -> int:
@@ -614,27 +660,6 @@ class FrameDecoder:
             return RemotingCommand.decode(frame)
         except ProtocolError as exc:
             raise self._fail(str(exc)) from None
-
-    def _complete(self, buf: bytearray, src: bytes, out: list[RemotingCommand]) -> int:
-        """Add to ``buf`` the bytes of ``src`` that complete its frame and decode it into
-        ``out``; the index in ``src`` after them, or -1 when ``src`` did not complete it (all of
-        it is then in ``buf``)."""
-        total = len(src)
-        with memoryview(src) as view:
-            pos = 0
-            if len(buf) < 4:
-                pos = min(4 - len(buf), total)
-                buf += view[:pos]
-                if len(buf) < 4:
-                    return -1
-            need = self._frame_size(buf, 0) - len(buf)
-            if need > total - pos:
-                buf += view[pos:]
-                return -1
-            buf += view[pos : pos + need]
-        with memoryview(buf) as frame:
-            out.append(self._decode(frame[4:]))
-        return pos + need
 
 
 class FrameTemplate:

@@ -1,8 +1,9 @@
 """One asyncio connection to a name server or broker.
 
-The connection is an :class:`asyncio.Protocol`: bytes arriving from the transport are fed to the
-sans-IO :class:`~rmq_async.protocol.command.FrameDecoder` right in ``data_received``, and each
-decoded command is routed without an extra hop:
+The connection is an :class:`asyncio.BufferedProtocol`: the transport reads into the receive
+buffer of the sans-IO :class:`~rmq_async.protocol.command.FrameDecoder`, which decodes the frames
+completed by each read in place (``buffer_updated``), and each decoded command is routed without
+an extra hop:
 
 * a response completes the future stored under its ``opaque`` in the pending table;
 * a request from the peer (the broker asking the consumer something) is handed to the
@@ -61,7 +62,7 @@ DEFAULT_WRITE_TIMEOUT = 3.0
 _SWEEP_SLACK = 0.001
 
 
-class Connection(asyncio.Protocol):
+class Connection(asyncio.BufferedProtocol):
     """A multiplexed request/response channel to one address."""
 
     def __init__(
@@ -195,7 +196,7 @@ class Connection(asyncio.Protocol):
         else:
             log.debug("remoting.connection_closed", addr=self.addr, failed_requests=len(pending))
 
-    # ------------------------------------------------------------------ asyncio.Protocol
+    # ------------------------------------------------------------------ asyncio.BufferedProtocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's TCP transport is not an asyncio.Transport subclass, only a lookalike.
@@ -210,12 +211,15 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._can_write.set()
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
         if self._closed:
             return
         self.last_activity = asyncio.get_running_loop().time()
         try:
-            commands = self._decoder.feed(data)
+            commands = self._decoder.buffer_updated(nbytes)
         except ProtocolError as exc:
             log.error("remoting.protocol_error", addr=self.addr, error=str(exc))
             self._shutdown(exc)

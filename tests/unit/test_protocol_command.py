@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import struct
 
 import pytest
@@ -334,6 +335,72 @@ def test_frame_decoder_keeps_only_the_unfinished_frame() -> None:
     assert dec.buffered == 10
     assert [c.code for c in dec.feed(frames[3][10:])] == [3]
     assert dec.buffered == 0
+
+
+def _read_like_a_transport(dec: FrameDecoder, stream: bytes, rng: random.Random
+                           ) -> list[RemotingCommand]:
+    """What a buffered transport does: read into get_buffer()'s space, then buffer_updated()."""
+    got: list[RemotingCommand] = []
+    pos = 0
+    while pos < len(stream):
+        space = dec.get_buffer(-1)
+        assert len(space) >= FrameDecoder.MIN_READ
+        n = min(len(space), rng.randint(1, 100_000), len(stream) - pos)
+        space[:n] = stream[pos : pos + n]
+        space[n:] = b"\xee" * (len(space) - n)  # what lies past the read must not matter
+        got.extend(dec.buffer_updated(n))
+        pos += n
+    return got
+
+
+def test_frame_decoder_reads_in_place_and_commands_own_their_bytes() -> None:
+    rng = random.Random(11)
+    cmds = [
+        RemotingCommand(code=i, opaque=i, flag=i % 2, ext_fields={"k": str(i)},
+                        body=bytes([i]) * rng.choice([0, 1, 900, 40_000, 300_000]))
+        for i in range(60)
+    ]
+    dec = FrameDecoder()
+    got = _read_like_a_transport(dec, b"".join(c.encode() for c in cmds), rng)
+    assert got == cmds and dec.buffered == 0
+    # The receive buffer is reused at once: scribbling over all of it changes no command.
+    space = dec.get_buffer(-1)
+    space[:] = b"\xff" * len(space)
+    assert got == cmds
+
+
+def test_frame_decoder_grows_for_a_large_frame_and_shrinks_after() -> None:
+    big = RemotingCommand(code=1, opaque=1, body=bytes(range(256)) * 8192)  # 2 MiB
+    small = RemotingCommand(code=2, opaque=2, body=b"s" * 100)
+    dec = FrameDecoder()
+    frame = big.encode()
+    space = dec.get_buffer(-1)
+    space[:10] = frame[:10]
+    assert dec.buffer_updated(10) == []
+    # The length field is in: the next read is offered the whole rest of the frame.
+    space = dec.get_buffer(-1)
+    assert len(space) >= len(frame) - 10
+    space[: len(frame) - 10] = frame[10:]
+    assert dec.buffer_updated(len(frame) - 10) == [big]
+    assert len(dec.get_buffer(-1)) <= FrameDecoder.BUFFER_SIZE
+    assert _read_like_a_transport(dec, small.encode() * 3, random.Random(1)) == [small] * 3
+
+
+def test_frame_decoder_moves_an_unfinished_frame_to_the_front_when_space_runs_out() -> None:
+    frames = [RemotingCommand(code=i, opaque=i, body=bytes([i]) * 30_000).encode()
+              for i in range(20)]
+    stream = b"".join(frames)
+    dec = FrameDecoder()
+    got: list[RemotingCommand] = []
+    pos = 0
+    while pos < len(stream):  # reads that always end inside a frame
+        space = dec.get_buffer(-1)
+        n = min(len(space), 45_000, len(stream) - pos)
+        space[:n] = stream[pos : pos + n]
+        got.extend(dec.buffer_updated(n))
+        pos += n
+    assert [c.code for c in got] == list(range(20))
+    assert [c.body for c in got] == [bytes([i]) * 30_000 for i in range(20)]
 
 
 def test_frame_decoder_checks_a_length_completed_by_the_next_read() -> None:
