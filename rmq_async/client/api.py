@@ -85,6 +85,10 @@ class SendResult:
     transaction_id: str | None = None
 
 
+_PULL_NEXT, _PULL_MIN, _PULL_MAX = "nextBeginOffset", "minOffset", "maxOffset"
+_PULL_SUGGEST, _PULL_DELTA = "suggestWhichBrokerId", "offsetDelta"
+
+
 class PendingPull:
     """A PULL_MESSAGE in flight: :meth:`result` waits for the answer, :meth:`cancel` drops it."""
 
@@ -106,16 +110,26 @@ class PendingPull:
         status = _PULL_STATUS_BY_CODE.get(code)
         if status is None:
             raise broker_error(code, resp.remark, addr=self.addr, request="PULL_MESSAGE")
-        rh = h.PullMessageResponseHeader.from_ext_fields(resp.ext_fields or {})
-        return PullResult(
-            status=status,
-            next_begin_offset=rh.next_begin_offset,
-            min_offset=rh.min_offset,
-            max_offset=rh.max_offset,
-            suggest_which_broker_id=rh.suggest_which_broker_id,
-            body=resp.body if code == ResponseCode.SUCCESS else b"",
-            offset_delta=rh.offset_delta,
-        )
+        ext = resp.ext_fields or {}
+        try:
+            # The four offsets as brokers write them (short plain decimals), read inline; any
+            # other shape goes through the typed header, which says what is wrong with it.
+            fields = [ext[_PULL_NEXT], ext[_PULL_MIN], ext[_PULL_MAX], ext[_PULL_SUGGEST]]
+            delta = ext.get(_PULL_DELTA)
+            if delta is not None:
+                fields.append(delta)
+            text = "".join(fields)
+            if not (text.isdigit() and text.isascii() and all(0 < len(f) < 19 for f in fields)):
+                raise ValueError
+        except (KeyError, ValueError):
+            rh = h.PullMessageResponseHeader.from_ext_fields(ext)
+            nb, mn, mx, sb, od = (rh.next_begin_offset, rh.min_offset, rh.max_offset,
+                                  rh.suggest_which_broker_id, rh.offset_delta)
+        else:
+            nb, mn, mx, sb = int(fields[0]), int(fields[1]), int(fields[2]), int(fields[3])
+            od = None if delta is None else int(delta)
+        return PullResult(status, nb, mn, mx, sb,
+                          resp.body if code == ResponseCode.SUCCESS else b"", od)
 
 
 class MQClientAPI:
