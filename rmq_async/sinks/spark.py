@@ -225,12 +225,13 @@ class _Batch:
 class _Job:
     """One batch on its way through the worker thread; survives across retries."""
 
-    __slots__ = ("batch", "info", "table", "written")
+    __slots__ = ("batch", "frame", "info", "table", "written")
 
     def __init__(self, batch: _Batch) -> None:
         self.batch = batch
         self.table: pa.Table | None = None
         self.info: BatchInfo | None = None
+        self.frame: DataFrame | None = None  # made ahead; used by the first attempt only
         self.written = False
 
 
@@ -280,10 +281,11 @@ class SparkSink:
             partial batch lands at once. Off by default: under a steady trickle it would write
             many small batches back to back instead of one per ``max_batch_latency``.
         convert_ahead: convert a batch that closes while the one before is being written to
-            Arrow at once, in another worker thread, so that its write starts as soon as that
-            write ends (the default). The sink then holds up to two batches in Arrow form; with
-            ``False`` it holds one (each batch is converted by its own write), for less memory
-            and less throughput.
+            Arrow at once, in another worker thread, and hand it to Spark
+            (``createDataFrame``, which copies the Arrow data into the driver), so that its
+            write starts as soon as that write ends (the default). The sink then holds up to
+            two batches in Arrow form, and Spark's driver the next one; with ``False`` each
+            batch is converted by its own write, for less memory and less throughput.
         create_dataframe: replaces ``spark.createDataFrame`` (a hook for tests of the batching).
     """
 
@@ -667,11 +669,13 @@ class SparkSink:
             raise
 
     async def _attempt_and_convert_ahead(self, job: _Job) -> None:
-        """One write attempt of ``job``; meanwhile the next closed batch is converted to Arrow.
+        """One write attempt of ``job``; meanwhile the next closed batch is converted to Arrow
+        and handed to Spark.
 
-        The conversion of batch N+1 (mostly without the GIL) then overlaps the Spark write of
-        batch N instead of delaying the write of N+1. A conversion already running when the
-        write ends is awaited (its table is kept for the next write); one not started is not.
+        The conversion of batch N+1 (mostly without the GIL) and its ``createDataFrame`` then
+        overlap the Spark write of batch N instead of delaying the write of N+1. A conversion
+        already running when the write ends is awaited (its table and DataFrame are kept for
+        the next write); one not started is not.
         """
         if not self._convert_ahead:
             await _run_in_thread(self._attempt, job)
@@ -688,7 +692,7 @@ class SparkSink:
                 return
             converting = True
             ahead = _Job(batch)
-            await _run_in_thread(self._convert, ahead)
+            await _run_in_thread(self._convert_and_create, ahead)
             if not batch.done.is_set():
                 self._converted[batch.batch_id] = ahead
 
@@ -713,11 +717,29 @@ class SparkSink:
         if job.table is None or job.info is None:
             self._convert(job)
         assert job.table is not None and job.info is not None
-        frame = self._create_dataframe(job.table)
-        if self._value_format == "json":
-            frame = self._with_json_value(frame)
+        frame, job.frame = job.frame, None  # a retry hands the table to Spark anew
+        if frame is None:
+            frame = self._frame(job.table)
         self._write(frame, job.info)
         job.written = True
+
+    def _convert_and_create(self, job: _Job) -> None:
+        """The conversion ahead of the write, in a worker thread: the Arrow table, then the
+        DataFrame (creating it sends the Arrow data to Spark's driver, work that would
+        otherwise delay the write once the write before it ends)."""
+        self._convert(job)
+        assert job.table is not None
+        try:
+            job.frame = self._frame(job.table)
+        except Exception as exc:  # the write makes it itself (and reports what goes wrong)
+            log.warning("spark_sink.create_ahead_failed", batch_id=job.batch.batch_id,
+                        error=f"{type(exc).__name__}: {exc}")
+
+    def _frame(self, table: pa.Table) -> DataFrame:
+        frame = self._create_dataframe(table)
+        if self._value_format == "json":
+            frame = self._with_json_value(frame)
+        return frame
 
     def _convert(self, job: _Job) -> None:
         """Fill in the batch's Arrow table and :class:`BatchInfo`, in a worker thread."""

@@ -185,6 +185,45 @@ async def test_the_next_batch_is_converted_while_one_is_written_and_only_once(
     assert acks == [True] * 6
 
 
+async def test_the_next_dataframe_is_created_during_a_write_and_a_retry_makes_its_own() -> None:
+    """Converting ahead also hands the next batch to Spark (``createDataFrame``) while the
+    write before it runs; the first attempt of its write uses that DataFrame, a retry does not."""
+    created: list[int] = []  # the first offset of every table handed to createDataFrame
+    second_created = threading.Event()
+
+    def create(table: Any) -> tuple[int, Any]:
+        first = table.column("queue_offset")[0].as_py()
+        created.append(first)
+        if first == 100:
+            second_created.set()
+        return first, table  # stands in for the DataFrame
+
+    attempts: list[int] = []
+
+    def write(frame: tuple[int, Any], info: BatchInfo) -> None:
+        attempts.append(info.batch_id)
+        assert frame[0] == (info.batch_id - 1) * 100 and frame[1].num_rows == 100
+        if info.batch_id == 1:
+            assert second_created.wait(10), "batch 2 was not handed to Spark during write 1"
+        if attempts == [1, 2]:
+            raise RuntimeError("storage hiccup")
+
+    sink = SparkSink(None, write, create_dataframe=create, batch_rows=100,
+                     max_batch_latency=30.0, retry_backoff=0.0)
+    acks: list[bool] = []
+    async with asyncio.TaskGroup() as tg:
+        await sink.start(tg)
+        for start in range(0, 300, 50):
+            sink.offer(msgs(start, 50), acks.append)
+            if not sink.want_more():
+                await sink.wait_for_room()
+        await sink.aclose()
+    assert attempts == [1, 2, 2, 3]
+    # Batch 1 by its own write, 2 ahead and again for its retry, 3 once (ahead or by its write).
+    assert sorted(created) == [0, 100, 100, 200]
+    assert acks == [True] * 6
+
+
 async def test_without_convert_ahead_each_batch_is_converted_by_its_own_write(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``convert_ahead=False``: batch 2 closes while batch 1 is being written and stays
