@@ -272,6 +272,7 @@ class PushConsumer:
             self._owner_spawn(self._after_subscription_change(), "subscription-change")
 
     async def _after_subscription_change(self) -> None:
+        await self.sink_service.start_sinks()  # before the rebalance hands it any queue
         for topic in self.subscribed_topics():
             with contextlib.suppress(MQClientError, RemotingError):
                 await self.instance.route(topic)

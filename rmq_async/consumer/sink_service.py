@@ -74,13 +74,18 @@ class SinkConsumeService:
         self._opts = rt.options
         # Queues whose last chunk ended before the queue's max offset (the broker holds more).
         self._behind: set[MessageQueue] = set()
+        self._started: list[SparkSink] = []  # sinks whose writer this consumer started
 
     def start(self) -> None:
         """Nothing to start: the sinks are started by :meth:`start_sinks`."""
 
     async def start_sinks(self) -> None:
+        """Start the writer of each sink subscription not started yet: all of them when the
+        consumer starts, a sink subscribed later when its subscription is taken in."""
         for sink in self._rt.subscriptions.sinks():
-            await sink.start(self._rt.tasks)
+            if not any(sink is started for started in self._started):
+                self._started.append(sink)
+                await sink.start(self._rt.tasks)
 
     def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
                first: bool = False) -> None:
@@ -135,13 +140,22 @@ class SinkConsumeService:
     async def pull_gate(self, req: PullRequest) -> float:
         return 0.0
 
+    def _sinks(self) -> list[SparkSink]:
+        """The sinks started here (an unsubscribed one among them: it may still hold rows)
+        and those subscribed but not started."""
+        sinks = list(self._started)
+        for sink in self._rt.subscriptions.sinks():
+            if not any(sink is known for known in sinks):
+                sinks.append(sink)
+        return sinks
+
     async def wait_idle(self) -> None:
         """Each sink writes what it holds."""
-        for sink in self._rt.subscriptions.sinks():
+        for sink in self._sinks():
             await sink.flush()
 
     async def aclose(self) -> None:
-        for sink in self._rt.subscriptions.sinks():
+        for sink in self._sinks():
             with contextlib.suppress(Exception):
                 await sink.aclose()
 

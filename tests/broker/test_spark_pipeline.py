@@ -347,6 +347,35 @@ async def test_one_busy_queue_closes_batches_when_it_stops_pulling(
     assert committed[3] == len(counts)
 
 
+async def test_a_sink_subscribed_after_start_writes_and_stop_writes_what_it_holds(
+        rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
+    # The consumer starts with a listener only; the sink subscribed afterwards must get its
+    # writer started (one full batch of 1,500 rows or a chunk more lands while the consumer
+    # runs), and stop() must write and commit the rows still open (the batch latency is far
+    # away).
+    listened = unique("T_spark_late_listener")
+    topic = unique("T_spark_late_sink")
+    await rocketmq.create_topic(listened, queues=2)
+    await rocketmq.create_topic(topic, queues=4)
+    placed = await produce_tracked(rocketmq.namesrv_addr, small_messages(topic, 2_000))
+    out = tmp_path / "rows.parquet"
+    sink = SparkSink(spark, parquet_writer(str(out)), batch_rows=1_500, max_batch_latency=600.0)
+    group = unique("G_spark_late")
+    consumer = consumer_for(rocketmq.namesrv_addr, group)
+    consumer.subscribe(listened, listener=lambda msgs: None)
+    async with consumer:
+        consumer.subscribe(topic, sink=sink)
+        await wait_until(lambda: 1_500 <= sink.statistics().rows_written < 2_000
+                         and sink.statistics().rows_written + sink.backlog_rows == 2_000, 60.0,
+                         what="a batch written by a sink subscribed after start(), the rest held")
+    assert sink.statistics().rows_written == 2_000
+    counts = key_counts(read_table(spark, out, ["topic", "queue_id", "queue_offset"]))
+    assert set(counts) == {(topic, q, o) for q, o in placed}
+    assert max(counts.values()) == 1
+    committed, _ = await offsets(rocketmq.namesrv_addr, group, topic)
+    assert committed == dict(collections.Counter(q for q, _ in placed))
+
+
 def failing_on_call(write: Callable[[DataFrame, BatchInfo], None], call: int,
                     failed: list[BatchInfo]) -> Callable[[DataFrame, BatchInfo], None]:
     """``write``, except that its ``call``-th call raises (after recording the batch)."""
