@@ -64,6 +64,20 @@ def ignore(ok: bool) -> None:
     pass
 
 
+async def offer_300_in_chunks_of_50(sink: SparkSink) -> list[bool]:
+    """Run ``sink`` and offer it messages 0..299 as the consumer would (waiting for room);
+    returns the acknowledgements once it is closed."""
+    acks: list[bool] = []
+    async with asyncio.TaskGroup() as tg:
+        await sink.start(tg)
+        for start in range(0, 300, 50):
+            sink.offer(msgs(start, 50), acks.append)
+            if not sink.want_more():
+                await sink.wait_for_room()
+        await sink.aclose()
+    return acks
+
+
 # ---------------------------------------------------------------------------- the sink
 
 
@@ -170,14 +184,7 @@ async def test_the_next_batch_is_converted_while_one_is_written_and_only_once(
 
     sink = SparkSink(None, write, create_dataframe=lambda table: table, batch_rows=100,
                      max_batch_latency=30.0, retry_backoff=0.0)
-    acks: list[bool] = []
-    async with asyncio.TaskGroup() as tg:
-        await sink.start(tg)
-        for start in range(0, 300, 50):
-            sink.offer(msgs(start, 50), acks.append)
-            if not sink.want_more():
-                await sink.wait_for_room()
-        await sink.aclose()
+    acks = await offer_300_in_chunks_of_50(sink)
     assert attempts == [1, 2, 2, 3]
     assert written == [(1, 100), (2, 100), (3, 100)]
     # Each batch converted once (batch 1 by its write, 2 and 3 ahead; 1 and 2 may overlap).
@@ -210,14 +217,7 @@ async def test_the_next_dataframe_is_created_during_a_write_and_a_retry_makes_it
 
     sink = SparkSink(None, write, create_dataframe=create, batch_rows=100,
                      max_batch_latency=30.0, retry_backoff=0.0)
-    acks: list[bool] = []
-    async with asyncio.TaskGroup() as tg:
-        await sink.start(tg)
-        for start in range(0, 300, 50):
-            sink.offer(msgs(start, 50), acks.append)
-            if not sink.want_more():
-                await sink.wait_for_room()
-        await sink.aclose()
+    acks = await offer_300_in_chunks_of_50(sink)
     assert attempts == [1, 2, 2, 3]
     # Batch 1 by its own write, 2 ahead and again for its retry, 3 once (ahead or by its write).
     assert sorted(created) == [0, 100, 100, 200]
