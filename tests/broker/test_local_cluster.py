@@ -98,11 +98,15 @@ async def _wait_replicated(cluster: LocalCluster, topic: str, timeout: float = 6
     async with AdminClient(cluster.namesrv_addr) as admin:
         deadline = time.monotonic() + timeout
         for name in names or cluster.broker_names:
-            master = await _max_offsets_at(admin, cluster.broker_addr(name, 0), topic, name)
             mq = next(q for q in await admin.queues(topic) if q.broker_name == name)
             for broker_id in range(1, cluster.slaves + 1):
                 addr = cluster.broker_addr(name, broker_id)
                 while True:
+                    # The master's max offsets are read again each round: a broker builds its
+                    # consume queues from the commit log in the background, so right after the
+                    # sends a busy master may still report fewer than it stored.
+                    master = await _max_offsets_at(admin, cluster.broker_addr(name, 0), topic,
+                                                   name)
                     copied = await _max_offsets_at(admin, addr, topic, name)
                     serves = copied == master and await _slave_serves(admin, addr, mq)
                     if serves:
