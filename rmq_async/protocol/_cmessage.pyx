@@ -600,6 +600,8 @@ cdef struct Row:
     int props_state  # PROPS_*
     Py_ssize_t first_entry
     Py_ssize_t n_entries
+    Py_ssize_t pend_first  # PROPS_RAW_PENDING: the pending pairs, in the separate pending entries
+    Py_ssize_t pend_n
     Py_ssize_t tags  # entry index of TAGS or -1
     Py_ssize_t keys  # entry index of KEYS or -1
     Py_ssize_t uniq  # entry index of UNIQ_KEY or -1
@@ -610,7 +612,6 @@ cdef enum:
     PROPS_FROM_DICT = 1
     PROPS_READY = 2
     PROPS_RAW_PENDING = 3  # raw pairs, then the pending ones applied over them
-    PROPS_MERGE = 4
     MAX_RAW_PAIRS = 64
     OFFSET_HEX = 16
     INT32_LIMIT = 0x7FFFFFFF
@@ -844,18 +845,40 @@ cdef int _pairs_from_dict(object msg, Row *row, Entries *entries, list refs) exc
     return _put_dict(<dict> props, row, entries, refs)
 
 
-cdef int _apply_pairs(dict pending, Row *row, Entries *entries, list refs) except -1:
-    # The row's raw pairs, copied to the end, with the pending properties set over them.
-    cdef Py_ssize_t i, first = entries.size
-    for i in range(row.first_entry, row.first_entry + row.n_entries):
-        # Pushed by index: the push may move the array.
-        if _entries_push(entries, entries.items[i].name.p, entries.items[i].name.n,
-                         entries.items[i].value.p, entries.items[i].value.n) < 0:
+cdef int _pending_entries(dict pending, Entries *pend, list refs, Row *row) except -1:
+    # Appends the pairs of ``pending`` (the properties the pull adds) to ``pend`` and points the
+    # row at them; the merge over the row's raw pairs then runs without the GIL.
+    cdef Span name_span, value_span
+    row.pend_first = pend.size
+    for name, value in pending.items():
+        if not (PyUnicode_CheckExact(name) and PyUnicode_CheckExact(value)):
+            raise TypeError("a property is not a str")
+        name_span = _utf8(name)
+        value_span = _utf8(value)
+        refs.append(name)
+        refs.append(value)
+        if _entries_push(pend, name_span.p, name_span.n, value_span.p, value_span.n) < 0:
             raise MemoryError()
-    _set_pairs(pending, first, entries, refs)
-    row.first_entry = first
-    row.n_entries = entries.size - first
-    row.props_state = PROPS_READY
+    row.pend_n = pend.size - row.pend_first
+    return 0
+
+
+cdef int _merge_pending(Row *row, Entries *entries, const Entry *pend) noexcept nogil:
+    # ``dict.update`` of the row's raw pairs (the last ones pushed) with its pending pairs: a
+    # name already there takes the new value in its place, a new name goes last. -1: no memory.
+    cdef Py_ssize_t i, j
+    cdef bint found
+    for j in range(row.pend_first, row.pend_first + row.pend_n):
+        found = False
+        for i in range(row.first_entry, entries.size):
+            if _span_is(entries.items[i].name, pend[j].name.p, pend[j].name.n):
+                entries.items[i].value = pend[j].value
+                found = True
+                break
+        if not found and _entries_push(entries, pend[j].name.p, pend[j].name.n, pend[j].value.p,
+                                       pend[j].value.n) < 0:
+            return -1
+    row.n_entries = entries.size - row.first_entry
     return 0
 
 
@@ -964,9 +987,11 @@ cdef inline void _put_oid(int32_t *offsets, char *data, Py_ssize_t index, int32_
     offsets[index + 1] = pos[0]
 
 
-cdef int _split_rows(Row *rows, Py_ssize_t n, Entries *entries) noexcept nogil:
-    # Split the raw properties of every row that has them; rows that must be read through
-    # Python are marked PROPS_FROM_DICT, rows with pending pairs PROPS_MERGE. -1: no memory.
+cdef int _split_rows(Row *rows, Py_ssize_t n, Entries *entries,
+                     const Entry *pend) noexcept nogil:
+    # Split the raw properties of every row that has them and set its pending pairs (from
+    # ``pend``) over them; rows that must be read through Python are marked PROPS_FROM_DICT.
+    # -1: no memory.
     cdef Py_ssize_t r
     cdef int state
     for r in range(n):
@@ -976,10 +1001,11 @@ cdef int _split_rows(Row *rows, Py_ssize_t n, Entries *entries) noexcept nogil:
                 return -1
             if state:
                 rows[r].props_state = PROPS_FROM_DICT
-            elif rows[r].props_state == PROPS_RAW:
-                rows[r].props_state = PROPS_READY
-            else:
-                rows[r].props_state = PROPS_MERGE
+                continue
+            if rows[r].props_state == PROPS_RAW_PENDING and \
+                    _merge_pending(&rows[r], entries, pend) < 0:
+                return -1
+            rows[r].props_state = PROPS_READY
     return 0
 
 
@@ -1162,12 +1188,14 @@ def message_columns(list msgs not None):
     """
     cdef Py_ssize_t n = PyList_GET_SIZE(msgs), r, i, t
     cdef Row *rows = NULL
-    cdef Entries entries
+    cdef Entries entries, pend
     cdef list refs = []
     cdef int failed = 0
-    entries.items = NULL
-    entries.size = 0
-    entries.cap = 0
+    cdef object pending, last_pending = None
+    cdef Py_ssize_t last_first = 0, last_n = 0
+    entries.items = pend.items = NULL
+    entries.size = pend.size = 0
+    entries.cap = pend.cap = 0
     rows = <Row *> malloc((n if n else 1) * sizeof(Row))
     if rows == NULL:
         raise MemoryError()
@@ -1175,24 +1203,31 @@ def message_columns(list msgs not None):
         try:
             for r in range(n):
                 _read_row(msgs[r], &rows[r], refs)
+                if rows[r].props_state == PROPS_RAW_PENDING:
+                    # The messages of one pull share their pending dict: its pairs are read once.
+                    pending = _get(msgs[r], S_PROPS_PENDING)
+                    if pending is not last_pending:
+                        _pending_entries(<dict> pending, &pend, refs, &rows[r])
+                        last_pending = pending
+                        last_first, last_n = rows[r].pend_first, rows[r].pend_n
+                    rows[r].pend_first, rows[r].pend_n = last_first, last_n
         except (TypeError, OverflowError, ValueError, UnicodeError):
             return None
         with nogil:
-            failed = _split_rows(rows, n, &entries)
+            failed = _split_rows(rows, n, &entries, pend.items)
         if failed:
             raise MemoryError()
         try:
             for r in range(n):
                 if rows[r].props_state == PROPS_FROM_DICT:
                     _pairs_from_dict(msgs[r], &rows[r], &entries, refs)
-                elif rows[r].props_state == PROPS_MERGE:
-                    _apply_pairs(<dict> _get(msgs[r], S_PROPS_PENDING), &rows[r], &entries, refs)
         except (TypeError, UnicodeError):
             return None
         return _columns(rows, n, &entries, None)
     finally:
         free(rows)
         free(entries.items)
+        free(pend.items)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1342,14 +1377,14 @@ def record_columns(list chunks not None, Py_ssize_t rows_total, alloc=None):
     column would exceed 2 GiB or a body holds a different number of records. ``alloc(size)``,
     if given, returns the writable buffer for the body column's data (else a ``bytearray``).
     """
-    cdef Py_ssize_t n = rows_total, r, c, k = 0
+    cdef Py_ssize_t n = rows_total, r, c, k = 0, start
     cdef Row *rows = NULL
-    cdef Entries entries
+    cdef Entries entries, pend
     cdef list refs = []
     cdef int failed = 0
-    entries.items = NULL
-    entries.size = 0
-    entries.cap = 0
+    entries.items = pend.items = NULL
+    entries.size = pend.size = 0
+    entries.cap = pend.cap = 0
     rows = <Row *> malloc((n if n else 1) * sizeof(Row))
     if rows == NULL:
         raise MemoryError()
@@ -1362,13 +1397,20 @@ def record_columns(list chunks not None, Py_ssize_t rows_total, alloc=None):
                         and (pending is None or type(pending) is dict)):
                     return None
                 starts.append(k)
+                start = k
                 k += _read_records(data, broker, pending, rows, k, n, refs)
+                if pending is not None and k > start:
+                    # The chunk's pending pairs are read once; every row of it points at them.
+                    _pending_entries(<dict> pending, &pend, refs, &rows[start])
+                    for r in range(start + 1, k):
+                        rows[r].pend_first, rows[r].pend_n = rows[start].pend_first, \
+                            rows[start].pend_n
         except (TypeError, ValueError, UnicodeError):
             return None
         if k != n:
             return None
         with nogil:
-            failed = _split_rows(rows, n, &entries)
+            failed = _split_rows(rows, n, &entries, pend.items)
         if failed:
             raise MemoryError()
         try:
@@ -1383,14 +1425,13 @@ def record_columns(list chunks not None, Py_ssize_t rows_total, alloc=None):
                     if pending is not None:
                         PyDict_Update(props, pending)
                     _put_dict(props, &rows[r], &entries, refs)
-                elif rows[r].props_state == PROPS_MERGE:
-                    _apply_pairs(<dict> chunks[c][2], &rows[r], &entries, refs)
         except (TypeError, UnicodeError):
             return None
         return _columns(rows, n, &entries, alloc)
     finally:
         free(rows)
         free(entries.items)
+        free(pend.items)
 
 
 # ---------------------------------------------------------------------------------------------
