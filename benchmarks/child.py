@@ -44,7 +44,8 @@ from benchlib import (
 from rmq_async import ConsumeResult, MessageExt, PushConsumer
 from rmq_async.client.api import PullStatus
 from rmq_async.client.instance import ClientInstance
-from rmq_async.protocol.types import MessageQueue
+from rmq_async.protocol import message as message_codec
+from rmq_async.protocol.types import PROPERTY_MAX_OFFSET, PROPERTY_MIN_OFFSET, MessageQueue
 
 
 def quiet_logging() -> None:
@@ -347,8 +348,10 @@ async def _pull_batches(spec: dict[str, Any], batch_rows: int) -> list[list[Mess
             if r.status is not PullStatus.FOUND:
                 return got
             msgs = r.decode()
-            for m in msgs:
-                m.broker_name = mq.broker_name
+            # As a consumer delivers them (and the sink lands them): the queue's broker name
+            # and the pull's MIN_OFFSET / MAX_OFFSET properties, so both write the same rows.
+            message_codec.stamp_delivered(msgs, mq.broker_name, {
+                PROPERTY_MIN_OFFSET: str(r.min_offset), PROPERTY_MAX_OFFSET: str(r.max_offset)})
             got.extend(msgs)
             offset = r.next_begin_offset
 
@@ -362,13 +365,32 @@ async def _pull_batches(spec: dict[str, Any], batch_rows: int) -> list[list[Mess
     return [out[i:i + batch_rows] for i in range(0, len(out), batch_rows)]
 
 
-def _verify_parquet(spark: Any, path: Path, expected: int) -> tuple[bool, str]:
+def _verify_parquet(spark: Any, path: Path, expected: int,
+                    property_names: set[str] | None = None) -> tuple[bool, str]:
+    """Every row once; with ``property_names``, the rows' property names are exactly those
+    (the sink's rows against the baseline's: the same rows, not merely as many)."""
     df = spark.read.parquet(str(path))
     rows = df.count()
     distinct = df.select("queue_id", "queue_offset").distinct().count()
-    if rows == expected and distinct == expected:
-        return True, ""
-    return False, f"parquet holds {rows} rows, {distinct} distinct of {expected}"
+    if rows != expected or distinct != expected:
+        return False, f"parquet holds {rows} rows, {distinct} distinct of {expected}"
+    if property_names is not None and (found := _property_names(spark, path)) != property_names:
+        return False, f"rows hold the properties {sorted(found)}, not {sorted(property_names)}"
+    return True, ""
+
+
+def _property_names(spark: Any, path: Path) -> set[str]:
+    from pyspark.sql import functions as F
+
+    names = spark.read.parquet(str(path)).select(F.explode(F.map_keys("properties")))
+    return {row[0] for row in names.distinct().collect()}
+
+
+def _table_property_names(table: Any) -> set[str]:
+    import pyarrow.compute as pc
+
+    return {str(k) for chunk in table.column("properties").chunks
+            for k in pc.unique(chunk.keys).to_pylist()}
 
 
 def _source_stream(spark: Any, spec: dict[str, Any], path: Path, checkpoint: Path) -> int:
@@ -441,6 +463,7 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
         arrow_seconds = time.perf_counter() - t
         pulled = sum(t.num_rows for t in tables)
         del batches
+        names = set().union(*(_table_property_names(t) for t in tables))
         # Warm the JVM (first writes are several times slower) with two whole batches, so that
         # neither contender pays for the warm-up the other one left behind.
         for warm in tables[:2]:
@@ -454,7 +477,7 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
             sink_run = await _sink_run(spark, spec, path)
             sink_run["cpu_s_per_million"] = meter.per_million(
                 cpu0, await asyncio.to_thread(meter.snapshot), sink_run["rows"])
-            ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
+            ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected, names)
             if sink_run["ok"] and not ok:
                 sink_run.update(ok=False, reason=reason)
             runs.append({"contender": "spark-sink", "round": rnd + 1, **sink_run})
@@ -470,7 +493,8 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
                     sink_run = await _sink_run(spark, spec, path, BULK_PULL_BATCH_SIZE)
                     sink_run["cpu_s_per_million"] = meter.per_million(
                         cpu0, await asyncio.to_thread(meter.snapshot), sink_run["rows"])
-                ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
+                ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected,
+                                                     names)
                 if sink_run["ok"] and not ok:
                     sink_run.update(ok=False, reason=reason)
                 runs.append({"contender": "spark-sink-bulk", "round": rnd + 1, **sink_run})
@@ -488,7 +512,7 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
             seconds = time.perf_counter() - t
             plain_cpu = meter.per_million(cpu0, await asyncio.to_thread(meter.snapshot),
                                           done_rows)
-            ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
+            ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected, names)
             if pulled != expected:
                 ok, reason = False, f"pulled {pulled} rows for the baseline, not {expected}"
             runs.append({"contender": "plain-spark-arrow", "round": rnd + 1, "ok": ok,
