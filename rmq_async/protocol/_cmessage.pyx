@@ -803,27 +803,33 @@ cdef int _read_row(object msg, Row *row, list refs) except -1:
     return 0
 
 
+cdef int _str_pair(object name, object value, list refs, Entry *out) except -1:
+    # The UTF-8 of one property (both str), kept alive by ``refs``.
+    if not (PyUnicode_CheckExact(name) and PyUnicode_CheckExact(value)):
+        raise TypeError("a property is not a str")
+    out.name = _utf8(name)
+    out.value = _utf8(value)
+    refs.append(name)
+    refs.append(value)
+    return 0
+
+
 cdef int _set_pairs(dict pairs, Py_ssize_t first, Entries *entries, list refs) except -1:
     # ``dict.update`` of the entries from ``first`` on with ``pairs``: a name already there takes
     # the new value in its place, a new name goes last.
     cdef Py_ssize_t i
-    cdef Span name_span, value_span
+    cdef Entry pair
     cdef bint found
     for name, value in pairs.items():
-        if not (PyUnicode_CheckExact(name) and PyUnicode_CheckExact(value)):
-            raise TypeError("a property is not a str")
-        name_span = _utf8(name)
-        value_span = _utf8(value)
-        refs.append(name)
-        refs.append(value)
+        _str_pair(name, value, refs, &pair)
         found = False
         for i in range(first, entries.size):
-            if _span_is(entries.items[i].name, name_span.p, name_span.n):
-                entries.items[i].value = value_span
+            if _span_is(entries.items[i].name, pair.name.p, pair.name.n):
+                entries.items[i].value = pair.value
                 found = True
                 break
-        if not found and _entries_push(entries, name_span.p, name_span.n, value_span.p,
-                                       value_span.n) < 0:
+        if not found and _entries_push(entries, pair.name.p, pair.name.n, pair.value.p,
+                                       pair.value.n) < 0:
             raise MemoryError()
     return 0
 
@@ -848,16 +854,11 @@ cdef int _pairs_from_dict(object msg, Row *row, Entries *entries, list refs) exc
 cdef int _pending_entries(dict pending, Entries *pend, list refs, Row *row) except -1:
     # Appends the pairs of ``pending`` (the properties the pull adds) to ``pend`` and points the
     # row at them; the merge over the row's raw pairs then runs without the GIL.
-    cdef Span name_span, value_span
+    cdef Entry pair
     row.pend_first = pend.size
     for name, value in pending.items():
-        if not (PyUnicode_CheckExact(name) and PyUnicode_CheckExact(value)):
-            raise TypeError("a property is not a str")
-        name_span = _utf8(name)
-        value_span = _utf8(value)
-        refs.append(name)
-        refs.append(value)
-        if _entries_push(pend, name_span.p, name_span.n, value_span.p, value_span.n) < 0:
+        _str_pair(name, value, refs, &pair)
+        if _entries_push(pend, pair.name.p, pair.name.n, pair.value.p, pair.value.n) < 0:
             raise MemoryError()
     row.pend_n = pend.size - row.pend_first
     return 0
