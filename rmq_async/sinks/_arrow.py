@@ -132,42 +132,76 @@ def messages_to_arrow(msgs: Sequence[MessageExt], *, chunk_rows: int = 10_000) -
     the ``KEYS`` property split on spaces with empty tokens dropped, ``properties`` every
     property including the system ones (``TAGS``, ``KEYS``, ``UNIQ_KEY``...).
 
-    The table is built in slices of ``chunk_rows`` rows (its columns are chunked accordingly).
-    Each Arrow call holds the GIL for its whole duration, so slicing bounds how long another
-    thread (the event loop) can be kept waiting; small slices are also faster than one large
-    conversion.
+    The table is built in the fewest slices of at most ``chunk_rows`` rows, of even sizes (its
+    columns are chunked accordingly; Spark makes a partition of each slice, see
+    :func:`even_slices`). Each Arrow call holds the GIL for its whole duration, so slicing
+    bounds how long another thread (the event loop) can be kept waiting; small slices are also
+    faster than one large conversion.
     """
     if chunk_rows < 1:
         raise InvalidArgumentError(f"chunk_rows must be at least 1, got {chunk_rows}")
     if len(msgs) <= chunk_rows:
         return _convert(msgs)
-    return pa.concat_tables(
-        [_convert(msgs[start : start + chunk_rows]) for start in range(0, len(msgs), chunk_rows)]
-    )
+    bounds = even_slices(len(msgs), chunk_rows)
+    return pa.concat_tables([_convert(msgs[start:end]) for start, end in bounds])
+
+
+def even_slices(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of the fewest slices of at most ``chunk_rows`` rows covering ``rows``,
+    their sizes differing by one at most.
+
+    ``spark.createDataFrame(table)`` makes one partition, so one task and one file, of each
+    slice it cuts at ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows: 25,000 rows cut at
+    10,000 are two full tasks and a half-empty one; slices of 8,334 keep the tasks even.
+    """
+    count = max(1, -(-rows // chunk_rows))
+    return [(rows * i // count, rows * (i + 1) // count) for i in range(count)]
 
 
 def stored_to_arrow(chunks: Sequence[StoredChunk], *, chunk_rows: int = 10_000) -> pa.Table:
     """The table :func:`messages_to_arrow` gives for the messages of ``chunks``, read straight
     from their bodies (compiled ``record_columns``) without a message object per row.
 
-    Chunks are converted in groups of about ``chunk_rows`` rows (a chunk is never split). A
-    group the compiled converter declines, and every group without the compiled codec, is
-    decoded into messages and converted as those.
+    Chunks are converted in groups, a slice of the table each (a chunk is never split): the
+    fewest groups of at most ``chunk_rows`` rows, of about even sizes, as
+    :func:`messages_to_arrow` slices (a chunk larger than ``chunk_rows`` makes a group of its
+    own). A group the compiled converter declines, and every group without the compiled codec,
+    is decoded into messages and converted as those.
     """
     if chunk_rows < 1:
         raise InvalidArgumentError(f"chunk_rows must be at least 1, got {chunk_rows}")
-    tables: list[pa.Table] = []
+    tables = [_convert_stored(group, rows) for group, rows in _chunk_groups(chunks, chunk_rows)]
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+
+def _chunk_groups(chunks: Sequence[StoredChunk],
+                  chunk_rows: int) -> list[tuple[list[StoredChunk], int]]:
+    """Whole chunks in groups of at most ``chunk_rows`` rows and about even sizes.
+
+    A group ends at the first chunk boundary at or past its share of the rows, or before a
+    chunk that would take it over ``chunk_rows``. The number of groups is planned with a
+    group's room less one largest chunk, so that the groups' ends, which fall on chunk
+    boundaries, leave no small remainder for a group of its own (a batch of 50,000 rows in
+    pulls of 32 is six groups of about 8,333 rows, not five of 9,984 and one of 80).
+    """
+    total = sum(c.count for c in chunks)
+    largest = max((c.count for c in chunks), default=1)
+    room = max(1, chunk_rows - largest + 1)
+    count = max(1, -(-total // room))
+    groups: list[tuple[list[StoredChunk], int]] = []
     group: list[StoredChunk] = []
-    rows = 0
+    rows = done = 0
     for chunk in chunks:
+        if group and (rows + chunk.count > chunk_rows
+                      or (done + rows) * count >= total * (len(groups) + 1)):
+            groups.append((group, rows))
+            done += rows
+            group, rows = [], 0
         group.append(chunk)
         rows += chunk.count
-        if rows >= chunk_rows:
-            tables.append(_convert_stored(group, rows))
-            group, rows = [], 0
-    if group or not tables:
-        tables.append(_convert_stored(group, rows))
-    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+    if group or not groups:
+        groups.append((group, rows))
+    return groups
 
 
 def _convert_stored(group: list[StoredChunk], rows: int) -> pa.Table:

@@ -189,6 +189,33 @@ def test_rows_from_bodies_equal_the_rows_of_the_decoded_messages(
     assert _arrow.chunk_offset_ranges(group) == _arrow.offset_ranges(msgs)
 
 
+@given(st.lists(st.integers(1, 40), max_size=60), st.integers(1, 100))
+def test_chunk_groups_are_even_slices_within_the_spark_batch_size(
+        sizes: list[int], chunk_rows: int) -> None:
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    group = [chunk_of(first, n, size=8) for first, n in zip(offsets, sizes, strict=True)]
+    groups = _arrow._chunk_groups(group, chunk_rows)
+    # Every chunk once, in order, and each group's row count is its chunks'.
+    assert [c for g, _ in groups for c in g] == group
+    assert all(rows == sum(c.count for c in g) for g, rows in groups)
+    # No group over chunk_rows unless it is one chunk larger than that, so Spark cuts no slice.
+    assert all(rows <= chunk_rows or len(g) == 1 for g, rows in groups)
+    # As few groups as chunk_rows less one largest chunk allows, so no small remainder.
+    total = sum(sizes)
+    room = max(1, chunk_rows - max(sizes, default=1) + 1)
+    assert len(groups) <= max(1, -(-total // room), sum(n > chunk_rows for n in sizes))
+
+
+def test_a_spark_batch_of_pulls_of_32_is_six_even_slices() -> None:
+    # 50,080 rows in pulls of 32 at Spark's 10,000 rows per Arrow batch: six partitions of
+    # about 8,350, where whole 10,000-row groups left Spark to cut 16-row partitions off each.
+    group = [chunk_of(32 * i, 32, size=8) for i in range(1565)]
+    table = _arrow.stored_to_arrow(group, chunk_rows=10_000)
+    sizes = [len(c) for c in table.column("queue_offset").chunks]
+    assert sizes == [len(b) for b in table.to_batches(max_chunksize=10_000)]
+    assert len(sizes) == 6 and max(sizes) - min(sizes) <= 32 and sum(sizes) == 50_080
+
+
 def test_rows_without_the_compiled_converter_are_the_decoded_messages(
         monkeypatch: pytest.MonkeyPatch) -> None:
     group = [chunk_of(0, 5), chunk_of(5, 3)]
