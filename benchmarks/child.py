@@ -478,34 +478,29 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
         await asyncio.to_thread(shutil.rmtree, out_dir / "warmup", True)
         await asyncio.to_thread(shutil.rmtree, out_dir / "warmup-sink", True)
 
-        async def sink(rnd: int) -> None:
-            path = out_dir / f"sink-{rnd}"
-            emit(f"PHASE sink round {rnd + 1}")
+        async def sink_round(rnd: int, contender: str, path: Path,
+                             pull_batch_size: int = 32) -> None:
             cpu0 = await asyncio.to_thread(meter.snapshot)
-            sink_run = await _sink_run(spark, spec, path)
+            sink_run = await _sink_run(spark, spec, path, pull_batch_size)
             sink_run["cpu_s_per_million"] = meter.per_million(
                 cpu0, await asyncio.to_thread(meter.snapshot), sink_run["rows"])
             ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected, names)
             if sink_run["ok"] and not ok:
                 sink_run.update(ok=False, reason=reason)
-            runs.append({"contender": "spark-sink", "round": rnd + 1, **sink_run})
+            runs.append({"contender": contender, "round": rnd + 1, **sink_run})
             shutil.rmtree(path, ignore_errors=True)
+
+        async def sink(rnd: int) -> None:
+            emit(f"PHASE sink round {rnd + 1}")
+            await sink_round(rnd, "spark-sink", out_dir / f"sink-{rnd}")
 
         async def bulk(rnd: int) -> None:
             # The same with the broker's per-pull caps raised: the broker and the consumer
             # then spend far less CPU per message (fewer, larger pulls).
             emit(f"PHASE bulk sink round {rnd + 1}")
-            path = out_dir / f"sink-bulk-{rnd}"
             async with _broker_config(spec, BULK_BROKER_CONFIG):
-                cpu0 = await asyncio.to_thread(meter.snapshot)
-                sink_run = await _sink_run(spark, spec, path, BULK_PULL_BATCH_SIZE)
-                sink_run["cpu_s_per_million"] = meter.per_million(
-                    cpu0, await asyncio.to_thread(meter.snapshot), sink_run["rows"])
-            ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected, names)
-            if sink_run["ok"] and not ok:
-                sink_run.update(ok=False, reason=reason)
-            runs.append({"contender": "spark-sink-bulk", "round": rnd + 1, **sink_run})
-            shutil.rmtree(path, ignore_errors=True)
+                await sink_round(rnd, "spark-sink-bulk", out_dir / f"sink-bulk-{rnd}",
+                                 BULK_PULL_BATCH_SIZE)
 
         async def plain(rnd: int) -> None:
             emit(f"PHASE plain spark round {rnd + 1}")
