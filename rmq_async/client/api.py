@@ -119,7 +119,8 @@ class PendingPull:
             if delta is not None:
                 fields.append(delta)
             text = "".join(fields)
-            if not (text.isdigit() and text.isascii() and all(0 < len(f) < 19 for f in fields)):
+            if not (text.isdigit() and text.isascii()
+                    and min(map(len, fields)) > 0 and max(map(len, fields)) < 19):
                 raise ValueError
         except (KeyError, ValueError):
             rh = h.PullMessageResponseHeader.from_ext_fields(ext)

@@ -42,6 +42,7 @@ from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY
 from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import PROPERTY_MAX_OFFSET
+from rmq_async.sinks import SinkClosedError
 
 if TYPE_CHECKING:
     from rmq_async.consumer.process_queue import ProcessQueue
@@ -75,6 +76,8 @@ class SinkConsumeService:
         # Queues whose last chunk ended before the queue's max offset (the broker holds more).
         self._behind: set[MessageQueue] = set()
         self._started: list[SparkSink] = []  # sinks whose writer this consumer started
+        # Per topic: (size of the process-queue table, the topic's queues in it) when counted.
+        self._queue_counts: dict[str, tuple[int, int]] = {}
 
     def start(self) -> None:
         """Nothing to start: the sinks are started by :meth:`start_sinks`."""
@@ -162,8 +165,6 @@ class SinkConsumeService:
     # ------------------------------------------------------------------ offer / acknowledge
 
     def _offer(self, sink: SparkSink, msgs: Chunk, pq: ProcessQueue, mq: MessageQueue) -> None:
-        from rmq_async.sinks import SinkClosedError
-
         rt = self._rt
         if mq.topic != rt.retry_topic:
             self._tell_flow_limit(sink, mq.topic)
@@ -189,9 +190,21 @@ class SinkConsumeService:
                         first_offset=_first_offset(msgs))
 
     def _tell_flow_limit(self, sink: SparkSink, topic: str) -> None:
-        """Report to ``sink`` what the flow control lets it hold for ``topic`` on this client."""
+        """Report to ``sink`` what the flow control lets it hold for ``topic`` on this client.
+
+        Called with every offered chunk; the topic's queues are counted again only when the
+        table of process queues has grown or shrunk since (a queue is dropped and removed from
+        it together), not with every chunk.
+        """
         rt = self._rt
-        queues = sum(1 for q, p in rt.process_queues.items() if q.topic == topic and not p.dropped)
+        held = len(rt.process_queues)
+        known = self._queue_counts.get(topic)
+        if known is not None and known[0] == held:
+            queues = known[1]
+        else:
+            queues = sum(1 for q, p in rt.process_queues.items()
+                         if q.topic == topic and not p.dropped)
+            self._queue_counts[topic] = (held, queues)
         if queues == 0:
             return
         count = rt.thresholds.count_for(topic)

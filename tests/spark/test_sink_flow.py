@@ -372,6 +372,23 @@ async def test_consumer_tells_the_sink_its_flow_limit_and_commits_on_ack(side: S
     assert side.consumer.process_queues[mqs[0]].msg_count == 0
 
 
+async def test_flow_limit_follows_the_queues_the_consumer_holds(side: SinkSide) -> None:
+    sink, mqs = attach(side, queues=4)
+    pull(side, mqs[0], msgs(0, 32))
+    assert sink.limits[-1] == (4 * 81, 4 * 100 * MiB)
+    side.consumer.process_queues.pop(mqs[3]).dropped = True  # rebalance took queue 3 away
+    pull(side, mqs[0], msgs(32, 32))
+    assert sink.limits[-1] == (3 * 81, 3 * 100 * MiB)
+    gained = MessageQueue("orders", "broker-b", 0)  # and gave this client two new ones
+    side.consumer.process_queues[gained] = ProcessQueue()
+    side.consumer.process_queues[MessageQueue("orders", "broker-b", 1)] = ProcessQueue()
+    pull(side, gained, msgs(0, 8))
+    assert sink.limits[-1] == (5 * 81, 5 * 100 * MiB)
+    side.consumer.process_queues[MessageQueue("other", "broker-a", 0)] = ProcessQueue()
+    pull(side, gained, msgs(8, 8))  # a queue of another topic changes nothing for this one
+    assert sink.limits[-1] == (5 * 81, 5 * 100 * MiB)
+
+
 async def test_queue_over_its_threshold_expedites_the_sink(side: SinkSide) -> None:
     sink, mqs = attach(side, queues=2)
     pull(side, mqs[1], msgs(0, 64, queue_id=1))
