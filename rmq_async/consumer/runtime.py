@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from rmq_async.consumer.events import ErrorReporter
     from rmq_async.consumer.offset_store import OffsetStore
     from rmq_async.consumer.options import ConsumerOptions
-    from rmq_async.consumer.process_queue import ProcessQueue
+    from rmq_async.consumer.process_queue import ProcessQueue, ProcessQueueTable
     from rmq_async.consumer.stats import ConsumerStats
     from rmq_async.consumer.subscriptions import Subscriptions
     from rmq_async.consumer.tasks import TaskOwner
@@ -111,7 +111,7 @@ class ConsumerRuntime:
         client_id: str,
         options: ConsumerOptions,
         subscriptions: Subscriptions,
-        process_queues: dict[MessageQueue, ProcessQueue],
+        process_queues: ProcessQueueTable,
         paused: set[str],
         stats: ConsumerStats,
         errors: ErrorReporter,

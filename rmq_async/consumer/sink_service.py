@@ -76,7 +76,7 @@ class SinkConsumeService:
         # Queues whose last chunk ended before the queue's max offset (the broker holds more).
         self._behind: set[MessageQueue] = set()
         self._started: list[SparkSink] = []  # sinks whose writer this consumer started
-        # Per topic: (size of the process-queue table, the topic's queues in it) when counted.
+        # Per topic: (the process-queue table's version, the topic's queues in it) when counted.
         self._queue_counts: dict[str, tuple[int, int]] = {}
 
     def start(self) -> None:
@@ -193,18 +193,17 @@ class SinkConsumeService:
         """Report to ``sink`` what the flow control lets it hold for ``topic`` on this client.
 
         Called with every offered chunk; the topic's queues are counted again only when the
-        table of process queues has grown or shrunk since (a queue is dropped and removed from
-        it together), not with every chunk.
+        table of process queues has changed since (its ``version``: a queue of any topic added or
+        removed), not with every chunk.
         """
         rt = self._rt
-        held = len(rt.process_queues)
+        table = rt.process_queues
         known = self._queue_counts.get(topic)
-        if known is not None and known[0] == held:
+        if known is not None and known[0] == table.version:
             queues = known[1]
         else:
-            queues = sum(1 for q, p in rt.process_queues.items()
-                         if q.topic == topic and not p.dropped)
-            self._queue_counts[topic] = (held, queues)
+            queues = sum(1 for q, p in table.items() if q.topic == topic and not p.dropped)
+            self._queue_counts[topic] = (table.version, queues)
         if queues == 0:
             return
         count = rt.thresholds.count_for(topic)

@@ -389,6 +389,19 @@ async def test_flow_limit_follows_the_queues_the_consumer_holds(side: SinkSide) 
     assert sink.limits[-1] == (5 * 81, 5 * 100 * MiB)
 
 
+async def test_flow_limit_follows_a_queue_moving_between_topics(side: SinkSide) -> None:
+    # One rebalance takes a queue of "orders" away and another gives this client a queue of
+    # "audit": the table holds as many queues as before, and the sink of "orders" must still
+    # hear that it has one queue less.
+    sink, mqs = attach(side, queues=4)
+    pull(side, mqs[0], msgs(0, 32))
+    assert sink.limits[-1] == (4 * 81, 4 * 100 * MiB)
+    side.consumer.process_queues.pop(mqs[3]).dropped = True
+    side.consumer.process_queues[MessageQueue("audit", "broker-a", 0)] = ProcessQueue()
+    pull(side, mqs[0], msgs(32, 32))
+    assert sink.limits[-1] == (3 * 81, 3 * 100 * MiB)
+
+
 async def test_queue_over_its_threshold_expedites_the_sink(side: SinkSide) -> None:
     sink, mqs = attach(side, queues=2)
     pull(side, mqs[1], msgs(0, 64, queue_id=1))
