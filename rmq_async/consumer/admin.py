@@ -87,14 +87,12 @@ class ConsumerView(Protocol):
     namesrv: list[str]
     retry_topic: str
     start_timestamp: int
+    process_queues: dict[MessageQueue, ProcessQueue]
     stats: ConsumerStats
     instance: ClientInstance
     offset_store: OffsetStore
     pull_service: PullService
     rebalancer: Rebalancer
-
-    @property
-    def process_queues(self) -> dict[MessageQueue, ProcessQueue]: ...
 
     @property
     def stopping(self) -> bool: ...

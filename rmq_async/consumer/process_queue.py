@@ -37,7 +37,6 @@ from rmq_async.protocol.types import (
     PROPERTY_CONSUME_START_TIME,
     PROPERTY_MAX_OFFSET,
     MessageExt,
-    MessageQueue,
 )
 
 __all__ = [
@@ -45,7 +44,6 @@ __all__ = [
     "REBALANCE_LOCK_INTERVAL",
     "REBALANCE_LOCK_MAX_LIVE_TIME",
     "ProcessQueue",
-    "ProcessQueueTable",
 ]
 
 PULL_MAX_IDLE_TIME = 120.0
@@ -454,47 +452,3 @@ class ProcessQueue:
             f"min={self.min_offset} max={self.max_offset} dropped={self.dropped} "
             f"locked={self.locked}>"
         )
-
-
-class ProcessQueueTable(dict[MessageQueue, ProcessQueue]):
-    """The queues a consumer holds, each with its ProcessQueue.
-
-    A dict whose ``version`` grows with every change of its keys (a queue added or removed), so
-    that a count derived from it (the sink service's queues per topic) can be kept until the
-    table changes and never outlives a change, whatever topics the change touched. Reads are
-    the plain dict's.
-    """
-
-    __slots__ = ("version",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.version = 0
-
-    def __setitem__(self, mq: MessageQueue, pq: ProcessQueue) -> None:
-        self.version += 1
-        super().__setitem__(mq, pq)
-
-    def __delitem__(self, mq: MessageQueue) -> None:
-        self.version += 1
-        super().__delitem__(mq)
-
-    def pop(self, mq: MessageQueue, *default: Any) -> Any:
-        self.version += 1
-        return super().pop(mq, *default)
-
-    def popitem(self) -> tuple[MessageQueue, ProcessQueue]:
-        self.version += 1
-        return super().popitem()
-
-    def setdefault(self, mq: MessageQueue, pq: Any = None) -> Any:
-        self.version += 1
-        return super().setdefault(mq, pq)
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        self.version += 1
-        super().update(*args, **kwargs)
-
-    def clear(self) -> None:
-        self.version += 1
-        super().clear()

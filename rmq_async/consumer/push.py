@@ -32,7 +32,7 @@ from rmq_async.consumer.middleware import Middleware
 from rmq_async.consumer.offset_store import BrokerOffsetStore, LocalFileOffsetStore, OffsetStore
 from rmq_async.consumer.options import ConsumerOptions, MessageModel, build_client_id
 from rmq_async.consumer.orderly import OrderlyConsumeService
-from rmq_async.consumer.process_queue import ProcessQueueTable
+from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.pull import PullService
 from rmq_async.consumer.rebalance import Rebalancer
 from rmq_async.consumer.runtime import ConsumerRuntime
@@ -101,7 +101,7 @@ class PushConsumer:
         self.retry_topic = self.subscriptions.retry_topic
         self._subs: dict[str, Subscription] = self.subscriptions.topics
         self._paused: set[str] = set()
-        self.process_queues = ProcessQueueTable()
+        self.process_queues: dict[MessageQueue, ProcessQueue] = {}
         self.stats = ConsumerStats()
         self._started = False
         self._start_lock = asyncio.Lock()

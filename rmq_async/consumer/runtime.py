@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from rmq_async.consumer.events import ErrorReporter
     from rmq_async.consumer.offset_store import OffsetStore
     from rmq_async.consumer.options import ConsumerOptions
-    from rmq_async.consumer.process_queue import ProcessQueue, ProcessQueueTable
+    from rmq_async.consumer.process_queue import ProcessQueue
     from rmq_async.consumer.stats import ConsumerStats
     from rmq_async.consumer.subscriptions import Subscriptions
     from rmq_async.consumer.tasks import TaskOwner
@@ -72,12 +72,15 @@ class PullThresholds:
     ``pull_threshold_for_queue`` / ``pull_threshold_size_for_queue`` apply unless the topic-wide
     limits (``pull_threshold_for_topic`` / ``pull_threshold_size_for_topic``) are set; those are
     shared by the topic's queues on this client and recomputed when its allocation changes.
+    ``queues`` holds each topic's queue count of that recomputation (the sink service sizes a
+    sink's flow limit from it).
     """
 
     def __init__(self, options: ConsumerOptions) -> None:
         self._opts = options
         self.count: dict[str, int] = {}
         self.size_mib: dict[str, int] = {}
+        self.queues: dict[str, int] = {}
 
     def count_for(self, topic: str) -> int:
         return self.count.get(topic, self._opts.pull_threshold_for_queue)
@@ -87,6 +90,7 @@ class PullThresholds:
 
     def recompute(self, topic: str, queues: int) -> None:
         o = self._opts
+        self.queues[topic] = queues
         if queues == 0:
             return
         if o.pull_threshold_for_topic > 0:
@@ -111,7 +115,7 @@ class ConsumerRuntime:
         client_id: str,
         options: ConsumerOptions,
         subscriptions: Subscriptions,
-        process_queues: ProcessQueueTable,
+        process_queues: dict[MessageQueue, ProcessQueue],
         paused: set[str],
         stats: ConsumerStats,
         errors: ErrorReporter,

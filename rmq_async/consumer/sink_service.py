@@ -76,8 +76,6 @@ class SinkConsumeService:
         # Queues whose last chunk ended before the queue's max offset (the broker holds more).
         self._behind: set[MessageQueue] = set()
         self._started: list[SparkSink] = []  # sinks whose writer this consumer started
-        # Per topic: (the process-queue table's version, the topic's queues in it) when counted.
-        self._queue_counts: dict[str, tuple[int, int]] = {}
 
     def start(self) -> None:
         """Nothing to start: the sinks are started by :meth:`start_sinks`."""
@@ -192,18 +190,11 @@ class SinkConsumeService:
     def _tell_flow_limit(self, sink: SparkSink, topic: str) -> None:
         """Report to ``sink`` what the flow control lets it hold for ``topic`` on this client.
 
-        Called with every offered chunk; the topic's queues are counted again only when the
-        table of process queues has changed since (its ``version``: a queue of any topic added or
-        removed), not with every chunk.
+        The topic's queues are those the rebalancer counted when it last changed the topic's
+        allocation, with the per-queue thresholds it computed from them: no count per chunk.
         """
         rt = self._rt
-        table = rt.process_queues
-        known = self._queue_counts.get(topic)
-        if known is not None and known[0] == table.version:
-            queues = known[1]
-        else:
-            queues = sum(1 for q, p in table.items() if q.topic == topic and not p.dropped)
-            self._queue_counts[topic] = (table.version, queues)
+        queues = rt.thresholds.queues.get(topic, 0)
         if queues == 0:
             return
         count = rt.thresholds.count_for(topic)

@@ -347,7 +347,15 @@ def attach(side: SinkSide, queues: int = 4) -> tuple[FakeSink, dict[int, Message
         mq = MessageQueue("orders", "broker-a", q)
         side.consumer.process_queues[mq] = ProcessQueue()
         mqs[q] = mq
+    rebalanced(side, "orders")
     return sink, mqs
+
+
+def rebalanced(side: SinkSide, *topics: str) -> None:
+    """What the rebalancer does after it changed the queues of ``topics``: count them again."""
+    for topic in topics:
+        side.rt.thresholds.recompute(
+            topic, sum(1 for mq in side.consumer.process_queues if mq.topic == topic))
 
 
 def pull(side: SinkSide, mq: MessageQueue, batch: list[MessageExt]) -> None:
@@ -377,14 +385,17 @@ async def test_flow_limit_follows_the_queues_the_consumer_holds(side: SinkSide) 
     pull(side, mqs[0], msgs(0, 32))
     assert sink.limits[-1] == (4 * 81, 4 * 100 * MiB)
     side.consumer.process_queues.pop(mqs[3]).dropped = True  # rebalance took queue 3 away
+    rebalanced(side, "orders")
     pull(side, mqs[0], msgs(32, 32))
     assert sink.limits[-1] == (3 * 81, 3 * 100 * MiB)
     gained = MessageQueue("orders", "broker-b", 0)  # and gave this client two new ones
     side.consumer.process_queues[gained] = ProcessQueue()
     side.consumer.process_queues[MessageQueue("orders", "broker-b", 1)] = ProcessQueue()
+    rebalanced(side, "orders")
     pull(side, gained, msgs(0, 8))
     assert sink.limits[-1] == (5 * 81, 5 * 100 * MiB)
     side.consumer.process_queues[MessageQueue("other", "broker-a", 0)] = ProcessQueue()
+    rebalanced(side, "other")
     pull(side, gained, msgs(8, 8))  # a queue of another topic changes nothing for this one
     assert sink.limits[-1] == (5 * 81, 5 * 100 * MiB)
 
@@ -397,7 +408,9 @@ async def test_flow_limit_follows_a_queue_moving_between_topics(side: SinkSide) 
     pull(side, mqs[0], msgs(0, 32))
     assert sink.limits[-1] == (4 * 81, 4 * 100 * MiB)
     side.consumer.process_queues.pop(mqs[3]).dropped = True
+    rebalanced(side, "orders")
     side.consumer.process_queues[MessageQueue("audit", "broker-a", 0)] = ProcessQueue()
+    rebalanced(side, "audit")
     pull(side, mqs[0], msgs(32, 32))
     assert sink.limits[-1] == (3 * 81, 3 * 100 * MiB)
 
