@@ -10,7 +10,8 @@ How it works
 The consumer hands chunks of messages to :meth:`SparkSink.offer` together with an ``ack``
 callback. Chunks are gathered into a batch until it holds ``batch_rows`` messages or
 ``batch_bytes`` of bodies, or until it is ``max_batch_latency`` seconds old, whichever comes first
-(a chunk is never split, so a batch may overshoot a size limit by one chunk); with
+(a chunk is never split: one that would take the batch past a size limit closes the batch and
+opens the next, so a batch exceeds a limit only when a single chunk does); with
 ``flush_when_caught_up`` also as soon as the consumer has read every queue to its end. One writer
 loop (:meth:`SparkSink.run`, owned by the consumer's task group) takes closed batches in order
 and, in a worker thread, converts the batch to a pyarrow Table column by column (with the
@@ -131,7 +132,7 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 _MiB = 1 << 20
-# An Arrow binary column addresses at most 2 GiB; stay well below with one chunk of overshoot.
+# An Arrow binary column addresses at most 2 GiB; stay well below (a single chunk may exceed it).
 _MAX_BATCH_BYTES = 1024 * _MiB
 _CORRUPT_FIELD = "__rmq_corrupt_record"
 # Largest Arrow slice (rows); also Spark's default Arrow batch size.
@@ -268,8 +269,8 @@ class SparkSink:
     Args:
         spark: the SparkSession; may be None only when ``create_dataframe`` is given.
         write: stores one batch; called in a worker thread, one batch at a time.
-        batch_rows: close a batch at this many messages.
-        batch_bytes: close a batch at this many body bytes (at most 1 GiB).
+        batch_rows: the most messages of a batch (a single larger chunk makes a batch of its own).
+        batch_bytes: the most body bytes of a batch (at most 1 GiB); likewise.
         max_batch_latency: close a batch this many seconds after its first chunk arrived.
         write_retries: attempts after the first failed one before the batch is given up.
         retry_backoff: seconds before the first retry; doubled for every further retry.
@@ -381,17 +382,26 @@ class SparkSink:
         """
         if self._closed:
             raise SinkClosedError("the Spark sink is closed")
+        size = msgs.size if isinstance(msgs, StoredChunk) else sum(len(m.body) for m in msgs)
+        rows = len(msgs)
         batch = self._open
+        if batch is not None and batch.rows and (
+            batch.rows + rows > self._eff_rows or batch.bytes + size > self._eff_bytes
+        ):
+            # Closed before the chunk that would take it past a limit: a batch of at most
+            # ``batch_rows`` rows is cut into the fewest Spark partitions (one per
+            # ``maxRecordsPerBatch`` rows), where one chunk more made a partition more.
+            self._close_open()
+            batch = None
         if batch is None:
             batch = self._open = _Batch(self._next_id)
             self._next_id += 1
             self._wakeup.set()  # the writer starts the latency clock of this batch
-        size = msgs.size if isinstance(msgs, StoredChunk) else sum(len(m.body) for m in msgs)
         batch.chunks.append(msgs)
         batch.acks.append(ack)
-        batch.rows += len(msgs)
+        batch.rows += rows
         batch.bytes += size
-        self._backlog_rows += len(msgs)
+        self._backlog_rows += rows
         self._backlog_bytes += size
         if batch.rows >= self._eff_rows or batch.bytes >= self._eff_bytes:
             self._close_open()

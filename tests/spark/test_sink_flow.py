@@ -88,13 +88,14 @@ async def test_flow_limit_caps_batches_at_half_of_it() -> None:
     assert sink.effective_batch_rows == 200
     sink.offer(msgs(0, 150), ignore)
     assert sink.want_more()
-    sink.offer(msgs(150, 60), ignore)  # 210 >= 200: closed
+    sink.offer(msgs(150, 60), ignore)  # 210 > 200: the 150 are closed, the 60 open the next
     assert not sink.want_more()
+    sink.offer(msgs(210, 140), ignore)  # 200: closed at the limit
     sink.set_flow_limit(None)
     assert sink.effective_batch_rows == 1000
-    sink.offer(msgs(210, 300), ignore)
+    sink.offer(msgs(350, 300), ignore)
     await sink.aclose()
-    assert write.rows == [210, 300]
+    assert write.rows == [150, 200, 300]
 
 
 async def test_flow_limit_in_bytes_and_a_lower_limit_closes_the_open_batch() -> None:

@@ -236,7 +236,7 @@ async def test_slow_write_keeps_the_event_loop_responsive(spark: SparkSession, t
     async with asyncio.TaskGroup() as tg:
         tg.create_task(ticker())
         await sink.start(tg)
-        acks = await pump(sink, msgs, chunk=64)
+        acks = await pump(sink, msgs, chunk=60)  # fifty offers per batch
         await sink.aclose()
         stop.set()
     assert all(a == [True] for a in acks)

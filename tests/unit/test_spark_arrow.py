@@ -378,20 +378,24 @@ def logs() -> Iterator[LogList]:
         yield captured
 
 
-async def test_batch_closes_at_row_limit_without_splitting_chunks() -> None:
+async def test_batch_closes_before_a_chunk_that_would_pass_the_row_limit() -> None:
     write = Recorder()
     sink = make_sink(write, batch_rows=100)
     acks = Acks()
     sink.offer(chunk(0, 60), acks.cb(0))
-    sink.offer(chunk(60, 60), acks.cb(1))  # 120 rows >= 100: closes with the whole chunk
-    sink.offer(chunk(120, 10), acks.cb(2))
+    sink.offer(chunk(60, 60), acks.cb(1))  # 120 > 100: the first 60 close, these open the next
     assert not sink.want_more()  # a closed batch is waiting for the (not yet running) writer
-    assert sink.backlog_rows == 130
+    sink.offer(chunk(120, 40), acks.cb(2))  # 100: closes at the limit, chunks whole
+    sink.offer(chunk(160, 150), acks.cb(3))  # larger than the limit alone: a batch of its own
+    sink.offer(chunk(310, 10), acks.cb(4))
+    assert sink.backlog_rows == 320
     await sink.aclose()
-    assert [info.row_count for _, info in write.written] == [120, 10]
-    first = write.written[0][0]
-    assert first.column("queue_offset").to_pylist() == [1000 + i for i in range(120)]
-    assert [acks.outcome(n) for n in range(3)] == [True, True, True]
+    assert [info.row_count for _, info in write.written] == [60, 100, 150, 10]
+    assert write.written[0][0].column("queue_offset").to_pylist() == [1000 + i for i in range(60)]
+    assert write.written[1][0].column("queue_offset").to_pylist() == [
+        1060 + i for i in range(100)
+    ]
+    assert [acks.outcome(n) for n in range(5)] == [True] * 5
     assert sink.backlog_rows == 0
     assert sink.want_more()
 
@@ -403,7 +407,10 @@ async def test_batch_closes_at_byte_limit() -> None:
     for n in range(5):
         sink.offer(chunk(n * 2, 2, body=bytes(1000)), acks.cb(n))
     await sink.aclose()
-    assert [(info.row_count, info.bytes) for _, info in write.written] == [(6, 6000), (4, 4000)]
+    # 4,000 bytes, then a chunk that would make 6,000: closed before it, so at most 4,096.
+    assert [(info.row_count, info.bytes) for _, info in write.written] == [
+        (4, 4000), (4, 4000), (2, 2000)
+    ]
 
 
 async def test_batch_closes_at_latency_without_flush() -> None:
@@ -460,13 +467,13 @@ async def test_open_batch_keeps_filling_while_writer_busy() -> None:
             sink.offer(chunk(n * 10, 10), acks.cb(n))
             await asyncio.sleep(0.02)
         assert sink.want_more()  # nothing closed is waiting: the open batch is still filling
-        sink.offer(chunk(500, 60), acks.cb(6))  # reaches 110 rows: closes
+        sink.offer(chunk(500, 50), acks.cb(6))  # reaches 100 rows: closes
         assert not sink.want_more()
         sink.offer(chunk(600, 5), acks.cb(7))  # still accepted while behind
-        assert sink.backlog_rows == 100 + 110 + 5
+        assert sink.backlog_rows == 100 + 100 + 5
         write.gate.set()
         await sink.aclose()
-    assert [info.row_count for _, info in write.written] == [100, 110, 5]
+    assert [info.row_count for _, info in write.written] == [100, 100, 5]
     assert all(acks.outcome(n) is True for n in range(8))
 
 
