@@ -128,8 +128,14 @@ class BrokerOffsetStore(_MemoryTable):
         await self._send(mq, offset, oneway=False)
 
     async def persist_all(self, mqs: set[MessageQueue], *, oneway: bool) -> None:
-        for mq, offset in list(self._table.items()):
-            if mq not in mqs or offset < 0:
+        for mq in list(self._table):
+            # Each queue's offset is read when its turn comes, not from a copy taken before
+            # the loop: the sends before it wait for the broker, and meanwhile the pull loop
+            # may have frozen the queue at the offset the broker corrected (OFFSET_ILLEGAL,
+            # an admin's reset) and persisted that, or given the queue up. An older value sent
+            # after that would undo the correction.
+            offset = self._table.get(mq)
+            if mq not in mqs or offset is None or offset < 0:
                 continue
             if oneway and self._persisted.get(mq) == (self._write_addr(mq), offset):
                 continue
@@ -141,6 +147,9 @@ class BrokerOffsetStore(_MemoryTable):
             # (a slave keeps the offset while its master is down).
             addr, _ = await self._instance.find_broker_in_subscribe(
                 mq.broker_name, MASTER_ID, topic=mq.topic)
+            latest = self._table.get(mq)  # should finding the address have waited for a route
+            if latest is not None and latest >= 0:
+                offset = latest
             await self._instance.api.update_consumer_offset(addr, self._group, mq, offset,
                                                             oneway=oneway)
         except (MQClientError, RemotingError) as exc:

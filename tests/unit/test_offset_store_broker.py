@@ -1,0 +1,60 @@
+"""BrokerOffsetStore: what its periodic round sends while the pull loop corrects offsets."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from rmq_async.client.instance import ClientInstance
+from rmq_async.consumer.offset_store import BrokerOffsetStore
+from rmq_async.protocol.types import MessageQueue
+
+Q0 = MessageQueue("T", "broker-a", 0)
+Q1 = MessageQueue("T", "broker-a", 1)
+Q2 = MessageQueue("T", "broker-a", 2)
+
+
+class _Api:
+    """Records UPDATE_CONSUMER_OFFSET calls; the first one waits for ``release``."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[MessageQueue, int]] = []
+        self.first_waiting = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def update_consumer_offset(self, addr: str, group: str, mq: MessageQueue, offset: int,
+                                     *, oneway: bool = True) -> None:
+        self.sent.append((mq, offset))
+        if len(self.sent) == 1:
+            self.first_waiting.set()
+            await self.release.wait()
+
+
+class _Instance:
+    def __init__(self) -> None:
+        self.api = _Api()
+
+    async def find_broker_in_subscribe(self, broker_name: str, broker_id: int,
+                                       **kw: Any) -> tuple[str, int]:
+        return "127.0.0.1:10911", 0
+
+
+async def test_a_round_sends_the_offset_a_queue_has_when_its_turn_comes() -> None:
+    instance = _Instance()
+    store = BrokerOffsetStore(cast("ClientInstance", instance), "G")
+    for mq in (Q0, Q1, Q2):
+        store.update(mq, 20, increase_only=False)
+    round_ = asyncio.ensure_future(store.persist_all({Q0, Q1, Q2}, oneway=False))
+    await instance.api.first_waiting.wait()  # Q0's offset is on its way to the broker
+    # Meanwhile the pull loop learns that the broker moved Q1 back (an admin's reset): it
+    # freezes and persists the corrected offset; Q2 is given up.
+    store.freeze(Q1, 10)
+    persisted = asyncio.ensure_future(store.persist(Q1))
+    store.remove(Q2)
+    instance.api.release.set()
+    await asyncio.gather(round_, persisted)
+    # Before, the round sent the 20 it had copied for Q1 after the corrected 10 (the broker
+    # kept 20, and the queue, taken again at the next rebalance, skipped what the reset asked
+    # to consume again), and 20 for the queue given up.
+    assert instance.api.sent == [(Q0, 20), (Q1, 10), (Q1, 10)]
+    assert store.read_memory(Q1) == 10
