@@ -47,16 +47,20 @@ def cpu_times() -> tuple[float, float]:
     return ru.ru_utime, ru.ru_stime
 
 
-def process_cpu_seconds(pid: int) -> float | None:
+def process_cpu_seconds(pid: int, *, reaped_children: bool = False) -> float | None:
     """User + system CPU seconds of process ``pid`` (all its threads) from ``/proc``; None when
-    it is gone or ``/proc`` is not there."""
+    it is gone or ``/proc`` is not there. With ``reaped_children``, also the CPU of its children
+    that have exited and been waited for (``cutime`` + ``cstime``)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
             stat = fh.read()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, from field 3 on
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[11]) + int(fields[12])
+    if reaped_children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def descendant_pids(root: int) -> list[int]:

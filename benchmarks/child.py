@@ -419,15 +419,19 @@ class _CpuMeter:
     """CPU seconds of the processes a Spark round runs on: this one (the consumer and the sink,
     or the plain path's table serialisation: the driver's Python side), Spark (every process
     below this one: the JVM and the Python workers it started) and the broker (when its pid is
-    known). A Spark Python worker that exits during a round takes its CPU with it (local mode
-    reuses them, so few do)."""
+    known). A Spark process that exits during a round is counted in its parent once waited
+    for; one whose parent has not waited for it yet is missed."""
 
     def __init__(self, broker_pid: int | None) -> None:
         self.broker_pid = broker_pid
 
     def snapshot(self) -> tuple[float, float, float | None]:
         user, system = cpu_times()
-        spark = sum(process_cpu_seconds(pid) or 0.0 for pid in descendant_pids(os.getpid()))
+        # With the CPU of their exited children: a process that exits between two snapshots
+        # (a Spark Python worker, the short `chmod` processes Hadoop's local file system runs)
+        # then stays counted in its parent, where before its whole CPU left the sum with it.
+        spark = sum(process_cpu_seconds(pid, reaped_children=True) or 0.0
+                    for pid in descendant_pids(os.getpid()))
         broker = process_cpu_seconds(self.broker_pid) if self.broker_pid else None
         return user + system, spark, broker
 
