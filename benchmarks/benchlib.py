@@ -47,20 +47,16 @@ def cpu_times() -> tuple[float, float]:
     return ru.ru_utime, ru.ru_stime
 
 
-def process_cpu_seconds(pid: int, *, reaped_children: bool = False) -> float | None:
+def process_cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process ``pid`` (all its threads) from ``/proc``; None when
-    it is gone or ``/proc`` is not there. With ``reaped_children``, also the CPU of its children
-    that have exited and been waited for (``cutime`` + ``cstime``)."""
+    it is gone or ``/proc`` is not there."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
             stat = fh.read()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, from field 3 on
-    ticks = int(fields[11]) + int(fields[12])
-    if reaped_children:
-        ticks += int(fields[13]) + int(fields[14])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def descendant_pids(root: int) -> list[int]:
@@ -86,6 +82,23 @@ def descendant_pids(root: int) -> list[int]:
         for child in parents.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
+    return out
+
+
+def tree_cpu_seconds(root: int) -> dict[tuple[int, int], float]:
+    """CPU seconds of every live process below ``root``, with the CPU of the children each has
+    waited for, keyed by (pid, start time) so that a reused pid is another process."""
+    out: dict[tuple[int, int], float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in descendant_pids(root):
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
+        out[(pid, int(fields[19]))] = ticks / tick  # fields[19]: starttime
     return out
 
 

@@ -35,10 +35,10 @@ from benchlib import (
     UNCOUNTED_TAGS,
     Tally,
     cpu_times,
-    descendant_pids,
     emit,
     emit_result,
     process_cpu_seconds,
+    tree_cpu_seconds,
 )
 
 from rmq_async import ConsumeResult, MessageExt, PushConsumer
@@ -419,29 +419,34 @@ class _CpuMeter:
     """CPU seconds of the processes a Spark round runs on: this one (the consumer and the sink,
     or the plain path's table serialisation: the driver's Python side), Spark (every process
     below this one: the JVM and the Python workers it started) and the broker (when its pid is
-    known). A Spark process that exits during a round is counted in its parent once waited
-    for; one whose parent has not waited for it yet is missed."""
+    known).
+
+    Spark's figure is summed process by process: what each process used between the two
+    snapshots (all of it for one started meanwhile), with the CPU of the children it waited
+    for. A process that exits during the round counts nothing for the round: Spark's idle
+    Python workers (left by the source round) exit a minute later, in some later round, and
+    their parent does not add their CPU to its own; summing the totals of the live processes
+    instead took all the CPU such a worker had ever used out of that round's figure.
+    """
 
     def __init__(self, broker_pid: int | None) -> None:
         self.broker_pid = broker_pid
 
-    def snapshot(self) -> tuple[float, float, float | None]:
+    def snapshot(self) -> tuple[float, dict[tuple[int, int], float], float | None]:
         user, system = cpu_times()
-        # With the CPU of their exited children: a process that exits between two snapshots
-        # (a Spark Python worker, the short `chmod` processes Hadoop's local file system runs)
-        # then stays counted in its parent, where before its whole CPU left the sum with it.
-        spark = sum(process_cpu_seconds(pid, reaped_children=True) or 0.0
-                    for pid in descendant_pids(os.getpid()))
+        spark = tree_cpu_seconds(os.getpid())
         broker = process_cpu_seconds(self.broker_pid) if self.broker_pid else None
         return user + system, spark, broker
 
     @staticmethod
-    def per_million(start: tuple[float, float, float | None],
-                    end: tuple[float, float, float | None], rows: int) -> dict[str, float | None]:
+    def per_million(start: tuple[float, dict[tuple[int, int], float], float | None],
+                    end: tuple[float, dict[tuple[int, int], float], float | None],
+                    rows: int) -> dict[str, float | None]:
         def rate(a: float | None, b: float | None) -> float | None:
             return round((b - a) / rows * 1e6, 2) if a is not None and b is not None and rows else None
 
-        return {"python": rate(start[0], end[0]), "spark": rate(start[1], end[1]),
+        spark = sum(cpu - start[1].get(key, 0.0) for key, cpu in end[1].items())
+        return {"python": rate(start[0], end[0]), "spark": rate(0.0, spark),
                 "broker": rate(start[2], end[2])}
 
 
