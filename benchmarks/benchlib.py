@@ -47,58 +47,48 @@ def cpu_times() -> tuple[float, float]:
     return ru.ru_utime, ru.ru_stime
 
 
-def process_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` (all its threads) from ``/proc``; None when
-    it is gone or ``/proc`` is not there."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (the state, field 3, first);
+    None when the process is gone or ``/proc`` is not there."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
             stat = fh.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, from field 3 on
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads) from ``/proc``; None when
+    it is gone or ``/proc`` is not there."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def descendant_pids(root: int) -> list[int]:
-    """Every live process below ``root`` (children, their children, ...), from ``/proc``."""
-    parents: dict[int, list[int]] = {}
+def tree_cpu_seconds(root: int) -> dict[tuple[int, int], float]:
+    """CPU seconds of every live process below ``root`` (children, their children, ...), with
+    the CPU of the children each has waited for, keyed by (pid, start time) so that a reused
+    pid is another process; from one pass over ``/proc``."""
     try:
         names = os.listdir("/proc")
     except OSError:
-        return []
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", encoding="ascii") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        parents.setdefault(ppid, []).append(int(name))
-    out: list[int] = []
+        return {}
+    table = {int(name): fields for name in names
+             if name.isdigit() and (fields := _stat_fields(name)) is not None}
+    children: dict[int, list[int]] = {}
+    for pid, fields in table.items():
+        children.setdefault(int(fields[1]), []).append(pid)  # fields[1]: the parent's pid
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[tuple[int, int], float] = {}
     todo = [root]
     while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def tree_cpu_seconds(root: int) -> dict[tuple[int, int], float]:
-    """CPU seconds of every live process below ``root``, with the CPU of the children each has
-    waited for, keyed by (pid, start time) so that a reused pid is another process."""
-    out: dict[tuple[int, int], float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for pid in descendant_pids(root):
-        try:
-            with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
-        out[(pid, int(fields[19]))] = ticks / tick  # fields[19]: starttime
+        for pid in children.get(todo.pop(), []):
+            fields = table[pid]
+            ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
+            out[(pid, int(fields[19]))] = ticks / tick  # fields[19]: starttime
+            todo.append(pid)
     return out
 
 
