@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,7 @@ from rmq_async import (
     TlsVerificationError,
 )
 from rmq_async.devbroker import AclAccount, LocalRocketMQ
+from rmq_async.devbroker.java import classpath, compile_java, run_java
 from rmq_async.devbroker.pytest_plugin import run_blocking
 from tests.helpers import simple_messages, unique, wait_until
 
@@ -168,6 +171,9 @@ async def test_topic_denied_after_start_is_reported_once(acl_broker: LocalRocket
         await wait_until(lambda: len(seen) == 40, 30, what="40 messages before the denial")
         await acl_broker.admin_request("acl", acl_broker.broker_addr, f"User:{ACCOUNT.access_key}",
                                        f"Topic:{topic}", "Sub", "Deny")
+        # New messages end the pulls the broker holds (long polling, up to 15 s), so the next
+        # pull of each queue, the refused one, comes now.
+        await _signed_produce(acl_broker, topic, 40)
         await wait_until(lambda: len(errors) >= 2, 60, what="both queues reported refused")
         await asyncio.sleep(2.0)  # many refused pulls later: still one report per queue
         stats = consumer.stats_snapshot()[topic]
@@ -175,3 +181,103 @@ async def test_topic_denied_after_start_is_reported_once(acl_broker: LocalRocket
         (ConsumerErrorKind.PERMISSION_DENIED, 0), (ConsumerErrorKind.PERMISSION_DENIED, 1)]
     assert all(e.topic == topic and "refuses" in e.detail for e in errors)
     assert stats["errors"] == {"permission_denied": 2}
+
+
+_ACL_CLIENT = textwrap.dedent("""\
+    import org.apache.rocketmq.acl.common.AclClientRPCHook;
+    import org.apache.rocketmq.acl.common.SessionCredentials;
+    import org.apache.rocketmq.client.producer.DefaultMQProducer;
+    import org.apache.rocketmq.common.TopicConfig;
+    import org.apache.rocketmq.common.message.Message;
+    import org.apache.rocketmq.remoting.RPCHook;
+    import org.apache.rocketmq.tools.admin.DefaultMQAdminExt;
+
+    /**
+     * args: namesrv broker topic probe...; a probe is mode(send|create)[:accessKey:secretKey].
+     * Prints one line per probe, in order: "OK ..." or "DENIED <root cause>".
+     */
+    public class AclProbe {
+        public static void main(String[] a) throws Exception {
+            for (int i = 3; i < a.length; i++) {
+                String[] probe = a[i].split(":", -1);
+                System.out.println(run(a[0], a[1], a[2], probe));
+                System.out.flush();
+            }
+        }
+
+        static String run(String namesrv, String broker, String topic, String[] probe) {
+            RPCHook hook = probe.length > 2
+                ? new AclClientRPCHook(new SessionCredentials(probe[1], probe[2])) : null;
+            try {
+                if (probe[0].equals("send")) {
+                    DefaultMQProducer p = new DefaultMQProducer("acl_probe_pg", hook);
+                    p.setNamesrvAddr(namesrv);
+                    p.setRetryTimesWhenSendFailed(0);
+                    p.setInstanceName("probe" + System.nanoTime());
+                    p.start();
+                    try {
+                        return "OK " + p.send(new Message(topic, "x".getBytes())).getSendStatus();
+                    } finally {
+                        p.shutdown();
+                    }
+                }
+                DefaultMQAdminExt admin = new DefaultMQAdminExt(hook, 5000);
+                admin.setNamesrvAddr(namesrv);
+                admin.setInstanceName("probe" + System.nanoTime());
+                admin.start();
+                try {
+                    admin.createAndUpdateTopicConfig(broker, new TopicConfig(topic, 2, 2));
+                    return "OK created";
+                } finally {
+                    admin.shutdown();
+                }
+            } catch (Exception e) {
+                Throwable root = e;
+                while (root.getCause() != null) {
+                    root = root.getCause();
+                }
+                return "DENIED " + String.valueOf(root.getMessage()).split("\\n")[0];
+            }
+        }
+    }
+    """)
+
+
+async def test_acl_accounts_normal_and_super_from_the_java_client(
+        acl_broker: LocalRocketMQ, tmp_path: Path) -> None:
+    """The dev broker's accounts as the Java client sees them, signing with its own ACL hook: a
+    Normal account (the one the broker starts with) may send but not administer; a Super account
+    added to the running broker may do both; anyone else is refused."""
+    src = tmp_path / "AclProbe.java"
+    src.write_text(_ACL_CLIENT)
+    rmq = acl_broker
+    topic = unique("T_acl_java")
+    await rmq.create_topic(topic, queues=4)  # the internal admin may
+    await rmq.admin_request("user", rmq.broker_addr, "bob", "bob-secret-1", "Super")
+    users = await rmq.mqadmin("listUser", "-b", rmq.broker_addr)
+    kinds = {row[0]: row[2] for row in (line.split() for line in users.splitlines())
+             if row and row[0] in ("alice", "bob")}
+    assert kinds == {"alice": "Normal", "bob": "Super"}, users
+
+    classes = await compile_java([src], rmq.lib_dir)
+    cp = classpath(rmq.lib_dir, classes)
+    # All probes in one JVM: a JVM start per probe cost most of this test's time.
+    probes = ["send:alice:alice-secret-1", "send", "send:alice:wrong-secret",
+              "send:mallory:alice-secret-1", "create:alice:alice-secret-1",
+              "send:bob:bob-secret-1", "create:bob:bob-secret-1", "create:bob:alice-secret-1"]
+    rc, out, err = await run_java(
+        "AclProbe", [rmq.namesrv_addr, rmq.broker_addr, topic, *probes], cp, timeout=90,
+    )
+    assert rc == 0, err
+    lines = [line for line in out.splitlines() if line.startswith(("OK", "DENIED"))]
+    assert len(lines) == len(probes), out
+    (alice_sent, anonymous, wrong_secret, wrong_user, alice_created,
+     bob_sent, bob_created, bob_wrong_secret) = lines
+    assert alice_sent == "OK SEND_OK"
+    assert anonymous.startswith("DENIED")
+    assert wrong_secret.startswith("DENIED")
+    assert wrong_user.startswith("DENIED")
+    assert alice_created.startswith("DENIED"), alice_created
+    assert bob_sent == "OK SEND_OK"
+    assert bob_created == "OK created"
+    assert bob_wrong_secret.startswith("DENIED"), bob_wrong_secret
