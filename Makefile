@@ -29,9 +29,10 @@ test: setup
 test-unit: $(STAMP)
 	$(PY) -m pytest -ra -p no:cacheprovider -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
 
-# The unit tests again on the pure-Python decoder (the fallback where the extension is missing).
+# The unit tests again on the pure-Python decoder (the fallback where the extension is missing),
+# on the same workers as make test (they are CPU-bound: two workers take 32 s where one took 55).
 test-unit-pure: $(STAMP)
-	RMQ_ASYNC_NO_EXTENSIONS=1 $(PY) -m pytest -ra -p no:cacheprovider -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
+	RMQ_ASYNC_NO_EXTENSIONS=1 $(PY) -m pytest -ra -p no:cacheprovider -n $(PYTEST_WORKERS) -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
 
 # The chaos suite (tests/chaos) at full sizes: 100,000-message broker kill, 50,000-message
 # retry storm, 200,000 messages of rebalance churn for 60 s. make test runs it at small sizes.
