@@ -5,9 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 # make test runs the suite on two pytest-xdist workers, a test file per worker at a time (so a
-# module's broker fixture starts once): most tests wait on brokers and JVMs, and two workers
-# about halve the suite's time on 2 cores (its tests add up to about 29 minutes side by side;
-# the two workers take 13 to 15). PYTEST_WORKERS=0 runs it serially.
+# module's broker fixture starts once). Its tests add up to about 26 minutes; two workers take
+# 12 to 13 on 2 cores and keep both busy (idle about 11% of a run), so a third would not help.
+# PYTEST_WORKERS=0 runs it serially.
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup test test-unit test-unit-pure test-broker lint demo broker-up broker-down broker-status bench bench-quick clean chaos docs
