@@ -147,8 +147,13 @@ class BrokerOffsetStore(_MemoryTable):
             # (a slave keeps the offset while its master is down).
             addr, _ = await self._instance.find_broker_in_subscribe(
                 mq.broker_name, MASTER_ID, topic=mq.topic)
-            latest = self._table.get(mq)  # should finding the address have waited for a route
-            if latest is not None and latest >= 0:
+            # Finding the address may have waited for a route: send what the queue has now.
+            latest = self._table.get(mq)
+            if latest is None:
+                # Given up meanwhile; giving it up persisted its latest offset. An older one
+                # sent now would move the broker back under the queue's next owner.
+                return
+            if latest >= 0:
                 offset = latest
             await self._instance.api.update_consumer_offset(addr, self._group, mq, offset,
                                                             oneway=oneway)

@@ -58,3 +58,43 @@ async def test_a_round_sends_the_offset_a_queue_has_when_its_turn_comes() -> Non
     # to consume again), and 20 for the queue given up.
     assert instance.api.sent == [(Q0, 20), (Q1, 10), (Q1, 10)]
     assert store.read_memory(Q1) == 10
+
+
+class _SlowRouteInstance(_Instance):
+    """The first broker address lookup waits for ``route`` (a route refresh in progress)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookups = 0
+        self.first_lookup_waiting = asyncio.Event()
+        self.route = asyncio.Event()
+
+    async def find_broker_in_subscribe(self, broker_name: str, broker_id: int,
+                                       **kw: Any) -> tuple[str, int]:
+        self.lookups += 1
+        if self.lookups == 1:
+            self.first_lookup_waiting.set()
+            await self.route.wait()
+        return "127.0.0.1:10911", 0
+
+
+async def test_a_queue_given_up_while_its_broker_is_looked_up_is_not_sent_again() -> None:
+    instance = _SlowRouteInstance()
+    instance.api.release.set()  # the sends themselves answer at once here
+    store = BrokerOffsetStore(cast("ClientInstance", instance), "G")
+    store.update(Q0, 20, increase_only=False)
+    round_ = asyncio.ensure_future(store.persist_all({Q0}, oneway=False))
+    await instance.first_lookup_waiting.wait()  # the round waits for Q0's broker address
+    # Meanwhile the queue is consumed up to 30 and a rebalance gives it up, which persists
+    # its offset and then forgets the queue.
+    store.update(Q0, 30, increase_only=True)
+    await store.persist(Q0)
+    store.remove(Q0)
+    instance.route.set()
+    await round_
+    # Before, the round went on to send the 20 it had been handed once the address came, after
+    # the 30 the removal wrote (the broker went back to 20, and the next owner of the queue
+    # consumed 10 messages twice), and kept a record of a queue the store no longer has.
+    assert instance.api.sent == [(Q0, 30)]
+    assert store.read_memory(Q0) < 0
+    assert Q0 not in store._persisted
