@@ -14,6 +14,14 @@ from rmq_async.client.instance import ClientInstance
 from rmq_async.producer import Producer
 from rmq_async.protocol.types import Message, MessageExt, MessageQueue
 
+#: JVM flags for the Java push consumers the tests start: the 2 s rebalance interval the tests
+#: give rmq_async too. At Java's default (20 s) a start now and then stalls for 20 s: the
+#: heartbeat that would carry the first rebalance's subscription version to the broker is
+#: skipped while the client's scheduled heartbeat holds its lock ("lock heartBeat, but
+#: failed" in the client log), and the broker refuses every pull (SUBSCRIPTION_NOT_LATEST)
+#: until a later rebalance that changes something sends one.
+JAVA_CONSUMER_FLAGS = ("-Drocketmq.client.rebalance.waitInterval=2000",)
+
 
 def unique(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:10]}"

@@ -20,7 +20,7 @@ import pytest
 from rmq_async import ConsumeContext, ConsumeResult, Message, MessageExt, Producer, PushConsumer
 from rmq_async.devbroker.java import start_java
 from rmq_async.protocol.types import MessageQueue
-from tests.helpers import AdminClient, produce, simple_messages, unique, wait_until
+from tests.helpers import JAVA_CONSUMER_FLAGS, AdminClient, produce, simple_messages, unique, wait_until
 
 pytestmark = pytest.mark.broker
 
@@ -48,7 +48,7 @@ async def test_mixed_language_group_splits_queues(rocketmq, java_programs) -> No
     async with start_java("JavaPushConsumer",
                           [rocketmq.namesrv_addr, group, topic, "java-1",
                            "CONSUME_FROM_FIRST_OFFSET"],
-                          java_programs.classpath) as java:
+                          java_programs.classpath, jvm_flags=JAVA_CONSUMER_FLAGS) as java:
         await java.wait_for("READY", 60)
         async with consumer:
             def java_queues() -> set[int]:
@@ -207,7 +207,7 @@ async def _java_first_offsets(java_programs, namesrv: str, topic: str, mode: str
                               extra: list[str]) -> dict[int, int]:
     group = unique("G_javastart")
     async with start_java("JavaPushConsumer", [namesrv, group, topic, "java-start", mode, *extra],
-                          java_programs.classpath) as java:
+                          java_programs.classpath, jvm_flags=JAVA_CONSUMER_FLAGS) as java:
         await java.wait_for("READY", 60)
         await java.wait_for(re.compile(r"^ASSIGNED( \d+){4}$"), 60)
 

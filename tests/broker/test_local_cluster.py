@@ -26,7 +26,14 @@ from rmq_async.devbroker.java import start_java
 from rmq_async.producer import Producer, select_by_key
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.types import Message, MessageQueue
-from tests.helpers import AdminClient, first_broker_port_taken, simple_messages, unique, wait_until
+from tests.helpers import (
+    JAVA_CONSUMER_FLAGS,
+    AdminClient,
+    first_broker_port_taken,
+    simple_messages,
+    unique,
+    wait_until,
+)
 
 FULL = os.environ.get("RMQ_CLUSTER_FULL") == "1"
 
@@ -339,7 +346,8 @@ async def test_broker_suggesting_its_slave_gets_the_next_pulls_there(
         before = await _served(c)
         async with start_java("JavaPushConsumer",
                               [c.namesrv_addr, unique("G_suggest_java"), topic, "java-suggest",
-                               "CONSUME_FROM_FIRST_OFFSET"], java_programs.classpath) as java:
+                               "CONSUME_FROM_FIRST_OFFSET"], java_programs.classpath,
+                              jvm_flags=JAVA_CONSUMER_FLAGS) as java:
             await java.wait_for("READY", 60)
             await wait_until(lambda: sum(line.startswith("MSG ") for line in java.lines) >= n,
                              120, what=f"{n} messages to the Java consumer")
@@ -513,7 +521,8 @@ async def test_three_consumers_split_16_queues_as_java(rocketmq_cluster: LocalCl
         consumers.append(consumer)
     async with start_java("JavaPushConsumer",
                           [c.namesrv_addr, group, topic, "java-three",
-                           "CONSUME_FROM_FIRST_OFFSET"], java_programs.classpath) as java:
+                           "CONSUME_FROM_FIRST_OFFSET"], java_programs.classpath,
+                          jvm_flags=JAVA_CONSUMER_FLAGS) as java:
         await java.wait_for("READY", 60)
         java_cid = next(line.split()[1] for line in java.lines if line.startswith("READY"))
         for consumer in consumers:

@@ -23,7 +23,7 @@ from rmq_async.protocol.types import MessageQueue
 from tests.broker.test_orderly import Recorder, _body, _check_exclusive, by_key_hash
 from tests.chaos.common import FULL, consumer, offsets_settled, produce_paced, report, scaled
 from tests.chaos.conftest import JavaClasses
-from tests.helpers import unique
+from tests.helpers import JAVA_CONSUMER_FLAGS, unique
 
 # The churn scenarios take most of a minute even at their small sizes: they run with
 # `make chaos`, which keeps `make test` within its time budget.
@@ -87,7 +87,7 @@ async def test_churn_with_a_java_member(rocketmq: LocalRocketMQ, java_classes: J
         if name == "java":
             java = start_java("JavaPushConsumer", [ns, group, topic, f"java-{next(generation)}",
                                                    "CONSUME_FROM_FIRST_OFFSET"],
-                              java_classes.classpath)
+                              java_classes.classpath, jvm_flags=JAVA_CONSUMER_FLAGS)
             await java.__aenter__()
             java_lines.append(java.lines)
             await java.wait_for("READY", 60)
