@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 # make test runs the suite on two pytest-xdist workers, a test file per worker at a time (so a
 # module's broker fixture starts once). Its tests add up to about 26 minutes; two workers take
-# 12 to 13 on 2 cores and keep both busy (idle about 11% of a run), so a third would not help.
+# 12 to 14 on 2 cores (the machine's hour moves it) and keep both busy (idle about 11% of a
+# run), so a third would not help.
 # PYTEST_WORKERS=0 runs it serially.
 PYTEST_WORKERS ?= 2
 
