@@ -461,21 +461,24 @@ class LocalRocketMQ:
         self._record.save()
 
     def _spawn_jvm(self, main_class: str, conf: Path, out: Path, logback: str, heap: str,
-                   direct: str) -> subprocess.Popen[bytes]:
+                   direct: str, *, quick_start: bool = False) -> subprocess.Popen[bytes]:
         run = self._require()
         tls = [] if self.tls is None else self.tls.jvm_properties(run / "tls.properties")
         cmd = cfg.jvm_command(
             self.java, lib_dir=self.lib_dir, main_class=main_class, args=["-c", str(conf)],
             user_home=run, logback=logback, heap=heap, direct=direct,
-            extra=[*self.profile.server_jvm_flags(), *tls],
+            extra=[*self.profile.server_jvm_flags(), *tls], quick_start=quick_start,
         )
         return spawn(cmd, cwd=run, env=self._env(), output=out, die_with_parent=not self.detached)
 
     async def _start_namesrv(self) -> None:
         p = self._paths()
         offset = _size(p["namesrv_out"])
+        # The name server only answers route queries: the quick-start flags halve the CPU its
+        # start takes (~4.5 to ~2.5 s), with nothing to lose at its load.
         self._namesrv = self._spawn_jvm(cfg.NAMESRV_CLASS, p["namesrv_conf"], p["namesrv_out"],
-                                        "rmq.namesrv.logback.xml", self.namesrv_heap, "128m")
+                                        "rmq.namesrv.logback.xml", self.namesrv_heap, "128m",
+                                        quick_start=True)
         self._save_record()
         deadline = time.monotonic() + self.ready_timeout
         while True:

@@ -393,11 +393,11 @@ class LocalCluster:
         self._record.save()
 
     def _spawn(self, main_class: str, folder: Path, conf: Path, out: Path, logback: str,
-               heap: str, direct: str) -> subprocess.Popen[bytes]:
+               heap: str, direct: str, *, quick_start: bool = False) -> subprocess.Popen[bytes]:
         cmd = cfg.jvm_command(
             self.java, lib_dir=self.lib_dir, main_class=main_class, args=["-c", str(conf)],
             user_home=folder, logback=logback, heap=heap, direct=direct,
-            extra=self.profile.server_jvm_flags(),
+            extra=self.profile.server_jvm_flags(), quick_start=quick_start,
         )
         return spawn(cmd, cwd=folder, env=self._env(), output=out,
                      die_with_parent=not self.detached)
@@ -405,8 +405,10 @@ class LocalCluster:
     async def _start_namesrv(self, ns: NamesrvNode) -> None:
         out = ns.folder / "namesrv.out"
         offset = _size(out)
+        # Quick-start flags, as LocalRocketMQ's name server (route queries only).
         ns.proc = self._spawn(cfg.NAMESRV_CLASS, ns.folder, ns.folder / "namesrv.conf", out,
-                              "rmq.namesrv.logback.xml", self.namesrv_heap, "64m")
+                              "rmq.namesrv.logback.xml", self.namesrv_heap, "64m",
+                              quick_start=True)
         self._save_record()
         deadline = time.monotonic() + self.ready_timeout
         while True:

@@ -18,11 +18,14 @@ from rmq_async.devbroker import DevBrokerError, LocalRocketMQ
 from rmq_async.devbroker.broker import parse_lenient_json
 from rmq_async.devbroker.java import classpath, compile_java, run_java, start_java
 from rmq_async.devbroker.procs import pid_alive, pid_cmdline, reap_stale_runs
-from tests.helpers import first_broker_port_taken
+from rmq_async.protocol.command import RemotingCommand
+from tests.helpers import AdminClient, first_broker_port_taken
 
 pytestmark = pytest.mark.broker
 
 REPO = Path(__file__).resolve().parents[2]
+#: Java RequestCode.GET_BROKER_CONFIG: the broker's settings as ``key=value`` lines.
+GET_BROKER_CONFIG = 26
 
 
 def _listening(port: int) -> bool:
@@ -58,6 +61,24 @@ async def test_shared_broker_is_registered(rocketmq: LocalRocketMQ) -> None:
     assert (rocketmq.workdir / "logs" / "rocketmqlogs" / "broker.log").is_file()
     assert (rocketmq.workdir / "store" / "commitlog").is_dir()
     assert "boot success" in rocketmq.broker_log_tail(400)
+    # The test broker runs without the timer wheel (no wheel file in its store) and with the
+    # transaction-metrics flush every 500 ms (the running broker's own configuration, asked
+    # with GET_BROKER_CONFIG); the name server with the quick-start JVM flags the broker does
+    # not take.
+    assert not (rocketmq.workdir / "store" / "timerwheel").exists()
+    async with AdminClient(rocketmq.namesrv_addr) as admin:
+        resp = await admin.instance.remoting.invoke(
+            rocketmq.broker_addr, RemotingCommand.request(GET_BROKER_CONFIG), 10.0)
+    assert resp.code == 0, resp.remark
+    live = dict(line.split("=", 1) for line in (resp.body or b"").decode().splitlines()
+                if "=" in line)
+    assert live["timerWheelEnable"] == "false"
+    assert live["transactionMetricFlushInterval"] == "500"
+    namesrv_cmd = pid_cmdline(rocketmq.pids["namesrv"])
+    broker_cmd = pid_cmdline(rocketmq.pids["broker"])
+    assert namesrv_cmd and broker_cmd
+    assert "-XX:TieredStopAtLevel=1" in namesrv_cmd and "-XX:+UseSerialGC" in namesrv_cmd
+    assert "-XX:TieredStopAtLevel=1" not in broker_cmd and "-XX:+UseG1GC" in broker_cmd
 
 
 async def test_topic_fixture_has_eight_queues_in_route(rocketmq: LocalRocketMQ,
