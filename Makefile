@@ -5,9 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 # make test runs the suite on two pytest-xdist workers, a test file per worker at a time (so a
-# module's broker fixture starts once). Its tests add up to about 26 minutes; two workers take
-# 12 to 14 on 2 cores (the machine's hour moves it) and keep both busy (idle about 11% of a
-# run), so a third would not help.
+# module's broker fixture starts once). Two workers take 11 to 12 minutes on 2 cores (the
+# machine's hour moves it) and keep both cores busy for most of it (idle about 15% of the
+# pytest part): the suite's time is CPU, most of it JVM starts (brokers, name servers, Spark).
 # PYTEST_WORKERS=0 runs it serially.
 PYTEST_WORKERS ?= 2
 
