@@ -22,6 +22,13 @@ from rmq_async.protocol.types import Message, MessageExt, MessageQueue
 #: until a later rebalance that changes something sends one.
 JAVA_CONSUMER_FLAGS = ("-Drocketmq.client.rebalance.waitInterval=2000",)
 
+#: JVM flags of the brokers a test module or test starts for itself (a cluster, an ACL or TLS
+#: broker, another version, one to kill): C1 only, which saves each start ~3 CPU seconds of
+#: C2 compiles on the 2-core test machine. They carry little traffic in ``make test``; the
+#: shared session broker, which serves the heavy tests, and the benchmark's keep the JVM's
+#: defaults.
+SHORT_LIVED_BROKER_FLAGS = ("-XX:TieredStopAtLevel=1",)
+
 
 def unique(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:10]}"

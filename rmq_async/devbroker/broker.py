@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -216,6 +216,10 @@ class LocalRocketMQ:
     starts both JVMs and returns once the broker is registered in the name server.
     :meth:`stop` / :meth:`start` stop and restart the *broker only*, on the same port and
     store; :meth:`kill_broker` SIGKILLs it.
+
+    ``broker_jvm_flags`` go on the broker's ``java`` command line after the defaults, e.g.
+    ``("-XX:TieredStopAtLevel=1",)``: a short-lived broker with little traffic then starts on
+    about 3 CPU seconds less (no C2 compiles), at the cost of slower code under load.
     """
 
     def __init__(
@@ -231,6 +235,7 @@ class LocalRocketMQ:
         cache_dir: Path | str | None = None,
         ready_timeout: float = 90.0,
         detached: bool = False,
+        broker_jvm_flags: Sequence[str] = (),
     ) -> None:
         overrides = dict(broker_config or {})
         self.version = version
@@ -242,6 +247,7 @@ class LocalRocketMQ:
         self.cache_dir = cache_dir
         self.ready_timeout = ready_timeout
         self.detached = detached
+        self.broker_jvm_flags = tuple(broker_jvm_flags)
         self.cluster = overrides.get("brokerClusterName", cfg.BROKER_DEFAULTS["brokerClusterName"])
         self.broker_name = overrides.get("brokerName", cfg.BROKER_DEFAULTS["brokerName"])
         self._admin_password = secrets.token_hex(12)
@@ -461,13 +467,14 @@ class LocalRocketMQ:
         self._record.save()
 
     def _spawn_jvm(self, main_class: str, conf: Path, out: Path, logback: str, heap: str,
-                   direct: str, *, quick_start: bool = False) -> subprocess.Popen[bytes]:
+                   direct: str, *, quick_start: bool = False,
+                   flags: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         run = self._require()
         tls = [] if self.tls is None else self.tls.jvm_properties(run / "tls.properties")
         cmd = cfg.jvm_command(
             self.java, lib_dir=self.lib_dir, main_class=main_class, args=["-c", str(conf)],
             user_home=run, logback=logback, heap=heap, direct=direct,
-            extra=[*self.profile.server_jvm_flags(), *tls], quick_start=quick_start,
+            extra=[*self.profile.server_jvm_flags(), *tls, *flags], quick_start=quick_start,
         )
         return spawn(cmd, cwd=run, env=self._env(), output=out, die_with_parent=not self.detached)
 
@@ -581,7 +588,8 @@ class LocalRocketMQ:
         log_offset = _size(p["broker_log"])
         started = time.monotonic()
         self._broker = self._spawn_jvm(cfg.BROKER_CLASS, p["broker_conf"], p["broker_out"],
-                                       "rmq.broker.logback.xml", self.heap, "512m")
+                                       "rmq.broker.logback.xml", self.heap, "512m",
+                                       flags=self.broker_jvm_flags)
         self._save_record()
         deadline = started + self.ready_timeout
         booted = False

@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -135,7 +135,8 @@ class LocalCluster:
     ``async with LocalCluster(groups=2, slaves=1, namesrvs=2) as c:`` starts every JVM and
     returns once every broker is registered in the name servers. :meth:`kill_broker`,
     :meth:`start_broker`, :meth:`kill_namesrv` and :meth:`start_namesrv` act on one process and
-    keep its port and store.
+    keep its port and store. ``broker_jvm_flags`` go on every broker's ``java`` command line,
+    as :class:`~rmq_async.devbroker.LocalRocketMQ`'s.
     """
 
     def __init__(
@@ -155,6 +156,7 @@ class LocalCluster:
         cache_dir: Path | str | None = None,
         ready_timeout: float = 180.0,
         detached: bool = False,
+        broker_jvm_flags: Sequence[str] = (),
     ) -> None:
         if not 1 <= groups <= 64:
             raise ValueError(f"groups must be within 1..64, not {groups}")
@@ -183,6 +185,7 @@ class LocalCluster:
         self.cache_dir = cache_dir
         self.ready_timeout = ready_timeout
         self.detached = detached
+        self.broker_jvm_flags = tuple(broker_jvm_flags)
         self._broker_config = dict(broker_config or {})
         self._group_config = {k: dict(v) for k, v in (group_config or {}).items()}
         self._given_workdir = Path(workdir).resolve() if workdir is not None else None
@@ -393,11 +396,12 @@ class LocalCluster:
         self._record.save()
 
     def _spawn(self, main_class: str, folder: Path, conf: Path, out: Path, logback: str,
-               heap: str, direct: str, *, quick_start: bool = False) -> subprocess.Popen[bytes]:
+               heap: str, direct: str, *, quick_start: bool = False,
+               flags: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         cmd = cfg.jvm_command(
             self.java, lib_dir=self.lib_dir, main_class=main_class, args=["-c", str(conf)],
             user_home=folder, logback=logback, heap=heap, direct=direct,
-            extra=self.profile.server_jvm_flags(), quick_start=quick_start,
+            extra=[*self.profile.server_jvm_flags(), *flags], quick_start=quick_start,
         )
         return spawn(cmd, cwd=folder, env=self._env(), output=out,
                      die_with_parent=not self.detached)
@@ -428,7 +432,8 @@ class LocalCluster:
         log_offset = _size(node.log_path)
         started = time.monotonic()
         node.proc = self._spawn(cfg.BROKER_CLASS, node.folder, node.conf_path, node.out_path,
-                                "rmq.broker.logback.xml", self.heap, self.direct)
+                                "rmq.broker.logback.xml", self.heap, self.direct,
+                                flags=self.broker_jvm_flags)
         self._save_record()
         deadline = started + self.ready_timeout
         booted = False

@@ -19,7 +19,7 @@ from rmq_async.devbroker.broker import parse_lenient_json
 from rmq_async.devbroker.java import classpath, compile_java, run_java, start_java
 from rmq_async.devbroker.procs import pid_alive, pid_cmdline, reap_stale_runs
 from rmq_async.protocol.command import RemotingCommand
-from tests.helpers import AdminClient, first_broker_port_taken
+from tests.helpers import SHORT_LIVED_BROKER_FLAGS, AdminClient, first_broker_port_taken
 
 pytestmark = pytest.mark.broker
 
@@ -160,7 +160,8 @@ async def test_own_instance_retries_a_taken_port_and_cleans_up(
     not a failure; on exit no process, run folder or temp file of either start is left."""
     temp_before = _system_temp_files()
     with first_broker_port_taken(monkeypatch) as (busy, picks):
-        async with LocalRocketMQ(broker_config={"brokerName": "broker-own"}) as rmq:
+        async with LocalRocketMQ(broker_config={"brokerName": "broker-own"},
+                                 broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS) as rmq:
             assert rmq.broker_port != busy
             assert picks[0] == busy and len(picks) == 2
             workdir = rmq.workdir
@@ -169,6 +170,7 @@ async def test_own_instance_retries_a_taken_port_and_cleans_up(
             pids = dict(rmq.pids)
             assert set(pids) == {"namesrv", "broker", "admin"}
             assert all(str(workdir) in pid_cmdline(p) for p in pids.values())
+            assert " -XX:TieredStopAtLevel=1 " in pid_cmdline(pids["broker"])  # broker_jvm_flags
             assert rmq.broker_name == "broker-own"
             await rmq.create_topic("T_own", queues=8)
             conf = (workdir / "broker.conf").read_text()

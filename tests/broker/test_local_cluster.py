@@ -23,11 +23,13 @@ from rmq_async.client.errors import MQBrokerError
 from rmq_async.consumer.allocate import AllocateAveragely, sort_inputs
 from rmq_async.devbroker import LocalCluster
 from rmq_async.devbroker.java import start_java
+from rmq_async.devbroker.procs import pid_cmdline
 from rmq_async.producer import Producer, select_by_key
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.types import Message, MessageQueue
 from tests.helpers import (
     JAVA_CONSUMER_FLAGS,
+    SHORT_LIVED_BROKER_FLAGS,
     AdminClient,
     first_broker_port_taken,
     simple_messages,
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
     from tests.broker.conftest import JavaPrograms
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(1200 if FULL else 240)]
+#: The module's cluster (the plugin's ``rocketmq_cluster`` fixture): brokers on C1 only.
+ROCKETMQ_CLUSTER = {"broker_jvm_flags": SHORT_LIVED_BROKER_FLAGS}
 #: Messages of the exactly-once scenario.
 N_ONCE = 100_000 if FULL else 4_000
 #: Messages of the fail-over scenario.
@@ -148,6 +152,9 @@ async def test_cluster_layout_and_routes(rocketmq_cluster: LocalCluster) -> None
     c = rocketmq_cluster
     assert c.broker_names == ["broker-a", "broker-b"]
     assert len(c.namesrv_addrs) == 2
+    for node in c.brokers.values():  # ROCKETMQ_CLUSTER's broker_jvm_flags reach every broker
+        assert node.proc is not None
+        assert " -XX:TieredStopAtLevel=1 " in pid_cmdline(node.proc.pid), node.key
     print(f"cluster start-up {c.startup_seconds}s, RSS MiB "
           f"{ {k: v >> 20 for k, v in c.rss_bytes().items()} }, "
           f"total {sum(c.rss_bytes().values()) >> 20} MiB")
@@ -641,7 +648,8 @@ async def test_cluster_port_taken_before_the_jvm_binds_it_is_retried(
     """A broker port taken by someone else between the pick and the JVM's bind (two test
     workers starting brokers at once) costs the cluster a second start on other ports."""
     with first_broker_port_taken(monkeypatch) as (busy, picks):
-        async with LocalCluster(groups=1, slaves=0, namesrvs=1) as c:
+        async with LocalCluster(groups=1, slaves=0, namesrvs=1,
+                                broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS) as c:
             node = c.broker("broker-a")
             assert node.port != busy and picks[0] == busy and len(picks) == 2
             await c.create_topic("T_cluster_port_retry", queues=1)

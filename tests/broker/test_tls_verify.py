@@ -28,7 +28,7 @@ from rmq_async import (
 )
 from rmq_async.devbroker import AclAccount, LocalRocketMQ, TlsServerFiles
 from rmq_async.devbroker.pytest_plugin import run_blocking
-from tests.helpers import unique, wait_until
+from tests.helpers import SHORT_LIVED_BROKER_FLAGS, unique, wait_until
 from tests.tls_certs import issue_server_cert, make_ca
 
 pytestmark = pytest.mark.broker
@@ -53,7 +53,8 @@ def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsBroker]:
     other_ca_file = certs / "other-ca.pem"
     other_ca_file.write_bytes(make_ca("some other CA").cert_pem)
     cert_file, key_file = issue_server_cert(ca, certs, ips=("127.0.0.1",))
-    rmq = LocalRocketMQ(acl=ACCOUNT, tls=TlsServerFiles(cert_file, key_file))
+    rmq = LocalRocketMQ(acl=ACCOUNT, tls=TlsServerFiles(cert_file, key_file),
+                        broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS)
     started = time.monotonic()
     run_blocking(rmq.start_all())
     print(f"\nTLS + ACL broker started in {time.monotonic() - started:.1f} s")

@@ -15,6 +15,7 @@ from rmq_async.devbroker.java import compile_java
 from rmq_async.devbroker.pytest_plugin import SESSION_BROKER_CONFIG, run_blocking
 from tests.chaos.common import REPORT
 from tests.chaos.proxy import FaultProxy
+from tests.helpers import SHORT_LIVED_BROKER_FLAGS
 
 JAVA_DIR = Path(__file__).resolve().parent.parent / "java"
 
@@ -54,7 +55,8 @@ async def proxies(rocketmq: LocalRocketMQ) -> AsyncIterator[Proxies]:
 @pytest_asyncio.fixture
 async def own_rocketmq() -> AsyncIterator[LocalRocketMQ]:
     """A broker of the test's own, to kill -9 and restart."""
-    rmq = LocalRocketMQ(broker_config=SESSION_BROKER_CONFIG)
+    rmq = LocalRocketMQ(broker_config=SESSION_BROKER_CONFIG,
+                        broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS)
     await rmq.start_all()
     try:
         yield rmq

@@ -17,6 +17,7 @@ import pytest
 from rmq_async.devbroker import AclAccount, LocalRocketMQ
 from rmq_async.devbroker.pytest_plugin import SESSION_BROKER_CONFIG, run_blocking
 from rmq_async.devbroker.versions import profile
+from tests.helpers import SHORT_LIVED_BROKER_FLAGS
 
 DEFAULT_COMPAT_VERSIONS = "4.9.7"
 #: The account of the ACL scenario's broker (a normal user: publish and subscribe only).
@@ -41,7 +42,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="module")
 def compat_broker(compat_version: str) -> Iterator[LocalRocketMQ]:
     """A NameServer + Broker of ``compat_version`` (retry delays of 1 s, like the session one)."""
-    rmq = LocalRocketMQ(compat_version, broker_config=SESSION_BROKER_CONFIG)
+    rmq = LocalRocketMQ(compat_version, broker_config=SESSION_BROKER_CONFIG,
+                        broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS)
     run_blocking(rmq.start_all())
     try:
         yield rmq
@@ -52,7 +54,7 @@ def compat_broker(compat_version: str) -> Iterator[LocalRocketMQ]:
 @pytest.fixture(scope="module")
 def compat_acl_broker(compat_version: str) -> Iterator[LocalRocketMQ]:
     """A broker of ``compat_version`` with ACL on (ACL 1.0 before 5.3, 2.0 from 5.3)."""
-    rmq = LocalRocketMQ(compat_version, acl=ACL_ACCOUNT)
+    rmq = LocalRocketMQ(compat_version, acl=ACL_ACCOUNT, broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS)
     run_blocking(rmq.start_all())
     try:
         yield rmq
