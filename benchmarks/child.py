@@ -236,9 +236,6 @@ def _spark_session(app: str) -> Any:
     return session
 
 
-#: Java RequestCode.UPDATE_BROKER_CONFIG / GET_BROKER_CONFIG (``key=value`` lines).
-UPDATE_BROKER_CONFIG = 25
-GET_BROKER_CONFIG = 26
 #: The broker's per-pull caps for messages still in memory, raised for the "bulk" sink run
 #: (defaults: 32 messages, 256 KiB), and the consumer's pull batch size that goes with them.
 BULK_BROKER_CONFIG = {"maxTransferCountOnMessageInMemory": "256",
@@ -249,29 +246,18 @@ BULK_PULL_BATCH_SIZE = 256
 @contextlib.asynccontextmanager
 async def _broker_config(spec: dict[str, Any], values: dict[str, str]) -> Any:
     """Set broker settings at run time for the duration of the block, then restore them."""
-    from rmq_async.protocol.command import RemotingCommand
-
     instance = ClientInstance(spec["namesrv"], f"127.0.0.1@bench-config-{os.getpid()}")
     try:
         await instance.update_route(spec["topic"])
         mq = sorted(await instance.subscribe_queues(spec["topic"]))[0]
         addr = await instance.find_broker_master(mq.broker_name, spec["topic"])
-
-        async def call(code: int, body: bytes = b"") -> str:
-            resp = await instance.remoting.invoke(addr, RemotingCommand.request(code, body=body), 10.0)
-            if resp.code != 0:
-                raise RuntimeError(f"broker config request {code}: {resp.code} {resp.remark}")
-            return (resp.body or b"").decode()
-
-        current = dict(line.split("=", 1) for line in (await call(GET_BROKER_CONFIG)).splitlines()
-                       if "=" in line)
+        current = await instance.api.get_broker_config(addr)
         before = {k: current[k] for k in values if k in current}
-        await call(UPDATE_BROKER_CONFIG, "".join(f"{k}={v}\n" for k, v in values.items()).encode())
+        await instance.api.update_broker_config(addr, values)
         try:
             yield
         finally:
-            await call(UPDATE_BROKER_CONFIG,
-                       "".join(f"{k}={v}\n" for k, v in before.items()).encode())
+            await instance.api.update_broker_config(addr, before)
     finally:
         await instance.close()
 

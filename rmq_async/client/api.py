@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -429,6 +430,20 @@ class MQClientAPI:
         )
 
     # ------------------------------------------------------------------ admin
+
+    async def get_broker_config(self, addr: str, *, timeout: float = 10.0) -> dict[str, str]:
+        """GET_BROKER_CONFIG: the running broker's settings (its ``key=value`` lines)."""
+        resp = await self._call(addr, RequestCode.GET_BROKER_CONFIG, None, timeout=timeout,
+                                name="GET_BROKER_CONFIG")
+        lines = (resp.body or b"").decode().splitlines()
+        return dict(line.split("=", 1) for line in lines if "=" in line)
+
+    async def update_broker_config(self, addr: str, values: Mapping[str, str], *,
+                                   timeout: float = 10.0) -> None:
+        """UPDATE_BROKER_CONFIG: change settings of the running broker (those it allows)."""
+        body = "".join(f"{k}={v}\n" for k, v in values.items()).encode()
+        await self._call(addr, RequestCode.UPDATE_BROKER_CONFIG, None, body, timeout=timeout,
+                         name="UPDATE_BROKER_CONFIG")
 
     async def create_topic(self, addr: str, topic: str, *, read_queues: int = 8,
                            write_queues: int = 8, perm: int = 6, order: bool = False,

@@ -18,14 +18,11 @@ from rmq_async.devbroker import DevBrokerError, LocalRocketMQ
 from rmq_async.devbroker.broker import parse_lenient_json
 from rmq_async.devbroker.java import classpath, compile_java, run_java, start_java
 from rmq_async.devbroker.procs import pid_alive, pid_cmdline, reap_stale_runs
-from rmq_async.protocol.command import RemotingCommand
 from tests.helpers import SHORT_LIVED_BROKER_FLAGS, AdminClient, first_broker_port_taken
 
 pytestmark = pytest.mark.broker
 
 REPO = Path(__file__).resolve().parents[2]
-#: Java RequestCode.GET_BROKER_CONFIG: the broker's settings as ``key=value`` lines.
-GET_BROKER_CONFIG = 26
 
 
 def _listening(port: int) -> bool:
@@ -67,11 +64,7 @@ async def test_shared_broker_is_registered(rocketmq: LocalRocketMQ) -> None:
     # not take.
     assert not (rocketmq.workdir / "store" / "timerwheel").exists()
     async with AdminClient(rocketmq.namesrv_addr) as admin:
-        resp = await admin.instance.remoting.invoke(
-            rocketmq.broker_addr, RemotingCommand.request(GET_BROKER_CONFIG), 10.0)
-    assert resp.code == 0, resp.remark
-    live = dict(line.split("=", 1) for line in (resp.body or b"").decode().splitlines()
-                if "=" in line)
+        live = await admin.instance.api.get_broker_config(rocketmq.broker_addr)
     assert live["timerWheelEnable"] == "false"
     assert live["transactionMetricFlushInterval"] == "500"
     namesrv_cmd = pid_cmdline(rocketmq.pids["namesrv"])
