@@ -47,6 +47,33 @@ def cpu_times() -> tuple[float, float]:
     return ru.ru_utime, ru.ru_stime
 
 
+def host_cpu_ticks() -> tuple[int, int] | None:
+    """(steal, all) clock ticks of the whole machine so far, from the ``cpu`` line of
+    ``/proc/stat``; None where that file is not there.
+
+    Steal is time a virtual CPU of this machine wanted to run while the hypervisor ran something
+    else: on a shared host it slows every contender, and a single-threaded one more than a
+    multi-threaded one, so a run's figures are read together with it.
+    """
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            fields = fh.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is already in user and nice)
+    ticks = [int(v) for v in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
+def steal_percent(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """Steal between two :func:`host_cpu_ticks` readings, in percent of the machine's time."""
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return round(100.0 * (end[0] - start[0]) / (end[1] - start[1]), 1)
+
+
 def _stat_fields(pid: int | str) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name (the state, field 3, first);
     None when the process is gone or ``/proc`` is not there."""

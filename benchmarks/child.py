@@ -37,7 +37,9 @@ from benchlib import (
     cpu_times,
     emit,
     emit_result,
+    host_cpu_ticks,
     process_cpu_seconds,
+    steal_percent,
     tree_cpu_seconds,
 )
 
@@ -401,11 +403,16 @@ def _write_parquet(spark: Any, table: Any, path: Path) -> None:
     spark.createDataFrame(table).write.mode("append").parquet(str(path))
 
 
+#: A :class:`_CpuMeter` reading: this process's CPU seconds, Spark's per process, the broker's,
+#: and the machine's (steal, all) clock ticks.
+_Snapshot = tuple[float, dict[tuple[int, int], float], float | None, tuple[int, int] | None]
+
+
 class _CpuMeter:
     """CPU seconds of the processes a Spark round runs on: this one (the consumer and the sink,
     or the plain path's table serialisation: the driver's Python side), Spark (every process
     below this one: the JVM and the Python workers it started) and the broker (when its pid is
-    known).
+    known); and the host's steal over the round (:func:`benchlib.host_cpu_ticks`).
 
     Spark's figure is summed process by process: what each process used between the two
     snapshots (all of it for one started meanwhile), with the CPU of the children it waited
@@ -418,16 +425,18 @@ class _CpuMeter:
     def __init__(self, broker_pid: int | None) -> None:
         self.broker_pid = broker_pid
 
-    def snapshot(self) -> tuple[float, dict[tuple[int, int], float], float | None]:
+    def snapshot(self) -> _Snapshot:
         user, system = cpu_times()
         spark = tree_cpu_seconds(os.getpid())
         broker = process_cpu_seconds(self.broker_pid) if self.broker_pid else None
-        return user + system, spark, broker
+        return user + system, spark, broker, host_cpu_ticks()
 
     @staticmethod
-    def per_million(start: tuple[float, dict[tuple[int, int], float], float | None],
-                    end: tuple[float, dict[tuple[int, int], float], float | None],
-                    rows: int) -> dict[str, float | None]:
+    def steal(start: _Snapshot, end: _Snapshot) -> float | None:
+        return steal_percent(start[3], end[3])
+
+    @staticmethod
+    def per_million(start: _Snapshot, end: _Snapshot, rows: int) -> dict[str, float | None]:
         def rate(a: float | None, b: float | None) -> float | None:
             return round((b - a) / rows * 1e6, 2) if a is not None and b is not None and rows else None
 
@@ -477,8 +486,9 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
                              pull_batch_size: int = 32) -> None:
             cpu0 = await asyncio.to_thread(meter.snapshot)
             sink_run = await _sink_run(spark, spec, path, pull_batch_size)
-            sink_run["cpu_s_per_million"] = meter.per_million(
-                cpu0, await asyncio.to_thread(meter.snapshot), sink_run["rows"])
+            cpu1 = await asyncio.to_thread(meter.snapshot)
+            sink_run["cpu_s_per_million"] = meter.per_million(cpu0, cpu1, sink_run["rows"])
+            sink_run["host_steal_pct"] = meter.steal(cpu0, cpu1)
             ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected, names)
             if sink_run["ok"] and not ok:
                 sink_run.update(ok=False, reason=reason)
@@ -508,14 +518,15 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
                 done_rows += table.num_rows
                 emit(f"PROGRESS {done_rows}")
             seconds = time.perf_counter() - t
-            plain_cpu = meter.per_million(cpu0, await asyncio.to_thread(meter.snapshot),
-                                          done_rows)
+            cpu1 = await asyncio.to_thread(meter.snapshot)
+            plain_cpu = meter.per_million(cpu0, cpu1, done_rows)
             ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected, names)
             if pulled != expected:
                 ok, reason = False, f"pulled {pulled} rows for the baseline, not {expected}"
             runs.append({"contender": "plain-spark-arrow", "round": rnd + 1, "ok": ok,
                          "reason": reason, "rows": done_rows, "seconds": round(seconds, 3),
                          "batches": len(tables), "cpu_s_per_million": plain_cpu,
+                         "host_steal_pct": meter.steal(cpu0, cpu1),
                          "rows_per_s": round(done_rows / seconds, 1) if seconds > 0 else 0.0})
             shutil.rmtree(path, ignore_errors=True)
 
@@ -527,12 +538,14 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
             t = time.perf_counter()
             rows = await asyncio.to_thread(_source_stream, spark, spec, path, checkpoint)
             seconds = time.perf_counter() - t
-            source_cpu = meter.per_million(cpu0, await asyncio.to_thread(meter.snapshot), rows)
+            cpu1 = await asyncio.to_thread(meter.snapshot)
+            source_cpu = meter.per_million(cpu0, cpu1, rows)
             emit(f"PROGRESS {rows}")
             ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
             runs.append({"contender": "spark-source", "round": rnd + 1, "ok": ok,
                          "reason": reason, "rows": rows, "seconds": round(seconds, 3),
                          "cpu_s_per_million": source_cpu,
+                         "host_steal_pct": meter.steal(cpu0, cpu1),
                          "rows_per_s": round(rows / seconds, 1) if seconds > 0 else 0.0})
             shutil.rmtree(path, ignore_errors=True)
             shutil.rmtree(checkpoint, ignore_errors=True)

@@ -139,6 +139,9 @@ def markdown(result: dict[str, Any]) -> str:
         "throughput above 1x is faster, CPU and RSS below 1x are cheaper.",
         "",
     ]
+    steal = _steal_line(result)
+    if steal:
+        lines += [steal, ""]
     summary = result["summary"]
     for name, sc in result["scenarios"].items():
         lines.append(f"## {sc['title']}")
@@ -196,6 +199,21 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("")
     lines += ["Raw figures, per run: `results.json`; chart: `chart.png`.", ""]
     return "\n".join(lines)
+
+
+def _steal_line(result: dict[str, Any]) -> str:
+    """The host's steal over the run and its spread over the timed runs (empty if unknown)."""
+    total = result.get("host_steal_pct")
+    if total is None:
+        return ""
+    per_run = [r["host_steal_pct"] for sc in result["scenarios"].values()
+               for r in sc.get("runs", []) if r.get("host_steal_pct") is not None]
+    spread = (f"; per timed run {min(per_run):.1f} to {max(per_run):.1f}%" if per_run else "")
+    return (f"Steal (time the host ran something else while this machine's CPUs wanted to "
+            f"run, from `/proc/stat`): {total:.1f}% of the machine's time over the whole "
+            f"benchmark{spread}. It slows every contender, a single-threaded one (rmq_async's "
+            f"event loop) more than a JVM spread over both cores: read a run with much of it "
+            f"as a contended one.")
 
 
 def _runs_note(row: dict[str, Any]) -> str:

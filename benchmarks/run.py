@@ -45,7 +45,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))
 
 import report  # noqa: E402
-from benchlib import PROBE_TAG, WARMUP_TAG  # noqa: E402
+from benchlib import PROBE_TAG, WARMUP_TAG, host_cpu_ticks, steal_percent  # noqa: E402
 
 import rmq_async  # noqa: E402
 from rmq_async.client.instance import ClientInstance  # noqa: E402
@@ -500,7 +500,9 @@ async def run_contender(rt: Runtime, sc: Scenario, contender: str, rnd: int, top
 
     rt.progress.update(f"[{label}] {contender:<16} starting", force=True)
     timeout = 120 + rt.stall_timeout + sc.messages / 2_000
+    host0 = host_cpu_ticks()
     rc, why = await child.run(timeout, show, during)
+    steal = steal_percent(host0, host_cpu_ticks())
     if child.during_error:
         why = f"the producer side failed: {child.during_error}"
     wall = time.perf_counter() - started
@@ -509,7 +511,8 @@ async def run_contender(rt: Runtime, sc: Scenario, contender: str, rnd: int, top
     if not ok and not res:
         reason += f"; stderr: {child.stderr_tail(8)}"
     row: dict[str, Any] = {"contender": contender, "round": rnd, "group": group,
-                           "exit_status": rc, "process_wall_seconds": round(wall, 3)}
+                           "exit_status": rc, "process_wall_seconds": round(wall, 3),
+                           "host_steal_pct": steal}
     if res:
         row.update(res)
         row["child_reason"] = res.get("reason", "")
@@ -538,6 +541,8 @@ async def run_contender(rt: Runtime, sc: Scenario, contender: str, rnd: int, top
     if res:
         detail += (f", CPU {float(res['cpu_user']) + float(res['cpu_sys']):.1f} s, "
                    f"peak RSS {row['peak_rss_mib']:.0f} MiB")
+    if steal is not None:
+        detail += f", steal {steal:.1f}%"
     rt.progress.line(f"[{label}] {contender:<16} {detail} — {mark}")
     return row
 
@@ -627,8 +632,9 @@ async def run_spark(rt: Runtime, sc: Scenario, topic: str) -> dict[str, Any]:
         return {"runs": [], "error": reason, "batch_rows": sc.batch_rows}
     for r in res["runs"]:
         mark = "ok" if r["ok"] else f"NOT VERIFIED: {r['reason']}"
+        steal = "" if r.get("host_steal_pct") is None else f", steal {r['host_steal_pct']:.1f}%"
         rt.progress.line(f"[spark round {r['round']}] {r['contender']:<18} {r['rows']:,} rows in "
-                         f"{r['seconds']:.1f} s = {r['rows_per_s']:,.0f} rows/s — {mark}")
+                         f"{r['seconds']:.1f} s = {r['rows_per_s']:,.0f} rows/s{steal} — {mark}")
     return {**res, "topic": topic}
 
 
@@ -689,6 +695,7 @@ async def main_async(args: argparse.Namespace) -> int:
     else:
         spark_missing = ""
     t_all = time.perf_counter()
+    host_all = host_cpu_ticks()
     work = Path(tempfile.mkdtemp(prefix="rmq-bench-"))
     result: dict[str, Any] = {
         "schema": 1, "started_at": started_at,
@@ -737,6 +744,7 @@ async def main_async(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["total_seconds"] = round(time.perf_counter() - t_all, 1)
+    result["host_steal_pct"] = steal_percent(host_all, host_cpu_ticks())
     paths = report.write_all(result, out)
     progress.line(f"done in {result['total_seconds']:.0f} s: " +
                   ", ".join(str(p) for p in paths.values()))

@@ -97,6 +97,7 @@ def test_bench_quick_writes_wellformed_outputs(tmp_path: Path) -> None:
             assert run["cpu_s_per_million"] > 0, where
             assert run["peak_rss_mib"] > 0, where
             assert 0 <= run["first_message_seconds"] <= run["seconds"], where
+            assert 0.0 <= run["host_steal_pct"] <= 100.0, where
     preload = scenarios["drain-1KiB"]["preload"]
     assert sum(preload["per_queue"]) == preload["messages"] == scenarios["drain-1KiB"]["messages"]
     raw = {r["contender"] for r in scenarios["drain-1KiB"]["runs"]}
@@ -126,11 +127,15 @@ def test_bench_quick_writes_wellformed_outputs(tmp_path: Path) -> None:
         for r in spark["runs"]:
             cpu = r["cpu_s_per_million"]
             assert cpu["python"] > 0 and cpu["spark"] > 0, r
+            assert 0.0 <= r["host_steal_pct"] <= 100.0, r
             assert cpu["broker"] is not None and cpu["broker"] >= 0, r
         sink_cpu = data["summary"]["spark"]["spark-sink"]["cpu_s_per_million"]
         assert sink_cpu["broker"] > 0, sink_cpu  # the sink's pulls cost the broker something
 
     md = (out / "summary.md").read_text()
+    # The host's steal over the whole run (every contender's figures move with it).
+    assert 0.0 <= data["host_steal_pct"] <= 100.0
+    assert f"{data['host_steal_pct']:.1f}% of the machine's time" in md
     if "skipped" not in spark:
         assert "CPU seconds per million rows, per process" in md
     tables = _tables(md)
