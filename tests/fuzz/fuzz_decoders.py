@@ -11,7 +11,12 @@ decoders of its target:
             dicts or ext fields read back from encoded (and mutated) commands;
 ``body``    every JSON body decoder of :mod:`~rmq_async.protocol.bodies` and ``tolerant_loads``;
 ``record``  the stored-record decoder, compiled and pure-Python twins side by side (same messages
-            or the same ``ProtocolError``), single-record decoding, and the salvaging decoder.
+            or the same ``ProtocolError``), single-record decoding, and the salvaging decoder;
+            with the compiled codec also the Spark sink's path: a body the scan keeps undecoded
+            (:meth:`StoredChunk.scan`) must decode into exactly what it counted, and its rows
+            read straight from the bytes (``record_columns``) must equal the decoded messages'
+            rows. Some bodies are made in the shape the scan keeps (one topic and queue, rising
+            offsets, plain records), valid or mutated, so that path is reached.
 
 Anything other than :class:`ProtocolError` escaping a decoder is a finding, as is a broken
 invariant (twins disagreeing, a valid input not decoding back to what was encoded, a decoder
@@ -80,12 +85,18 @@ from rmq_async.protocol.filter import SubscriptionData
 from rmq_async.protocol.jsonutil import fastjson_dumps, tolerant_loads
 from rmq_async.protocol.message import MAGIC_V1, MAGIC_V2, encode_batch, encode_stored_message
 from rmq_async.protocol.salvage import decode_messages_salvaging
+from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import Message, MessageExt, MessageQueue
 
 try:
     from rmq_async.protocol import _cmessage
 except ImportError:  # the extension is built by `make setup`; without it only the pure twin runs
     _cmessage = None  # type: ignore[assignment]
+
+try:
+    from rmq_async.sinks import _arrow
+except ImportError:  # no pyarrow (the spark extra): the sink's rows are not compared
+    _arrow = None  # type: ignore[assignment]
 
 TARGETS = ("frame", "header", "body", "record")
 DEFAULT_SEED = 0
@@ -867,11 +878,52 @@ def gen_records(rng: random.Random) -> tuple[bytes, int, bool, Hot]:
     return b"".join(parts), count, compressed, hot
 
 
+def gen_sink_body(rng: random.Random) -> tuple[bytes, str, Hot]:
+    """A pull body in the shape the sink keeps undecoded: plain records of one topic and queue
+    at rising offsets, IPv4 hosts (a few odd ones mixed in); its topic; and where each record's
+    length, queue, offset, flag and property-length fields are."""
+    topic = rtext(rng, 30, 1)
+    queue_id = rint(rng, 32)
+    offset = rint(rng, 48)
+    parts: list[bytes] = []
+    hot: Hot = []
+    pos = 0
+    for _ in range(rng.randint(1, 6)):
+        born, _ = gen_host(rng)
+        store, _ = gen_host(rng)
+        if rng.random() < 0.8:  # mostly the IPv4 hosts the sink keeps
+            born = f"{ipaddress.IPv4Address(rng.getrandbits(32))}:{rng.randint(0, 65535)}"
+            store = f"{ipaddress.IPv4Address(rng.getrandbits(32))}:{rng.randint(0, 65535)}"
+        msg = MessageExt(topic=topic if rng.random() < 0.97 else topic + "x",
+                         body=rbytes(rng, 200), queue_id=queue_id,
+                         queue_offset=offset, flag=rint(rng, 32),
+                         # Mostly not compressed (bit 0), which the scan declines.
+                         sys_flag=rint(rng, 32) & 0xE if rng.random() < 0.9 else rint(rng, 32),
+                         properties=gen_props(rng), commit_log_offset=rint(rng, 63),
+                         born_timestamp=rint(rng, 63), born_host=born,
+                         store_timestamp=rint(rng, 63), store_host=store,
+                         reconsume_times=rint(rng, 31))
+        data = encode_stored_message(msg)
+        # Total size, queue id, queue offset, sys flag, properties length.
+        hot += [(pos, 4), (pos + 12, 4), (pos + 20, 8), (pos + 36, 4), (pos + len(data) - 2, 2)]
+        parts.append(data)
+        pos += len(data)
+        offset += 1 if rng.random() < 0.95 else rng.choice((0, -1, 2))
+    return b"".join(parts), topic, hot
+
+
 def gen_record_case(rng: random.Random) -> Case:
     opts: dict[str, Any] = {"decompress": rng.random() < 0.9, "unwrap": rng.random() < 0.9,
-                            "limit": message.DEFAULT_MAX_BODY_SIZE, "expected": None}
+                            "limit": message.DEFAULT_MAX_BODY_SIZE, "expected": None,
+                            "sink_topic": None}
     if rng.random() < 0.1:
         opts["limit"] = rng.choice((0, 10, 1000, 1 << 16))
+    r = rng.random()
+    if r < 0.15:  # a body the Spark sink would keep undecoded, as it came or mutated
+        data, opts["sink_topic"], hot = gen_sink_body(rng)
+        if rng.random() < 0.6:
+            data = mutate(rng, data, hot, data)
+        return Case(data, opts)
     r = rng.random()
     if r < 0.03:
         return Case(rng.randbytes(rng.randint(0, 400)), opts)
@@ -973,6 +1025,8 @@ def check_record(case: Case) -> str:
         if c1 != py1:
             raise Finding(f"compiled and pure single-record decoders disagree: compiled "
                           f"{_brief(c1)}, pure {_brief(py1)}")
+    if _cmessage is not None and opts["sink_topic"] is not None:
+        _check_sink_scan(data, opts["sink_topic"])
     expected = opts["expected"]
     if expected is not None and (py[0] != "ok" or len(py[1]) != expected):
         raise Finding(f"valid records decoded as {_brief(py)}, expected {expected} messages")
@@ -985,6 +1039,40 @@ def check_record(case: Case) -> str:
         if corrupt is not None and not 0 <= corrupt.position < len(data):
             raise Finding(f"salvage reports a position outside the body: {corrupt!r}")
     return "ok" if py[0] == "ok" and py1[0] == "ok" else "error"
+
+
+_PULL_PROPERTIES = {"MIN_OFFSET": "0", "MAX_OFFSET": "99"}
+#: Bodies the sink's scan kept and :func:`_check_sink_scan` checked, over the process's life
+#: (:func:`run` reports the difference per run, so that a reader sees the path was reached).
+_SINK_KEPT = [0]
+
+
+def _check_sink_scan(data: bytes, topic: str) -> None:
+    """A body the sink's scan keeps must decode into exactly the messages it counted, and the
+    rows converted from its bytes must be the rows of those messages."""
+    chunk = StoredChunk.scan(data, topic, "broker-f", dict(_PULL_PROPERTIES), 99)
+    if chunk is None:
+        return
+    _SINK_KEPT[0] += 1
+    try:
+        msgs = message.decode_messages(data)
+    except ProtocolError as exc:
+        raise Finding(f"the sink's scan kept a body the decoder rejects: {exc}") from exc
+    seen = (len(msgs), msgs[0].queue_offset if msgs else None,
+            msgs[-1].queue_offset if msgs else None, sum(len(m.body) for m in msgs))
+    counted = (chunk.count, chunk.first_offset, chunk.last_offset, chunk.size)
+    if seen != counted:
+        raise Finding(f"the sink's scan counted (count, first, last, bytes) {counted}, "
+                      f"the decoder gives {seen}")
+    if any(m.topic != topic or m.queue_id != chunk.queue_id for m in msgs):
+        raise Finding("the sink's scan kept records of another topic or queue")
+    if _arrow is not None:
+        table = _arrow.stored_to_arrow([chunk])
+        table.validate(full=True)
+        expected = _arrow._convert_values(chunk.messages())
+        if not table.equals(expected):
+            raise Finding(f"rows read from the bytes differ from the decoded messages' rows: "
+                          f"{table.to_pylist()!r} != {expected.to_pylist()!r}")
 
 
 def _brief(outcome: tuple[str, Any]) -> str:
@@ -1014,11 +1102,14 @@ class TargetStats:
     hangs: int = 0
     seconds: float = 0.0
     slowest: float = 0.0
+    sink_kept: int = 0
+    """Record bodies the Spark sink's scan kept undecoded, checked against the decoder."""
 
     def line(self) -> str:
         rate = self.inputs / self.seconds if self.seconds else 0.0
+        kept = f" sink_kept={self.sink_kept}" if self.name == "record" else ""
         return (f"{self.name:<7} inputs={self.inputs} protocol_errors={self.protocol_errors} "
-                f"ok={self.ok} findings={self.findings} hangs={self.hangs} "
+                f"ok={self.ok} findings={self.findings} hangs={self.hangs}{kept} "
                 f"time={self.seconds:.1f}s rate={rate:,.0f}/s slowest={self.slowest * 1000:.1f}ms")
 
 
@@ -1092,6 +1183,7 @@ def run(inputs: int, seed: int = DEFAULT_SEED, targets: Sequence[str] = TARGETS,
         count = share + (1 if n < extra else 0)
         indices: range | list[int] = range(count) if only_index is None else [only_index]
         started = time.perf_counter()
+        kept_before = _SINK_KEPT[0]
         for i in indices:
             if deadline is not None and (i & 255) == 0 and time.monotonic() > deadline:
                 report.timed_out = True
@@ -1134,6 +1226,7 @@ def run(inputs: int, seed: int = DEFAULT_SEED, targets: Sequence[str] = TARGETS,
                 report.messages.append(text)
                 print(text, file=stream, flush=True)
         stats.seconds = time.perf_counter() - started
+        stats.sink_kept = _SINK_KEPT[0] - kept_before
         print(stats.line(), file=stream, flush=True)
         if report.timed_out:
             break
