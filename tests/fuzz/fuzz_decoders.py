@@ -788,10 +788,14 @@ def check_body(case: Case) -> str:
 _V6 = ("::1", "::", "2001:db8::1", "fe80::abcd:0:0:1", "::ffff:10.0.0.1", "1:2:3:4:5:6:7:8")
 
 
+def ipv4_host(rng: random.Random, port: int) -> str:
+    return f"{ipaddress.IPv4Address(rng.getrandbits(32))}:{port}"
+
+
 def gen_host(rng: random.Random) -> tuple[str, bool]:
     port = rng.randint(0, 65535) if rng.random() < 0.9 else rint(rng, 32)
     if rng.random() < 0.75:
-        return f"{ipaddress.IPv4Address(rng.getrandbits(32))}:{port}", False
+        return ipv4_host(rng, port), False
     pick = rng.random() < 0.5
     addr = rng.choice(_V6) if pick else ipaddress.IPv6Address(rng.getrandbits(128)).compressed
     return f"[{addr}]:{port}", True
@@ -889,11 +893,11 @@ def gen_sink_body(rng: random.Random) -> tuple[bytes, str, Hot]:
     hot: Hot = []
     pos = 0
     for _ in range(rng.randint(1, 6)):
-        born, _ = gen_host(rng)
-        store, _ = gen_host(rng)
         if rng.random() < 0.8:  # mostly the IPv4 hosts the sink keeps
-            born = f"{ipaddress.IPv4Address(rng.getrandbits(32))}:{rng.randint(0, 65535)}"
-            store = f"{ipaddress.IPv4Address(rng.getrandbits(32))}:{rng.randint(0, 65535)}"
+            born = ipv4_host(rng, rng.randint(0, 65535))
+            store = ipv4_host(rng, rng.randint(0, 65535))
+        else:
+            born, store = gen_host(rng)[0], gen_host(rng)[0]
         msg = MessageExt(topic=topic if rng.random() < 0.97 else topic + "x",
                          body=rbytes(rng, 200), queue_id=queue_id,
                          queue_offset=offset, flag=rint(rng, 32),
