@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # PYTEST_WORKERS=0 runs it serially.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup test test-unit test-unit-pure test-broker lint demo broker-up broker-down broker-status bench bench-quick clean chaos docs
+.PHONY: setup test test-unit test-unit-pure lint demo broker-up broker-down broker-status bench bench-quick clean chaos docs
 
 $(STAMP): pyproject.toml setup.py rmq_async/protocol/_cmessage.pyx
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -3,9 +3,10 @@
 Typical use: each instance of a service keeps a local copy of some settings and must apply
 every change. With ``message_model="BROADCASTING"`` each consumer reads every queue itself and
 keeps its offsets in a local file (``<offset_store_dir>/<client id>/<group>/offsets.json``, written
-atomically), so a restarted instance continues where it stopped. A message whose listener fails
-is logged with its id and not retried, as in the Java client. Here the listener is also
-orderly, and all changes of one setting go to one queue, so every node applies them in the
+atomically), so a restarted instance continues where it stopped. A concurrent listener's failed
+message is logged with its id and not retried, as in the Java client; an orderly listener, as
+here, retries the batch in place after ``suspend_current_queue_time``. The listener is orderly
+too, and all changes of one setting go to one queue, so every node applies them in the
 order they were made.
 
 This demo runs two "cache nodes" in one process (two consumers with their own instance names),

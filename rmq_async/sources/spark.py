@@ -100,7 +100,9 @@ Options (names are case-insensitive)
     TLS to name servers and brokers; ``tlsVerify=false`` accepts any certificate, ``tlsCaFile``
     trusts a CA bundle (and implies ``tls``).
 ``apiTimeout`` (seconds, default 10), ``pullBatchSize`` (messages per pull, default 32; the
-broker caps it), ``chunkRows`` (rows per Arrow batch, default 10,000).
+broker caps it), ``pullDepth`` (pulls kept in flight per queue range when no tag or SQL filter
+is set, default 4; a filtered read pulls one at a time), ``chunkRows`` (rows per Arrow batch,
+default 10,000).
 
 Log events (structlog): ``spark_source.planned`` (a batch read or micro-batch planned: queues,
 offsets), ``spark_source.partition_read`` (an executor read one queue range: rows, seconds),
