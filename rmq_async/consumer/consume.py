@@ -80,6 +80,11 @@ class ConsumeRequest:
     """Messages bound for the dead-letter queue, with the reason."""
     settled: int = 0
     """Leading messages the cleaner already removed from the ProcessQueue (a stuck chunk)."""
+    expired_seen: int = 0
+    """``pq.expired_sent_back`` when the chunk started: while it is unchanged, the cleaner has
+    sent back none of the queue's messages, so every message of the chunk is still cached."""
+    skipped: int = 0
+    """Messages of the chunk not handed to the listener because the cleaner sent them back."""
 
 
 class ConcurrentConsumeService:
@@ -206,6 +211,7 @@ class ConcurrentConsumeService:
         n = len(msgs)
         size = self._opts.consume_message_batch_max_size
         req.started_ms = started_ms
+        req.expired_seen = epoch = pq.expired_sent_back
         self._inflight.add(req)
         # Failed messages with the delay level their call asked for; poison with its reason.
         failed = req.failed
@@ -230,6 +236,13 @@ class ConcurrentConsumeService:
             for m in msgs:
                 if calls and (self._draining or pq.dropped):
                     break  # no new handler call; the rest stays cached, unacknowledged
+                if pq.expired_sent_back != epoch and not pq.contains(m):
+                    # The cleaner sent it back while an earlier call of the chunk was stuck:
+                    # it comes again through the retry topic, so no call here.
+                    req.skipped += 1
+                    done += 1
+                    req.done = done
+                    continue
                 calls += 1
                 if fast is not None:
                     try:
@@ -265,6 +278,16 @@ class ConcurrentConsumeService:
                 if calls and (self._draining or pq.dropped):
                     break  # no new handler call; the rest stays cached, unacknowledged
                 batch = msgs[done:done + size] if (done or n > size) else msgs
+                step = len(batch)
+                if pq.expired_sent_back != epoch:
+                    # Leave out what the cleaner sent back while an earlier call was stuck.
+                    cached = [m for m in batch if pq.contains(m)]
+                    req.skipped += step - len(cached)
+                    if not cached:
+                        done += step
+                        req.done = done
+                        continue
+                    batch = cached
                 calls += 1
                 if direct is not None:
                     # The handler takes no context, so nothing can set an ack index or a
@@ -291,7 +314,7 @@ class ConcurrentConsumeService:
                     outcome = await run_call(adapter, batch, ctx, group=rt.group, topic=topic,
                                              queue=mq, orderly=False, middlewares=middlewares)
                     _apply_outcome(outcome, batch, ctx, failed, dead)
-                done += len(batch)
+                done += step
                 req.done = done
         elapsed = time.monotonic() - started
         pq.last_consume_timestamp = time.monotonic()
@@ -304,13 +327,14 @@ class ConcurrentConsumeService:
         pq = req.pq
         dead = req.dead
         self._inflight.discard(req)
-        if req.settled and (failed or dead):
+        n_failed = len(failed) + len(dead)
+        if (failed or dead) and (req.settled or pq.expired_sent_back != req.expired_seen):
             # The cleaner already sent back what it found expired: not twice.
             failed = [(m, level) for m, level in failed if pq.contains(m)]
             dead = [(m, reason) for m, reason in dead if pq.contains(m)]
-        n_failed = len(failed) + len(dead)
         rt.stats.record_consume(handled[0].topic if handled else req.mq.topic,
-                               len(handled) - n_failed, n_failed, elapsed, calls=calls)
+                               len(handled) - n_failed - req.skipped, n_failed, elapsed,
+                               calls=calls)
         if pq.dropped:
             # Rebalance took the queue away meanwhile: this result commits nothing.
             log.debug("consume.result_for_dropped_queue", queue=str(req.mq), count=len(handled))
@@ -358,7 +382,9 @@ class ConcurrentConsumeService:
         A chunk stuck in a listener call that does not return has its messages answered
         before that call removed first (they are acknowledged; only the settlement at the end
         of the chunk was missing), so that only the stuck message and those behind it, which
-        no listener saw, go back to the broker, as in Java.
+        no listener saw, go back to the broker, as in Java. Should the slow call return after
+        all, its worker hands none of the messages sent back to the listener (they come again
+        through the retry topic) and sends none of them back a second time.
         """
         rt = self._rt
         if self._opts.message_model != MessageModel.CLUSTERING:
@@ -386,6 +412,7 @@ class ConcurrentConsumeService:
             for m in expired:
                 reset_retry_topic([m], rt.retry_topic)
                 if await rt.send_message_back(m, 3):
+                    pq.expired_sent_back += 1
                     offset = pq.remove_messages([m])
                     if offset >= 0 and not pq.dropped:
                         rt.offset_store.update(mq, offset, increase_only=True)

@@ -69,6 +69,7 @@ class ProcessQueue:
         "_offsets",
         "consuming",
         "dropped",
+        "expired_sent_back",
         "last_consume_timestamp",
         "last_lock_timestamp",
         "last_pull_timestamp",
@@ -97,6 +98,9 @@ class ProcessQueue:
         self.msg_acc_count = 0
         """Messages still on the broker after the last pulled one (Java ``msgAccCnt``)."""
         self.dropped = False
+        self.expired_sent_back = 0
+        """Messages the consume-timeout cleaner sent back and removed (concurrent mode): a
+        worker whose chunk they belong to must not hand them to the listener any more."""
         self.last_pull_timestamp = now
         self.last_consume_timestamp = now
         self.locked = False

@@ -186,6 +186,62 @@ async def test_a_stuck_call_sends_back_only_what_no_listener_answered() -> None:
     assert h.updates[-1] == 5
 
 
+@pytest.mark.parametrize("batch_size", [1, 2])
+@pytest.mark.parametrize("per_message", [True, False])
+async def test_what_the_cleaner_sent_back_is_not_consumed_when_the_slow_call_returns(
+        per_message: bool, batch_size: int) -> None:
+    """The cleaner sends back the slow message and those behind it in its chunk; when the slow
+    call does return, the worker hands none of them to the listener (they come again through
+    the retry topic) and does not send any of them back a second time."""
+    release = asyncio.Event()
+    seen: list[int] = []
+
+    async def slow(offsets: list[int]) -> bool:
+        seen.extend(offsets)
+        if 2 in offsets:
+            await release.wait()  # slow, not stuck: it returns after the cleaner ran
+            return False  # and fails, which must not send 2 back again
+        return True
+
+    if per_message:
+        async def listener(msg: MessageExt) -> ConsumeResult:
+            ok = await slow([msg.queue_offset])
+            return ConsumeResult.SUCCESS if ok else ConsumeResult.RECONSUME_LATER
+        h = Harness(listener, consume_timeout=0.012)
+    else:
+        async def batch_listener(msgs: list[MessageExt]) -> ConsumeResult:
+            ok = await slow([m.queue_offset for m in msgs])
+            return ConsumeResult.SUCCESS if ok else ConsumeResult.RECONSUME_LATER
+        h = Harness(batch_listener, consume_timeout=0.012,
+                    consume_message_batch_max_size=batch_size)
+    msgs = [MessageExt("T", f"m{i}".encode(), 0, i) for i in range(7)]
+    h.pq.put_messages(msgs)
+    h.service.start()
+    try:
+        h.service.submit(msgs, h.pq, MQ)
+        async with asyncio.timeout(5):
+            while 2 not in seen:
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        await h.service.clean_expired()
+        sent_by_cleaner = [o for o, _ in h.sent_back]
+        release.set()
+        async with asyncio.timeout(5):
+            await h.service.wait_idle()
+    finally:
+        await h.service.aclose()
+    in_flight = [0, 1, 2] if per_message or batch_size == 1 else [0, 1, 2, 3]
+    answered = 2  # 0 and 1 (and, in calls of two, 2 and 3 are one call still running)
+    assert seen == in_flight
+    assert sent_by_cleaner == list(range(answered, 7))
+    assert [o for o, _ in h.sent_back] == sent_by_cleaner  # nothing sent back twice
+    assert h.pq.msg_count == 0 and h.updates[-1] == 7
+    # The statistics count what the listener answered: 0 and 1 acknowledged, the slow call's
+    # messages failed (though not sent back again); 3 to 6 are not counted (no call saw them).
+    totals = h.stats.totals["T"]
+    assert (totals.consumed, totals.failed) == (2, len(in_flight) - 2)
+
+
 async def test_a_plain_batch_handler_called_directly_acknowledges_by_its_result(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``async def h(msgs: list[MessageExt])`` (no context, no middleware) is called without a
