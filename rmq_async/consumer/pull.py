@@ -115,8 +115,9 @@ class PullService:
         """Abandon what ``mq``'s pull task is waiting for and start its loop over.
 
         Used by pause/resume: a long poll in flight is given up at once (its answer, if any,
-        is ignored and the offset does not move), so a paused topic hands nothing more to the
-        listener and a resumed one pulls without waiting for the pause delay to end.
+        is ignored and the offset does not move), so a paused topic pulls nothing more and a
+        resumed one pulls without waiting for the pause delay to end. A chunk already cached
+        is still handed to the consume service, as Java consumes what it pulled before a pause.
         """
         req = self.requests.get(mq)
         task = self._owner.get(mq)
@@ -174,6 +175,9 @@ class PullService:
         ahead: PendingPull | None = None
         try:
             while not req.pq.dropped and not rt.stopping:
+                # As Java's pullMessage, before the pause and flow-control checks: a queue held
+                # back is not an idle one, which the rebalance would drop and take again.
+                req.pq.last_pull_timestamp = time.monotonic()
                 if ahead is None:
                     wait = self._flow_control_delay(req)
                     if wait > 0:
@@ -377,23 +381,27 @@ class PullService:
                     stamp_delivered(msgs, mq.broker_name, pulled)
                     first = req.pq.put_messages(msgs)
             # The next pull goes out before this chunk is handed on, so the broker works on it
-            # while the chunk is consumed; the flow control sees the chunk already cached.
+            # while the chunk is consumed; the flow control sees the chunk already cached. The
+            # chunk is handed on whatever happens to that send, an interruption (pause, resume)
+            # included: cached and past next_offset, it would otherwise never be consumed.
             ahead: PendingPull | None = None
-            if sub is not None and self._may_pull_ahead(req):
-                try:
-                    ahead = await self._send(req, req.next_offset)
-                except (MQClientError, RemotingError) as exc:
-                    log.debug("pull.ahead_failed", queue=str(mq), error=str(exc))
-            if msgs and not req.pq.dropped:
-                try:
-                    if isinstance(msgs, StoredChunk):
-                        self._router.submit_stored(msgs, req.pq, mq, first)
-                    else:
-                        self._router.submit(msgs, req.pq, mq, first)
-                except BaseException:
-                    if ahead is not None:
-                        ahead.cancel()
-                    raise
+            try:
+                if sub is not None and self._may_pull_ahead(req):
+                    try:
+                        ahead = await self._send(req, req.next_offset)
+                    except (MQClientError, RemotingError) as exc:
+                        log.debug("pull.ahead_failed", queue=str(mq), error=str(exc))
+            finally:
+                if msgs and not req.pq.dropped:
+                    try:
+                        if isinstance(msgs, StoredChunk):
+                            self._router.submit_stored(msgs, req.pq, mq, first)
+                        else:
+                            self._router.submit(msgs, req.pq, mq, first)
+                    except BaseException:
+                        if ahead is not None:
+                            ahead.cancel()
+                        raise
             return opts.pull_interval, ahead
         if status in (PullStatus.NO_NEW_MSG, PullStatus.NO_MATCHED_MSG):
             req.next_offset = result.next_begin_offset

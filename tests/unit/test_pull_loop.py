@@ -1,0 +1,125 @@
+"""The pull loop of one queue, without a broker: a held-back queue is not an idle one, and an
+interrupted pipelined pull does not strand the chunk it followed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rmq_async.client.api import PullStatus
+from rmq_async.consumer.options import ConsumerOptions
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.pull import PullService
+from rmq_async.consumer.rebalance import Rebalancer
+from rmq_async.consumer.runtime import PullThresholds
+from rmq_async.consumer.service import PullRequest
+from rmq_async.protocol.types import MessageExt, MessageQueue
+
+MQ = MessageQueue("T", "broker-a", 0)
+
+
+class Pending:
+    """A PULL_MESSAGE in flight: answered with ``result``, or never (``None``)."""
+
+    def __init__(self, result: Any = None) -> None:
+        self._result = result
+        self.sent_at = time.monotonic()
+
+    async def result(self) -> Any:
+        if self._result is None:
+            await asyncio.Event().wait()
+        return self._result
+
+    def cancel(self) -> None:
+        pass
+
+
+def found(first: int, n: int) -> Any:
+    msgs = [MessageExt("T", b"x", 0, i) for i in range(first, first + n)]
+    return SimpleNamespace(status=PullStatus.FOUND, next_begin_offset=first + n, min_offset=0,
+                           max_offset=10_000, suggest_which_broker_id=0, offset_delta=None,
+                           body=b"", decode=lambda: msgs)
+
+
+def runtime(opts: ConsumerOptions, pq: ProcessQueue, **extra: Any) -> Any:
+    async def nothing(*_: Any) -> None:
+        return None
+
+    return SimpleNamespace(
+        group="G", stopping=False, options=opts, paused=set(), thresholds=PullThresholds(opts),
+        process_queues={MQ: pq}, retry_topic="%RETRY%G",
+        stats=SimpleNamespace(record_pull=lambda *a: None),
+        subscriptions=SimpleNamespace(subscription_data=lambda t: SimpleNamespace(tags_set=None),
+                                      topics={}, is_orderly=lambda t: False),
+        offset_store=SimpleNamespace(persist=nothing, remove=lambda mq: None), **extra)
+
+
+def router(submitted: list[int]) -> Any:
+    service = SimpleNamespace(in_order=False, pull_delay=lambda t: 0.0)
+    return SimpleNamespace(
+        service_for=lambda t: service,
+        submit=lambda msgs, pq, mq, first: submitted.extend(m.queue_offset for m in msgs))
+
+
+@pytest.mark.parametrize("held_by", ["pause", "cached_count"])
+async def test_a_held_back_queue_is_not_pull_expired_and_the_rebalance_keeps_it(
+        held_by: str) -> None:
+    """Java refreshes lastPullTimestamp at the top of pullMessage, before the pause and flow
+    control checks: a queue held back longer than pull_max_idle_time is not dropped."""
+    opts = ConsumerOptions.from_kwargs("G", pull_time_delay_when_suspend=0.01,
+                                       pull_time_delay_when_flow_control=0.01,
+                                       pull_threshold_for_queue=1, pull_max_idle_time=0.15)
+    pq = ProcessQueue()
+    rt = runtime(opts, pq)
+    if held_by == "pause":
+        rt.paused.add("T")
+    else:
+        pq.put_messages([MessageExt("T", b"x", 0, i) for i in range(2)])  # over the limit of 1
+    pull = PullService(rt, router([]), on_queue_forgotten=lambda: None)
+    pull.start_queue(PullRequest(MQ, pq, 0))
+    try:
+        await asyncio.sleep(0.4)  # held back for more than pull_max_idle_time
+        assert not pq.is_pull_expired(time.monotonic(), opts.pull_max_idle_time)
+        rebalancer = Rebalancer(rt, pull, orderly=None)  # type: ignore[arg-type]
+        await rebalancer.apply_allocation("T", {MQ})
+        assert not pq.dropped and rt.process_queues[MQ] is pq
+    finally:
+        await pull.aclose()
+
+
+async def test_an_interrupt_during_the_pipelined_pull_still_hands_on_the_cached_chunk() -> None:
+    """pause()/resume() cancel a queue's loop; when that happens while the next pull is being
+    sent (a reconnect, a route refresh), the chunk cached just before is handed on all the
+    same, instead of staying cached unconsumed with next_offset already past it."""
+    submitted: list[int] = []
+
+    class Pull(PullService):
+        sends = 0
+
+        async def _send(self, req: PullRequest, offset: int) -> Any:
+            self.sends += 1
+            if self.sends == 1:
+                return Pending(found(offset, 32))
+            if self.sends == 2:  # the pipelined pull: slow to go out
+                await asyncio.sleep(0.05)
+            return Pending()
+
+    opts = ConsumerOptions.from_kwargs("G")
+    pq = ProcessQueue()
+    pull = Pull(runtime(opts, pq), router(submitted), on_queue_forgotten=lambda: None)
+    req = PullRequest(MQ, pq, 0)
+    pull.start_queue(req)
+    try:
+        async with asyncio.timeout(5):
+            while pq.msg_count == 0:
+                await asyncio.sleep(0.001)
+        pull.interrupt(MQ)  # consumer.pause("T") while the pipelined pull is under way
+        await asyncio.sleep(0.1)
+        assert req.next_offset == 32
+        assert submitted == list(range(32))
+    finally:
+        await pull.aclose()
