@@ -356,18 +356,21 @@ class BrokerRequestHandler:
     async def reset_offsets(self, topic: str, table: dict[MessageQueue, int]) -> None:
         """Move the held queues of ``topic`` listed in ``table`` to their new offsets."""
         c = self._consumer
-        targets = [(mq, pq) for mq, pq in c.process_queues.items()
-                   if mq.topic == topic and mq in table]
-        # Drop first, so no result of a batch still with the listener commits anything.
-        for _, pq in targets:
-            pq.dropped = True
-            pq.clear()
-        for mq, _ in targets:
-            offset = table[mq]
-            c.offset_store.freeze(mq, offset)
-            # Persists the frozen offset (orderly: after the batch in flight, then unlocks).
-            await c.remove_queue(mq, reason="offset_reset")
-            log.info("admin.queue_reset", queue=str(mq), offset=offset)
+        # No rebalance round meanwhile: it would take a queue removed here again before its
+        # new offset reached the broker.
+        async with c.rebalancer.table_lock:
+            targets = [(mq, pq) for mq, pq in c.process_queues.items()
+                       if mq.topic == topic and mq in table]
+            # Drop first, so no result of a batch still with the listener commits anything.
+            for _, pq in targets:
+                pq.dropped = True
+                pq.clear()
+            for mq, _ in targets:
+                offset = table[mq]
+                c.offset_store.freeze(mq, offset)
+                # Persists the frozen offset (orderly: after the batch in flight, then unlocks).
+                await c.remove_queue(mq, reason="offset_reset")
+                log.info("admin.queue_reset", queue=str(mq), offset=offset)
         if targets:
             c.rebalancer.wake()
 

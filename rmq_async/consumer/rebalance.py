@@ -59,6 +59,10 @@ class Rebalancer:
         self.rounds = 0
         self._last_round_balanced = True
         self._retry = False
+        self.table_lock = asyncio.Lock()
+        """Held by a round, and by an admin offset reset while it drops queues and persists
+        their new offsets (Java suspends the rebalance for a reset): a round that saw a queue
+        half removed would take it again from the broker's old offset and lose the reset."""
 
     def retry_soon(self) -> None:
         """Mark this round unbalanced so the next one runs after a short pause."""
@@ -93,6 +97,10 @@ class Rebalancer:
                 pass
 
     async def rebalance_once(self) -> None:
+        async with self.table_lock:
+            await self._round()
+
+    async def _round(self) -> None:
         rt = self._rt
         self.rounds += 1
         balanced = True

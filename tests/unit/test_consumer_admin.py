@@ -130,3 +130,71 @@ async def test_consume_message_directly_runs_the_listener_once() -> None:
     resp = await _ask(c, cmd)
     assert resp is not None and resp.code == ResponseCode.SYSTEM_ERROR
     assert len(calls) == 4
+
+
+async def test_an_offset_reset_and_a_rebalance_round_do_not_interleave() -> None:
+    """A round that ran while a reset had removed a queue but not yet persisted its new
+    offset would take the queue again from the broker's old offset: the reset would be lost.
+    The round waits for the reset (Java suspends the rebalance for one)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rmq_async.consumer.options import ConsumerOptions, MessageModel
+    from rmq_async.consumer.process_queue import ProcessQueue
+    from rmq_async.consumer.rebalance import Rebalancer
+    from rmq_async.protocol.types import MessageQueue
+
+    mq = MessageQueue("T", "broker-a", 0)
+    broker = {mq: 100}  # the committed offset the broker holds
+    memory: dict[MessageQueue, int] = {}
+    gate = asyncio.Event()
+
+    async def persist(q: MessageQueue) -> None:
+        await gate.wait()  # the UPDATE_CONSUMER_OFFSET round trip, held open by the test
+        if q in memory:
+            broker[q] = memory[q]
+
+    async def from_broker(q: MessageQueue) -> int:
+        return broker[q]
+
+    store = SimpleNamespace(freeze=memory.__setitem__, persist=persist,
+                            remove=lambda q: memory.pop(q, None))
+    started: list[tuple[MessageQueue, int]] = []
+
+    async def stop_queue(q: MessageQueue) -> None:
+        return None
+
+    pull = SimpleNamespace(stop_queue=stop_queue,
+                           start_queue=lambda req: started.append((req.mq, req.next_offset)))
+    rt = SimpleNamespace(
+        group="G", stopping=False, options=ConsumerOptions.from_kwargs("G"),
+        process_queues={mq: ProcessQueue()}, offset_store=store,
+        compute_pull_from_where=from_broker,
+        subscriptions=SimpleNamespace(subscribed_topics=lambda: ["T"],
+                                      is_orderly=lambda t: False))
+    assert rt.options.message_model == MessageModel.CLUSTERING
+    rebalancer = Rebalancer(rt, pull, orderly=None)  # type: ignore[arg-type]
+
+    async def allocate(topic: str) -> set[MessageQueue]:
+        return {mq}
+
+    async def changed(topic: str) -> None:
+        return None
+
+    rebalancer._allocate = allocate  # type: ignore[method-assign]
+    rebalancer._on_allocation_changed = changed  # type: ignore[method-assign]
+    view = SimpleNamespace(group="G", stopping=False, process_queues=rt.process_queues,
+                           offset_store=store, rebalancer=rebalancer,
+                           remove_queue=rebalancer.remove_queue)
+    handler = BrokerRequestHandler(view)  # type: ignore[arg-type]
+    async with asyncio.timeout(5):
+        reset = asyncio.create_task(handler.reset_offsets("T", {mq: 5}))
+        while mq in rt.process_queues:
+            await asyncio.sleep(0.001)  # the reset removed the queue and now persists
+        round_ = asyncio.create_task(rebalancer.rebalance_once())
+        await asyncio.sleep(0.02)
+        assert started == []  # the round waits for the reset
+        gate.set()
+        await asyncio.gather(reset, round_)
+    assert broker[mq] == 5
+    assert started == [(mq, 5)]  # taken again from the reset offset
