@@ -27,8 +27,11 @@ async def test_paused_topic_gets_nothing_until_resumed(rocketmq: LocalRocketMQ) 
     await rocketmq.create_topic(other, queues=4)
     got: dict[str, collections.Counter[tuple[int, int]]] = {
         paused: collections.Counter(), other: collections.Counter()}
+    # Rebalance rounds every half second and a pull idle limit of one: a paused queue is held
+    # back, not idle, so the rounds during the pause must keep it (not drop and retake it).
     consumer = PushConsumer(unique("G_pause"), namesrv=ns,
-                            consume_from_where="CONSUME_FROM_FIRST_OFFSET")
+                            consume_from_where="CONSUME_FROM_FIRST_OFFSET",
+                            rebalance_interval=0.5, pull_max_idle_time=1.0)
 
     async def on(msgs: list[MessageExt]) -> ConsumeResult:
         for m in msgs:
@@ -44,12 +47,15 @@ async def test_paused_topic_gets_nothing_until_resumed(rocketmq: LocalRocketMQ) 
         # would answer: pausing must give those up.
         consumer.pause(paused)
         assert consumer.is_paused(paused) and not consumer.is_paused(other)
+        held = {mq: pq for mq, pq in consumer.process_queues.items() if mq.topic == paused}
         sent_paused = await produce(ns, paused, simple_messages(paused, 500), batch=10)
         sent_other = await produce(ns, other, simple_messages(other, 500), batch=10)
         await wait_until(lambda: len(got[other]) == 500, 30, what="the running topic")
         await asyncio.sleep(2.0)  # longer than the pause check interval: still nothing
         assert len(got[paused]) == 100, "a paused topic received messages"
         assert _queues(consumer, paused) == 4  # paused, not given up
+        assert all(consumer.process_queues.get(mq) is pq and not pq.dropped
+                   for mq, pq in held.items()), "a paused queue was dropped as pull-expired"
         resumed = time.monotonic()
         consumer.resume(paused)
         await wait_until(lambda: len(got[paused]) == 600, 30, what="everything after resume")
