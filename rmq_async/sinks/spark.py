@@ -504,7 +504,14 @@ class SparkSink:
         )
 
     async def start(self, owner: TaskSpawner | asyncio.TaskGroup) -> None:
-        """Start :meth:`run` as a task of ``owner`` (a task owner or an asyncio TaskGroup)."""
+        """Start :meth:`run` as a task of ``owner`` (a task owner or an asyncio TaskGroup).
+
+        A sink closed by :meth:`aclose` (its consumer stopped) is open again: a consumer that
+        is stopped and started again writes through the same sink.
+        """
+        if self._closed:
+            async with self._writer_lock:  # a closing run() has returned
+                self._closed = False
         if isinstance(owner, asyncio.TaskGroup):
             owner.create_task(self.run(), name="spark-sink-writer")
         else:

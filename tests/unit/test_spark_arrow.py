@@ -609,6 +609,28 @@ async def test_aclose_ends_run_and_refuses_offers() -> None:
     assert [info.row_count for _, info in write.written] == [2]
 
 
+async def test_a_closed_sink_started_again_writes_again() -> None:
+    """Its consumer stopped (aclose) and started again (start): the sink takes and writes
+    chunks again, instead of refusing every offer while the chunks sit cached."""
+    write = Recorder()
+    sink = make_sink(write, max_batch_latency=0.05)
+    acks = Acks()
+    async with asyncio.TaskGroup() as tg:
+        await sink.start(tg)
+        sink.offer(chunk(0, 2), acks.cb(0))
+        await sink.aclose()
+        assert sink.closed
+        await sink.start(tg)
+        assert not sink.closed
+        sink.offer(chunk(2, 3), acks.cb(1))
+        async with asyncio.timeout(5):
+            while acks.outcome(1) is None:
+                await asyncio.sleep(0.01)
+        await sink.aclose()
+    assert [info.row_count for _, info in write.written] == [2, 3]
+    assert [acks.outcome(n) for n in range(2)] == [True, True]
+
+
 async def test_cancelled_writer_acks_every_offer_once() -> None:
     write = Recorder()
     write.gate = threading.Event()
