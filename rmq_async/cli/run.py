@@ -41,6 +41,9 @@ __all__ = ["as_app", "load_target", "run_supervisor", "run_worker"]
 log = structlog.get_logger("rmq_async.cli")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: Seconds the supervisor gives its workers beyond ``--grace`` (their own drain is bounded by
+#: it) before it kills them.
+OVERRUN_MARGIN = 5.0
 WORKER_ENV = "RMQ_ASYNC_WORKER"
 """Set to the worker's index (0-based) in each worker process of ``--workers N``."""
 
@@ -112,6 +115,7 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
     stop = asyncio.Event()
     received: list[int] = []
     drain: asyncio.Task[None] | None = None
+    this = asyncio.current_task()
 
     def on_signal(signum: int) -> None:
         received.append(signum)
@@ -121,18 +125,27 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
         elif drain is not None and not drain.done():
             log.warning("cli.forced_exit", signal=signal.Signals(signum).name)
             drain.cancel()
+        elif drain is None and this is not None:
+            # Still starting (loading the target, app.start()): give that up at once.
+            log.warning("cli.forced_exit", signal=signal.Signals(signum).name)
+            this.cancel()
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     metrics: Any = None
     try:
-        app = await as_app(load_target(spec))
-        if metrics_port is not None:
-            metrics = _serve_metrics(app, metrics_port)
         try:
-            await app.start()
-        except Exception as exc:
-            log.error("cli.start_failed", target=spec, error=repr(exc))
+            app = await as_app(load_target(spec))
+            if metrics_port is not None:
+                metrics = _serve_metrics(app, metrics_port)
+            try:
+                await app.start()
+            except Exception as exc:
+                log.error("cli.start_failed", target=spec, error=repr(exc))
+                return 1
+        except asyncio.CancelledError:
+            if len(received) < 2:  # not the second signal: this task itself was cancelled
+                raise
             return 1
         log.info("cli.running", target=spec, pid=os.getpid(),
                  consumers=[c.group for c in app.consumers])
@@ -164,6 +177,7 @@ async def run_supervisor(spec: str, workers: int, grace: float,
     loop = asyncio.get_running_loop()
     procs: list[asyncio.subprocess.Process] = []
     stopping: list[int] = []
+    stop_requested = asyncio.Event()  # starts the grace period's clock in the wait below
 
     def forward(signum: int) -> None:
         first = not stopping
@@ -171,6 +185,7 @@ async def run_supervisor(spec: str, workers: int, grace: float,
         if first:
             log.info("cli.stop_requested", signal=signal.Signals(signum).name, grace=grace,
                      workers=len(procs))
+            stop_requested.set()
         for p in procs:
             if p.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -178,27 +193,45 @@ async def run_supervisor(spec: str, workers: int, grace: float,
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, forward, sig)
+    stopper: asyncio.Task[bool] | None = None
     try:
         for i in range(workers):
+            if stopping:
+                break  # a stop signal during the start: no more workers
             env = {**os.environ, WORKER_ENV: str(i)}
             port_args = [] if metrics_port is None else ["--metrics-port", str(metrics_port + i)]
             # Own sessions: a terminal's Ctrl-C reaches only the supervisor, which forwards it
             # once (a second copy would force the workers out of their drain).
-            procs.append(await asyncio.create_subprocess_exec(
+            proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "rmq_async.cli", "run", spec, "--workers", "1",
                 "--grace", str(grace), *port_args, *child_args, env=env, start_new_session=True,
-            ))
+            )
+            procs.append(proc)
+            if stopping:  # the signal came while this one was being started
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(stopping[0])
         log.info("cli.workers_started", pids=[p.pid for p in procs])
         waits = {asyncio.create_task(p.wait(), name=f"worker-{i}"): i
                  for i, p in enumerate(procs)}
+        stopper = asyncio.create_task(stop_requested.wait(), name="stop-requested")
         failed = False
         pending = set(waits)
         deadline: float | None = None
         while pending:
+            if stopping and deadline is None:
+                deadline = time.monotonic() + grace + OVERRUN_MARGIN
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            done, pending = await asyncio.wait(pending, timeout=timeout,
-                                               return_when=asyncio.FIRST_COMPLETED)
-            if not done:  # the workers overran the grace period
+            # Until a stop is requested, the stop request itself also ends the wait: the
+            # grace period runs from the signal, not from the first worker that exits.
+            waiting = pending if deadline is not None else pending | {stopper}
+            done, _ = await asyncio.wait(waiting, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            done.discard(stopper)
+            pending -= done
+            if not done:
+                if deadline is None or time.monotonic() < deadline:
+                    continue  # the stop request: the clock starts now
+                # The workers overran the grace period.
                 log.error("cli.workers_overran", grace=grace,
                           pids=[procs[waits[t]].pid for t in pending])
                 for t in pending:
@@ -218,10 +251,10 @@ async def run_supervisor(spec: str, workers: int, grace: float,
                     failed = True
                 else:
                     log.info("cli.worker_stopped", worker=i, pid=procs[i].pid)
-            if stopping and deadline is None:
-                deadline = time.monotonic() + grace + 5.0
         return 1 if failed else 0
     finally:
+        if stopper is not None:
+            stopper.cancel()
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         for p in procs:

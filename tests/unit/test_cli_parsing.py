@@ -143,3 +143,61 @@ def test_broker_subcommand_is_the_dev_broker_cli(tmp_path: Path) -> None:
     done = subprocess.run([str(exe), "broker", "status"], capture_output=True, text=True,
                           env=env, timeout=60, check=False)
     assert (done.returncode, done.stdout.strip()) == (1, "not running")
+
+
+async def test_the_supervisor_kills_workers_that_ignore_the_stop_signal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grace period runs from the stop signal, even when no worker ever exits by itself."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    from rmq_async.cli import run as run_module
+
+    real_exec = asyncio.create_subprocess_exec
+
+    async def stuck_worker(*args: object, **kw: object) -> asyncio.subprocess.Process:
+        # A worker whose drain never ends (its loop blocked, say): it ignores SIGTERM.
+        return await real_exec(
+            sys.executable, "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(60)",
+            stdout=subprocess.PIPE, start_new_session=True)
+
+    monkeypatch.setattr(run_module.asyncio, "create_subprocess_exec", stuck_worker)
+    monkeypatch.setattr(run_module, "OVERRUN_MARGIN", 0.3)
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
+    started = time.monotonic()
+    async with asyncio.timeout(20):
+        rc = await run_module.run_supervisor("x:y", 2, 0.5, [])
+    assert rc == 1
+    assert time.monotonic() - started < 5  # signal at 0.5 s, kill at 0.5 + 0.5 + 0.3 s
+
+
+async def test_a_second_signal_while_the_target_starts_exits_1_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import os
+    import signal
+    import time
+
+    from rmq_async.cli.run import run_worker
+
+    mod = ModuleType("cli_slow_start_mod")
+
+    async def make() -> PushConsumer:
+        await asyncio.sleep(30)  # a factory waiting for a configuration service, say
+        return _consumer("g_slow")
+
+    mod.make = make  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cli_slow_start_mod", mod)
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.2, os.kill, os.getpid(), signal.SIGINT)  # stop once started...
+    loop.call_later(0.4, os.kill, os.getpid(), signal.SIGINT)  # ...no: now
+    started = time.monotonic()
+    async with asyncio.timeout(10):
+        rc = await run_worker("cli_slow_start_mod:make", grace=5.0)
+    assert rc == 1
+    assert time.monotonic() - started < 3
