@@ -114,7 +114,7 @@ class BrokerOffsetStore(_MemoryTable):
                 return OFFSET_NOT_FOUND
             log.warning("offset.query_failed", queue=str(mq), error=str(exc))
             return OFFSET_READ_ERROR
-        except (MQClientError, RemotingError) as exc:
+        except (MQClientError, RemotingError, ProtocolError) as exc:
             log.warning("offset.query_failed", queue=str(mq), error=str(exc))
             return OFFSET_READ_ERROR
         super().update(mq, offset, increase_only=False)
@@ -157,7 +157,7 @@ class BrokerOffsetStore(_MemoryTable):
                 offset = latest
             await self._instance.api.update_consumer_offset(addr, self._group, mq, offset,
                                                             oneway=oneway)
-        except (MQClientError, RemotingError) as exc:
+        except (MQClientError, RemotingError, ProtocolError) as exc:
             log.warning("offset.persist_failed", queue=str(mq), offset=offset, error=str(exc))
             return
         self._persisted[mq] = (addr, offset)

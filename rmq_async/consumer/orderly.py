@@ -36,6 +36,7 @@ from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
 from rmq_async.consumer.subscriptions import Subscription, reset_retry_topic
 from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.message import put_each
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 from rmq_async.remoting.errors import RemotingError
@@ -313,7 +314,7 @@ class OrderlyConsumeService:
         try:
             addr = await rt.instance.find_broker_master(mq.broker_name, mq.topic)
             locked = await rt.instance.api.lock_batch_mq(addr, rt.group, rt.client_id, [mq])
-        except (MQClientError, RemotingError) as exc:
+        except (MQClientError, RemotingError, ProtocolError) as exc:
             log.warning("orderly.lock_failed", queue=str(mq), error=str(exc))
             return False
         ok = mq in locked
@@ -335,7 +336,7 @@ class OrderlyConsumeService:
             try:
                 addr = await rt.instance.find_broker_master(broker_name, mqs[0].topic)
                 locked = await rt.instance.api.lock_batch_mq(addr, rt.group, rt.client_id, mqs)
-            except (MQClientError, RemotingError) as exc:
+            except (MQClientError, RemotingError, ProtocolError) as exc:
                 log.warning("orderly.lock_all_failed", broker=broker_name, error=str(exc))
                 continue
             now = time.monotonic()
@@ -358,7 +359,7 @@ class OrderlyConsumeService:
         try:
             addr = await rt.instance.find_broker_master(mq.broker_name, mq.topic)
             await rt.instance.api.unlock_batch_mq(addr, rt.group, rt.client_id, [mq], oneway=oneway)
-        except (MQClientError, RemotingError) as exc:
+        except (MQClientError, RemotingError, ProtocolError) as exc:
             log.warning("orderly.unlock_failed", queue=str(mq), error=str(exc))
 
     async def _lock_renewal_loop(self) -> None:

@@ -42,3 +42,34 @@ async def test_failing_turn_is_logged_rolled_back_and_retried() -> None:
     # The message the failed turn had taken is taken again first, by the same (only) worker.
     assert turns == [[0], [0]]
     assert [e["event"] for e in logs if e["log_level"] == "error"] == ["orderly.turn_failed"]
+
+
+async def test_a_malformed_lock_answer_is_a_failed_lock_not_a_dead_renewal_loop() -> None:
+    """A LOCK_BATCH_MQ answer that does not decode (ProtocolError) counts as a failed lock, as
+    a broker error does: lock() says False, lock_all() leaves the queues' state alone and the
+    lock renewal goes on, instead of its loop ending and every lock expiring at the broker."""
+    from rmq_async.protocol.errors import ProtocolError
+
+    mq = MessageQueue("T", "broker-a", 0)
+    pq = ProcessQueue()
+    pq.locked = True
+    calls: list[str] = []
+
+    async def master(broker_name: str, topic: str) -> str:
+        return "127.0.0.1:10911"
+
+    async def lock_batch_mq(*args: object) -> set[MessageQueue]:
+        calls.append("lock")
+        raise ProtocolError("LOCK_BATCH_MQ body: not JSON")
+
+    opts = ConsumerOptions.from_kwargs("G")
+    rt = SimpleNamespace(
+        group="G", client_id="c", options=opts, stopping=False, process_queues={mq: pq},
+        subscriptions=SimpleNamespace(is_orderly=lambda topic: True),
+        instance=SimpleNamespace(find_broker_master=master,
+                                 api=SimpleNamespace(lock_batch_mq=lock_batch_mq)))
+    service = OrderlyConsumeService(rt)  # type: ignore[arg-type]
+    assert await service.lock(mq) is False
+    await service.lock_all()
+    assert calls == ["lock", "lock"]
+    assert pq.locked is True  # a failed call changes nothing (Java); the broker's lock ages
