@@ -36,7 +36,7 @@ from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.pull import PullService
 from rmq_async.consumer.rebalance import Rebalancer
 from rmq_async.consumer.runtime import ConsumerRuntime
-from rmq_async.consumer.service import ServiceRouter
+from rmq_async.consumer.service import ServiceRouter, wait_all_idle
 from rmq_async.consumer.sink_service import SinkConsumeService
 from rmq_async.consumer.stats import ConsumerStats
 from rmq_async.consumer.subscriptions import (
@@ -455,12 +455,8 @@ class PushConsumer:
             owner = self._owner
             # 1. no new rebalances, heartbeats or pulls
             await self.pull_service.aclose()
-            # 2. sinks flush what they hold; running listeners finish
-            try:
-                async with asyncio.timeout(timeout):
-                    for service in self._services():
-                        await service.wait_idle()
-            except TimeoutError:
+            # 2. sinks flush what they hold; running listeners finish (side by side)
+            if not await wait_all_idle(self._services(), timeout):
                 log.warning("consumer.stop_timeout", group=self.group, timeout=timeout)
             await self.consume_service.aclose()
             await self.orderly_service.aclose()

@@ -14,6 +14,8 @@ queue's offset in the offset store; a queue dropped meanwhile commits nothing. T
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -128,3 +130,19 @@ class ServiceRouter:
             self.sink.submit(msgs, pq, mq, first)
             return
         self.concurrent.submit(msgs, pq, mq, first)
+
+
+async def wait_all_idle(services: Iterable[ConsumeService], timeout: float) -> bool:
+    """Wait for every service's :meth:`~ConsumeService.wait_idle` side by side, for at most
+    ``timeout`` seconds in all; False when the time ran out (what still ran is cancelled).
+
+    Side by side, so a sink's slow final write does not use up the time of listener calls
+    that would have finished: each service drains for the whole ``timeout``.
+    """
+    try:
+        async with asyncio.timeout(timeout), asyncio.TaskGroup() as tg:
+            for service in services:
+                tg.create_task(service.wait_idle())
+    except TimeoutError:
+        return False
+    return True

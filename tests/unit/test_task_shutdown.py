@@ -123,3 +123,27 @@ async def test_cancel_by_key_is_bounded_too(monkeypatch: pytest.MonkeyPatch) -> 
         await owner.cancel("q0")
     assert swallowed and task.cancelled()
     await owner.aclose()
+
+
+async def test_stop_waits_for_every_service_side_by_side() -> None:
+    """A sink whose final write overruns stop()'s timeout does not take the time of the
+    listener calls that finish meanwhile: each service drains for the whole timeout."""
+    from rmq_async.consumer.service import wait_all_idle
+
+    finished: list[str] = []
+
+    class Service:
+        def __init__(self, name: str, seconds: float) -> None:
+            self.name, self.seconds = name, seconds
+
+        async def wait_idle(self) -> None:
+            await asyncio.sleep(self.seconds)
+            finished.append(self.name)
+
+    services = [Service("sink", 30.0), Service("concurrent", 0.1), Service("orderly", 0.2)]
+    async with asyncio.timeout(5):
+        assert await wait_all_idle(services, 0.5) is False  # type: ignore[arg-type]
+    assert finished == ["concurrent", "orderly"]
+    finished.clear()
+    assert await wait_all_idle(services[1:], 0.5) is True  # type: ignore[arg-type]
+    assert finished == ["concurrent", "orderly"]
