@@ -469,8 +469,10 @@ def limit_offsets(start: Mapping[MessageQueue, int], latest: Mapping[MessageQueu
     """End offsets at most ``max_messages`` past ``start`` in total.
 
     Each queue gets a share proportional to its backlog (the rounding remainder goes to the
-    queues with the largest fractions, then the lowest queue), so no queue starves and the sum
-    is exactly ``max_messages`` when the backlog is larger.
+    queues with the largest fractions, then the lowest queue), and the sum is exactly
+    ``max_messages`` when the backlog is larger. No queue starves: when ``max_messages`` is at
+    least the number of queues with a backlog, each of them gets at least one offset, taken
+    from the largest grants (as the Kafka source rounds a share below one up).
     """
     backlog = {mq: max(0, latest[mq] - start.get(mq, latest[mq])) for mq in latest}
     total = sum(backlog.values())
@@ -489,6 +491,13 @@ def limit_offsets(start: Mapping[MessageQueue, int], latest: Mapping[MessageQueu
         if grant[mq] < backlog[mq]:
             grant[mq] += 1
             left -= 1
+    starving = sorted((mq for mq, todo in backlog.items() if todo and not grant[mq]),
+                      key=lambda q: q.java_sort_key())
+    if starving and sum(1 for todo in backlog.values() if todo) <= max_messages:
+        for mq in starving:
+            richest = max(grant, key=lambda q: (grant[q], q.java_sort_key()))
+            grant[richest] -= 1
+            grant[mq] = 1
     return {mq: (start[mq] + grant[mq] if mq in start else latest[mq]) for mq in latest}
 
 
@@ -514,7 +523,13 @@ async def announce_group(opts: SourceOptions, group: str, addrs: Iterable[str],
 # ---------------------------------------------------------------------- reading a range
 
 
-def _lost(opts: SourceOptions, mq: MessageQueue, start: int, end: int, detail: str) -> None:
+#: OFFSET_ILLEGAL answers in a row that a range reader takes for an offset reset handed out
+#: by the broker (the queue has the offset) before it treats the offset as gone.
+MOVED_RETRIES = 3
+
+
+def report_data_loss(opts: SourceOptions, mq: MessageQueue, start: int, end: int,
+                     detail: str) -> None:
     """Report offsets ``[start, end)`` of ``mq`` that the broker no longer has."""
     if opts.fail_on_data_loss:
         raise DataLossError(
@@ -561,6 +576,7 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
     offset = start
     planned = start  # every offset below this one has a pull in flight (or is done)
     chunk: list[MessageExt] = []
+    moved = 0  # OFFSET_ILLEGAL answers in a row for an offset the queue has (see below)
     try:
         while offset < end:
             while len(inflight) < depth and planned < end:
@@ -581,13 +597,18 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
                     if off < expect:
                         continue
                     if off > expect and not filtered:
-                        _lost(opts, mq, expect, off, "hole in the queue")
+                        report_data_loss(opts, mq, expect, off, "hole in the queue")
                     expect = off + 1
                     if filtered and not tag_matches(sub, m.tags):
                         continue
                     m.broker_name = mq.broker_name
                     chunk.append(m)
                 top = msgs[-1].queue_offset + 1 if msgs else offset
+                if not filtered and top < nxt and top < end:
+                    # Without a filter the broker skips entries only when their messages are
+                    # gone from the commit log (MESSAGE_WAS_REMOVING).
+                    report_data_loss(opts, mq, top, min(nxt, end), "removed from the commit log")
+                moved = 0
                 offset = max(nxt, top, offset + (1 if not msgs else 0))
                 if offset < at + want:
                     # Answered in part: fetch the rest of this slice before the next ones.
@@ -601,19 +622,30 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
                 continue
             # Anything but FOUND: settle this offset alone, then plan again from where it ends.
             drop_inflight()
+            if (status is PullStatus.OFFSET_ILLEGAL and moved < MOVED_RETRIES
+                    and result.min_offset <= offset < result.max_offset):
+                # The queue has this offset: the answer is the broker handing out an admin
+                # offset reset of the pull group (PULL_OFFSET_MOVED, useServerSideResetOffset),
+                # which it does once. This read's range stands: pull the same offset again.
+                moved += 1
+                planned = offset
+                continue
+            moved = 0
             if status is PullStatus.NO_MATCHED_MSG and nxt > offset:
+                if not filtered:
+                    report_data_loss(opts, mq, offset, min(nxt, end), "removed from the commit log")
                 offset = nxt
             elif status is PullStatus.OFFSET_ILLEGAL and nxt > offset:
                 if not fresh_queue or offset != start:
-                    _lost(opts, mq, offset, min(nxt, end),
+                    report_data_loss(opts, mq, offset, min(nxt, end),
                           f"below the queue's min offset {result.min_offset}")
                 offset = nxt
             elif status is PullStatus.NO_NEW_MSG and nxt > offset:
-                _lost(opts, mq, offset, min(nxt, end), "no message at this offset")
+                report_data_loss(opts, mq, offset, min(nxt, end), "no message at this offset")
                 offset = nxt
             else:
                 # The queue ends before the planned range does (max offset went down).
-                _lost(opts, mq, offset, end,
+                report_data_loss(opts, mq, offset, end,
                       f"{status.value}: the queue's max offset is {result.max_offset}")
                 break
             planned = offset

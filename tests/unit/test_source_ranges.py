@@ -105,3 +105,18 @@ def test_limit_offsets_shares_by_backlog() -> None:
         assert all(fill[q] <= nxt[q] <= latest[q] for q in latest)
         fill = nxt
     assert LATEST == -1
+
+
+def test_limit_offsets_lets_a_small_queue_move_beside_a_huge_backlog() -> None:
+    """A share below one offset rounds to one (the Kafka source's rule), so a queue with a
+    small backlog is not held back for as long as a big one has more than ~200x its backlog."""
+    a, b = mq(0), mq(1)
+    start, latest = {a: 0, b: 0}, {a: 1_000_000, b: 150}
+    for _ in range(3):
+        end = limit_offsets(start, latest, 100)
+        assert end[b] - start[b] == 1 and end[a] - start[a] == 99
+        start = end
+    # Fewer offsets than queues with a backlog: the shares as before, the sum kept.
+    many = {mq(i): 0 for i in range(5)}
+    end = limit_offsets(many, {q: 10 for q in many}, 3)
+    assert sum(end.values()) == 3

@@ -156,3 +156,69 @@ async def test_gone_offsets_fail_or_are_skipped() -> None:
     with pytest.raises(DataLossError, match=r"offsets 400\.\.449"):
         await read(q, options(), 390, 450)
     assert [o for c in await read(q, lenient, 390, 450) for o in c] == list(range(390, 400))
+
+
+@dataclass
+class ResetQueue(FakeQueue):
+    """A queue whose pull group an admin reset (``mqadmin resetOffsetByTime``): the broker
+    answers the next pull at ``reset_at`` once with OFFSET_ILLEGAL (PULL_OFFSET_MOVED,
+    useServerSideResetOffset) pointing at the reset offset, the queue's bounds unchanged."""
+
+    reset_at: int = 0
+    reset_to: int | None = None
+
+    def answer(self, at: int, want: int, expression: str) -> Answer:
+        if at == self.reset_at and self.reset_to is not None:
+            to, self.reset_to = self.reset_to, None
+            return Answer(PullStatus.OFFSET_ILLEGAL, to, [], self.low, self.high)
+        return super().answer(at, want, expression)
+
+
+@pytest.mark.parametrize("reset_to", [80, 10])
+@pytest.mark.parametrize("fail", ["true", "false"])
+async def test_an_offset_reset_of_the_pull_group_does_not_cut_the_range(
+        reset_to: int, fail: str) -> None:
+    """The planned range stands: the offset the broker moved is pulled again (it has it),
+    neither skipped to the reset offset nor reported as gone."""
+    q = ResetQueue(0, 100, reset_at=32, reset_to=reset_to)
+    chunks = await read(q, options(failOnDataLoss=fail, pullDepth="1"), 0, 100)
+    assert [o for c in chunks for o in c] == list(range(100))
+
+
+async def test_an_offset_the_broker_keeps_refusing_is_not_pulled_for_ever() -> None:
+    class Refusing(FakeQueue):
+        def answer(self, at: int, want: int, expression: str) -> Answer:
+            if at >= 64:
+                return Answer(PullStatus.OFFSET_ILLEGAL, at, [], self.low, self.high)
+            return super().answer(at, want, expression)
+
+    q = Refusing(0, 100)
+    with pytest.raises(DataLossError, match=r"offsets 64\.\.99 .*OFFSET_ILLEGAL"):
+        await read(q, options(pullDepth="1"), 0, 100)
+    assert sum(1 for at, _ in q.pulls if at == 64) == 4  # three more tries, then given up
+
+
+async def test_entries_removed_from_the_commit_log_are_data_loss_without_a_filter() -> None:
+    """A commit-log file deleted before its consume-queue entries: the broker answers
+    NO_MATCHED_MSG (MESSAGE_WAS_REMOVING) past them, or FOUND with fewer messages than the
+    entries it stepped over. Without a filter both are gone messages, not filtered ones."""
+
+    class Removing(FakeQueue):
+        def answer(self, at: int, want: int, expression: str) -> Answer:
+            if at < 40:
+                return Answer(PullStatus.NO_MATCHED_MSG, min(at + want, 40), [], self.low,
+                              self.high)
+            if at < 70 <= at + want:
+                msgs = [self.message(o) for o in range(at, 60)]
+                return Answer(PullStatus.FOUND, 70, msgs, self.low, self.high)
+            return super().answer(at, want, expression)
+
+    with pytest.raises(DataLossError, match=r"offsets 0\.\.31 .*removed from the commit log"):
+        await read(Removing(0, 100), options(), 0, 100)
+    got = [o for c in await read(Removing(0, 100), options(failOnDataLoss="false"), 0, 100)
+           for o in c]
+    assert got == [*range(40, 60), *range(70, 100)]
+    # With a filter, an answer past entries it did not match is just that.
+    tagged = FakeQueue(0, 100, tags={i: "a" for i in range(50, 100)})
+    got = [o for c in await read(tagged, options(tags="a"), 0, 100) for o in c]
+    assert got == list(range(50, 100))
