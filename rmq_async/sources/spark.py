@@ -87,8 +87,10 @@ Options (names are case-insensitive)
     backlog (with a ``tags``/``sql`` filter fewer rows may come out).
 ``failOnDataLoss`` (default ``true``)
     Offsets planned for but gone from the broker (expired files, an offset below the queue's
-    min, a queue whose max went down): fail the query with :class:`DataLossError`, or with
-    ``false`` log ``spark_source.data_loss`` and skip them.
+    min, entries whose messages left the commit log, a queue whose max went down below what
+    the query read): fail the query with :class:`DataLossError`, or with ``false`` log
+    ``spark_source.data_loss`` and skip them. An admin offset reset of the pull group is not
+    a loss: the range planned is read as planned.
 ``commitToGroup``
     A consumer group to write the committed offsets to after each micro-batch (streams).
 ``group``
@@ -153,6 +155,7 @@ from rmq_async.sources.ranges import (
     queue_bounds,
     queue_key,
     read_range,
+    report_data_loss,
     resolve_offsets,
     source_topics,
 )
@@ -336,12 +339,15 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._runner: asyncio.Runner | None = None
         self._client: ClientInstance | None = None
         self._target: dict[MessageQueue, int] | None = None
+        self._lows: dict[MessageQueue, int] = {}  # each queue's min offset, as last read
+        self._went_down: dict[MessageQueue, int] = {}  # queues reported: the offset read
         self._group_offsets: dict[MessageQueue, int] | None = None
         self._group_announced = False
 
     def __getstate__(self) -> dict[str, Any]:
         return {"opts": self.opts, "_runner": None, "_client": None, "_target": None,
-                "_group_offsets": None, "_group_announced": False}
+                "_lows": {}, "_went_down": {}, "_group_offsets": None,
+                "_group_announced": False}
 
     def _run(self, work: Callable[[ClientInstance], Coroutine[Any, Any, T]]) -> T:
         if self._runner is None:
@@ -353,6 +359,7 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     async def _latest(self, client: ClientInstance) -> dict[MessageQueue, int]:
         bounds = await _bounds(client, self.opts)
+        self._lows = {mq: low for mq, (low, _) in bounds.items()}
         return {mq: high for mq, (_, high) in bounds.items()}
 
     def initialOffset(self) -> dict[str, Any]:
@@ -380,9 +387,19 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         latest = dict(self._target) if self._target is not None else self._run(self._latest)
         # A queue never goes backwards, and one that left the route keeps its offset.
         for mq, off in begin.items():
-            latest[mq] = max(off, latest.get(mq, off))
+            high = latest.get(mq, off)
+            if high < off and self._went_down.get(mq) != off:
+                # Its max went below what was read (the topic deleted and created again, a
+                # store wiped): what it holds now below ``off`` would never be read. Raised,
+                # or (failOnDataLoss=false) logged once; the queue goes on from ``off``.
+                self._went_down[mq] = off
+                report_data_loss(self.opts, mq, high, off,
+                                 f"the queue's max offset went down from {off} to {high}")
+            latest[mq] = max(off, high)
         if isinstance(limit, ReadMaxRows):
-            fill = {mq: begin.get(mq, 0) for mq in latest}
+            # A queue new to the query is read from its first offset (see partitions): its
+            # share of the limit starts there, not at 0, where nothing is left to read.
+            fill = {mq: begin.get(mq, self._lows.get(mq, 0)) for mq in latest}
             latest = limit_offsets(fill, latest, limit.max_rows)
         return offsets_to_json(latest)
 
