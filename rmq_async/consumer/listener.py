@@ -214,12 +214,18 @@ class ListenerAdapter:
             if self.is_async:
                 result: Awaitable[Any] = self.fn(payload)
                 return await result
-            return await anyio.to_thread.run_sync(self.fn, payload)
-        kwargs = {self.context_param: ctx}
-        if self.is_async:
-            result = self.fn(payload, **kwargs)
-            return await result
-        return await anyio.to_thread.run_sync(functools.partial(self.fn, payload, **kwargs))
+            raw = await anyio.to_thread.run_sync(self.fn, payload)
+        else:
+            kwargs = {self.context_param: ctx}
+            if self.is_async:
+                result = self.fn(payload, **kwargs)
+                return await result
+            raw = await anyio.to_thread.run_sync(functools.partial(self.fn, payload, **kwargs))
+        if inspect.isawaitable(raw):
+            # A plain function that returns a coroutine (``lambda m: handle(m)``, a decorator
+            # whose wrapper is a plain ``def``): its result is what the coroutine returns.
+            raw = await raw
+        return raw
 
     async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
         """Call the handler on ``msgs``: once for a batch handler, once per message otherwise

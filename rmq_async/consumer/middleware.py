@@ -109,7 +109,9 @@ async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: Consum
     """One handler call through the middlewares; exceptions become an :class:`Outcome`.
 
     When a middleware handed the handler fewer messages than the call had (dedup), a failure
-    fails only the messages the handler saw; the others are in ``Outcome.acked``.
+    (or an ack index) applies only to the messages the handler saw; the others are in
+    ``Outcome.acked``. The messages are matched by queue offset, so a middleware may hand on
+    copies (decompressed bodies, say) without its failures turning into acknowledgements.
     """
     failed = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT if orderly \
         else ConsumeResult.RECONSUME_LATER
@@ -137,10 +139,11 @@ async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: Consum
                     msg_ids=[m.msg_id for m in msgs[:8]], error=f"{type(exc).__name__}: {exc}")
         outcome = Outcome(failed)
     else:
-        return Outcome(ConsumeResult.SUCCESS)
+        outcome = Outcome(ConsumeResult.SUCCESS)
     if reached and reached[-1].messages is not msgs:
-        seen = {id(m) for m in reached[-1].messages}
-        outcome.acked = [m for m in msgs if id(m) not in seen]
+        # One call's messages are of one queue: the offset names each of them.
+        seen = {m.queue_offset for m in reached[-1].messages}
+        outcome.acked = [m for m in msgs if m.queue_offset not in seen]
     return outcome
 
 

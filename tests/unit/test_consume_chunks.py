@@ -274,3 +274,72 @@ async def test_a_plain_batch_handler_called_directly_acknowledges_by_its_result(
     assert h.sent_back == [(o, 0) for o in (6, 7, 8, 9, 14, 15, 16, 17)]
     assert dead == [(12, "poison"), (13, "poison")]
     assert (h.removals, h.updates, h.recorded) == (1, [20], 1)
+
+
+async def test_a_middleware_handing_on_copies_keeps_the_handlers_failure() -> None:
+    """The messages a middleware passes on are matched by offset, not identity: copies (bodies
+    decompressed, say) that the handler fails on are sent back, not acknowledged."""
+    import copy
+    import dataclasses
+
+    async def handler(msgs: list[MessageExt]) -> ConsumeResult:
+        raise RuntimeError("downstream down")
+
+    h = Harness(handler, consume_message_batch_max_size=3)
+
+    async def decompress(call: Any, call_next: Any) -> None:
+        copies = []
+        for m in call.messages:
+            c = copy.copy(m)
+            c.body = m.body.upper()
+            copies.append(c)
+        await call_next(dataclasses.replace(call, messages=copies))
+
+    h.subscriptions.middlewares.append(decompress)
+    await h.run_chunk(3)
+    assert h.sent_back == [(0, 0), (1, 0), (2, 0)]
+
+
+async def test_an_ack_index_counts_within_what_a_filtering_middleware_passed_on() -> None:
+    """A dedup middleware passes m1, m2 of m0..m2; the handler acknowledges its first (m1) with
+    ack_index 0 and returns SUCCESS: m0 (left out) and m1 are acknowledged, only m2 is retried."""
+    import dataclasses
+
+    async def handler(msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeResult:
+        assert [m.queue_offset for m in msgs] == [1, 2]
+        ctx.ack_index = 0
+        return ConsumeResult.SUCCESS
+
+    h = Harness(handler, consume_message_batch_max_size=3)
+
+    async def dedup(call: Any, call_next: Any) -> None:
+        await call_next(dataclasses.replace(call, messages=call.messages[1:]))
+
+    h.subscriptions.middlewares.append(dedup)
+    await h.run_chunk(3)
+    assert h.sent_back == [(2, 0)]
+
+
+async def test_a_plain_function_returning_a_coroutine_is_awaited() -> None:
+    """``listener=lambda m: handle(m)`` or a decorator whose wrapper is a plain ``def``: the
+    coroutine it returns is run and its outcome counts (it was acknowledged unrun)."""
+    import functools
+
+    ran: list[int] = []
+
+    async def real(msg: MessageExt) -> ConsumeResult:
+        ran.append(msg.queue_offset)
+        if msg.queue_offset == 1:
+            raise RuntimeError("fails")
+        return ConsumeResult.SUCCESS
+
+    def logged(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            return fn(*a, **kw)
+        return wrapper
+
+    h = Harness(logged(real))
+    await h.run_chunk(3)
+    assert ran == [0, 1, 2]
+    assert h.sent_back == [(1, 0)]
