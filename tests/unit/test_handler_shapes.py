@@ -300,6 +300,8 @@ async def test_middleware_order_results_and_verdicts() -> None:
 
 async def test_a_dedup_middleware_fails_only_what_the_handler_saw() -> None:
     msgs = [_msg(b"1"), _msg(b"2"), _msg(b"3")]
+    for offset, m in enumerate(msgs):  # one call's messages: one queue, distinct offsets
+        m.queue_offset = offset
 
     async def dedup(call: ConsumeCall, call_next: CallNext) -> None:
         await call_next(dataclasses.replace(call, messages=[m for m in call.messages
