@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import inspect
+import types
 import typing
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -40,6 +41,8 @@ __all__ = ["HandlerShape", "Listener", "ListenerAdapter", "inspect_handler"]
 
 _LIST_ORIGINS: tuple[Any, ...] = (list, collections.abc.Sequence, collections.abc.MutableSequence,
                                   typing.Sequence, typing.List)  # noqa: UP006
+#: What ``X | None`` and ``Optional[X]`` are at run time.
+_UNIONS: tuple[Any, ...] = (typing.Union, types.UnionType)
 _LIST_NAMES = ("list[", "List[", "Sequence[", "typing.List[", "typing.Sequence[",
                "collections.abc.Sequence[")
 
@@ -64,9 +67,17 @@ def _resolved_hints(fn: Callable[..., Any]) -> dict[str, Any]:
 
 
 def _is_context(annotation: Any) -> bool:
+    """``ConsumeContext``, also optional (``ConsumeContext | None``, ``Optional[...]``)."""
     if isinstance(annotation, str):
-        text = annotation.strip().strip("'\"")
-        return text.rsplit(".", 1)[-1] == "ConsumeContext"
+        parts = [p.strip().strip("'\"") for p in annotation.strip().strip("'\"").split("|")]
+        if len(parts) == 1 and parts[0].startswith(("Optional[", "typing.Optional[")):
+            parts = [parts[0].split("[", 1)[1].rstrip("]").strip()]
+        named = [p for p in parts if p != "None"]
+        return len(named) == 1 and named[0].rsplit(".", 1)[-1] == "ConsumeContext"
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in _UNIONS else ()
+    if args:
+        named = [a for a in args if a is not type(None)]
+        return len(named) == 1 and _is_context(named[0])
     return isinstance(annotation, type) and issubclass(annotation, ConsumeContext)
 
 

@@ -353,3 +353,24 @@ def test_copies_into_the_retry_topic_keep_the_message_but_not_what_delivery_adde
     assert "TRAN_MSG" not in dlq and dlq["region"] == "eu"
     assert len(dlq["RMQ_DLQ_REASON"]) == MAX_REASON_CHARS
     assert dlq["RMQ_DLQ_REASON"].startswith("ValueError: b") and dlq["RMQ_DLQ_REASON"].endswith("...")
+
+
+def test_an_optional_context_parameter_gets_the_context() -> None:
+    """``ctx: ConsumeContext | None = None`` (or ``Optional[...]``) is the context parameter,
+    written as a string (``from __future__ import annotations`` here) or evaluated."""
+    import typing
+
+    async def union(msgs: list[MessageExt], ctx: ConsumeContext | None = None) -> None: ...
+
+    async def optional(msgs: list[MessageExt],
+                       ctx: typing.Optional[ConsumeContext] = None) -> None: ...  # noqa: UP045
+
+    async def evaluated(msgs: list[MessageExt], ctx: Any = None) -> None: ...
+
+    evaluated.__annotations__["ctx"] = ConsumeContext | None
+    for fn in (union, optional, evaluated):
+        assert inspect_handler(fn).context_param == "ctx", fn.__name__
+
+    async def other(msgs: list[MessageExt], extra: int | None = None) -> None: ...
+
+    assert inspect_handler(other).context_param is None
