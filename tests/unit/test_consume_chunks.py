@@ -68,12 +68,18 @@ class Harness:
     def removals(self) -> int:
         return self.pq.removals
 
-    async def run_chunk(self, n: int, first: int = 0) -> list[MessageExt]:
+    def start_chunk(self, n: int, first: int = 0) -> list[MessageExt]:
+        """Cache ``n`` messages from offset ``first``, start the service and hand it the chunk
+        (the caller closes the service)."""
         msgs = [MessageExt("T", f"m{i}".encode(), 0, i) for i in range(first, first + n)]
         self.pq.put_messages(msgs)
         self.service.start()
+        self.service.submit(msgs, self.pq, MQ)
+        return msgs
+
+    async def run_chunk(self, n: int, first: int = 0) -> list[MessageExt]:
         try:
-            self.service.submit(msgs, self.pq, MQ)
+            msgs = self.start_chunk(n, first)
             async with asyncio.timeout(5):
                 while self.service.queued or self.removals == 0:
                     await asyncio.sleep(0.005)
@@ -167,11 +173,8 @@ async def test_a_stuck_call_sends_back_only_what_no_listener_answered() -> None:
         return ConsumeResult.SUCCESS
 
     h = Harness(listener, consume_timeout=0.012)
-    msgs = [MessageExt("T", f"m{i}".encode(), 0, i) for i in range(5)]
-    h.pq.put_messages(msgs)
-    h.service.start()
     try:
-        h.service.submit(msgs, h.pq, MQ)
+        h.start_chunk(5)
         async with asyncio.timeout(5):
             while seen != [0, 1, 2]:
                 await asyncio.sleep(0.005)
@@ -214,11 +217,8 @@ async def test_what_the_cleaner_sent_back_is_not_consumed_when_the_slow_call_ret
             return ConsumeResult.SUCCESS if ok else ConsumeResult.RECONSUME_LATER
         h = Harness(batch_listener, consume_timeout=0.012,
                     consume_message_batch_max_size=batch_size)
-    msgs = [MessageExt("T", f"m{i}".encode(), 0, i) for i in range(7)]
-    h.pq.put_messages(msgs)
-    h.service.start()
     try:
-        h.service.submit(msgs, h.pq, MQ)
+        h.start_chunk(7)
         async with asyncio.timeout(5):
             while 2 not in seen:
                 await asyncio.sleep(0.005)
