@@ -305,7 +305,6 @@ class PullService:
                 emit("pull.replica_switched", queue=str(mq), broker=mq.broker_name,
                      broker_id=broker_id, addr=addr, from_broker_id=previous[1],
                      from_addr=previous[0], suggested_broker_id=wanted)
-        req.pq.last_pull_timestamp = time.monotonic()
         return await rt.instance.api.start_pull(
             addr,
             group=rt.group,
