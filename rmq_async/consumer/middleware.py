@@ -81,7 +81,8 @@ class Outcome:
     """Messages a middleware left out of the call (acknowledged whatever the result)."""
 
 
-def _terminal(adapter: ListenerAdapter, orderly: bool, reached: list[ConsumeCall]) -> CallNext:
+def _terminal(adapter: ListenerAdapter, orderly: bool, reached: list[ConsumeCall],
+              succeeded: list[ConsumeResult]) -> CallNext:
     async def call_handler(call: ConsumeCall) -> None:
         reached.append(call)
         if not call.messages:
@@ -92,6 +93,7 @@ def _terminal(adapter: ListenerAdapter, orderly: bool, reached: list[ConsumeCall
         result = normalize_result(raw, orderly=orderly)
         if not result.is_success:
             raise RetryLater(result)
+        succeeded.append(result)  # COMMIT means more than SUCCESS to the orderly service
 
     return call_handler
 
@@ -118,7 +120,8 @@ async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: Consum
     call = ConsumeCall(group=group, topic=topic, queue=queue, messages=msgs, context=ctx,
                        orderly=orderly, handler_name=adapter.name)
     reached: list[ConsumeCall] = []
-    chain = _terminal(adapter, orderly, reached)
+    succeeded: list[ConsumeResult] = []
+    chain = _terminal(adapter, orderly, reached, succeeded)
     for mw in reversed(middlewares):
         chain = _link(mw, chain)
     outcome: Outcome
@@ -139,7 +142,7 @@ async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: Consum
                     msg_ids=[m.msg_id for m in msgs[:8]], error=f"{type(exc).__name__}: {exc}")
         outcome = Outcome(failed)
     else:
-        outcome = Outcome(ConsumeResult.SUCCESS)
+        outcome = Outcome(succeeded[-1] if succeeded else ConsumeResult.SUCCESS)
     if reached and reached[-1].messages is not msgs:
         # One call's messages are of one queue: the offset names each of them.
         seen = {m.queue_offset for m in reached[-1].messages}

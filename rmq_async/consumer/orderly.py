@@ -176,81 +176,100 @@ class OrderlyConsumeService:
 
     async def _consume_batch(self, mq: MessageQueue, pq: ProcessQueue,
                              msgs: list[MessageExt]) -> bool:
-        """Run the handler call(s) of one taken batch, in offset order, and settle it.
+        """Run the handler call(s) of one taken batch, in offset order, and settle each.
 
         A batch handler gets the batch in one call; a per-message handler one call per message.
-        The calls stop at the first failure: the messages before it are committed, the
-        failing call's messages are retried in place (or dead-lettered once out of retries),
-        the ones after it are put back untouched.
+        Each call is settled as Java settles a batch (``processConsumeResult``): with
+        ``ctx.auto_commit`` (the default) a success commits everything taken up to its last
+        message; without it only COMMIT does, SUCCESS leaves the messages taken (and
+        uncommitted) across turns, and ROLLBACK puts every uncommitted message back. The calls
+        stop at the first failure: the failing call's messages are retried in place (or
+        dead-lettered once out of retries), the ones after it are put back untouched.
+        Returns whether the turn may go on with the next batch.
         """
         rt = self._rt
         reset_retry_topic(msgs, rt.retry_topic)
         topic = msgs[0].topic
         sub = rt.subscriptions.topics.get(topic)
         middlewares = rt.subscriptions.middlewares
-        ctx = ConsumeContext(message_queue=mq)
-        now_ms = str(int(time.time() * 1000))
-        put_each(msgs, {PROPERTY_CONSUME_START_TIME: now_ms})
-        began = time.monotonic()
-        result = ConsumeResult.SUCCESS
+        put_each(msgs, {PROPERTY_CONSUME_START_TIME: str(int(time.time() * 1000))})
+        ok = failed = calls = handed = 0
+        elapsed = 0.0
+        through = -1  # the batch is committed up to this offset once its calls are settled
+        stop: ConsumeResult | None = None  # SUSPEND_... or ROLLBACK: the turn ends
         failing: list[MessageExt] = []
-        done = 0
+        ctx = ConsumeContext(message_queue=mq)
         for adapter, part in _plan_calls(sub, msgs):
+            handed += len(part)
             if adapter is None:
                 if sub is not None and sub.by_tag:
                     log.info("orderly.no_handler_for_tag", queue=str(mq), tag=part[0].tags)
-                    done += len(part)
+                    ok += len(part)
+                    through = part[-1].queue_offset
                     continue
-                result, failing = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT, part
+                stop, failing = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT, part
                 break
             ctx = ConsumeContext(message_queue=mq)
+            began = time.monotonic()
             outcome = await run_call(adapter, part, ctx, group=rt.group, topic=topic, queue=mq,
                                      orderly=True, middlewares=middlewares)
+            elapsed += time.monotonic() - began
+            calls += 1
             dead = list(ctx.dead_letters)
+            result = outcome.result
             if outcome.dead_reason is not None:
                 poison = {id(m) for m, _ in dead}
                 dead.extend((m, outcome.dead_reason) for m in part if id(m) not in poison)
-            elif not outcome.result.is_success:
-                result, failing = outcome.result, part
+                result = ConsumeResult.SUCCESS  # handled: the messages leave the queue
+            if result is ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT:
+                stop, failing = result, part
                 break
+            if result is ConsumeResult.ROLLBACK and not ctx.auto_commit:
+                stop, failing = result, part
+                break
+            if result is not ConsumeResult.SUCCESS and ctx.auto_commit:
+                # Java: COMMIT and ROLLBACK mean nothing with auto-commit on; it acknowledges.
+                log.warning("orderly.result_ignored_with_auto_commit", queue=str(mq),
+                            result=result.value, offsets=[m.queue_offset for m in part])
             if dead and not await self._dead_letter(dead):
-                result, failing = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT, part
+                stop, failing = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT, part
                 break
-            result = outcome.result
-            done += len(part)
-        elapsed = time.monotonic() - began
+            ok += len(part) - len(dead)
+            failed += len(dead)
+            if ctx.auto_commit or result is ConsumeResult.COMMIT:
+                through = part[-1].queue_offset
+            # else SUCCESS without auto-commit: the messages stay taken until a COMMIT
+        failed += len(failing)
+        if calls or ok or failed:
+            rt.stats.record_consume(topic, ok, failed, elapsed, calls=calls)
         pq.last_consume_timestamp = time.monotonic()
-        rt.stats.record_consume(topic, done, len(msgs) - done, elapsed)
-        if not failing:
+        if through >= 0:
             # Committed even when the queue was just given up: it is released (persisted, then
             # unlocked) only after this batch ends, so the next owner starts after it.
-            self._commit(mq, pq)
+            self._commit(mq, pq, through)
+        if stop is None:
             return not pq.dropped
         if pq.dropped:
             return False
-        if done:
-            # Commit what succeeded; the failing call's messages are taken again (they are
-            # the lowest offsets cached) and the rest waits in the cache.
-            pq.make_message_to_consume_again(msgs[done:])
-            self._commit(mq, pq)
-            pq.take_messages(len(failing))
-        elif len(failing) < len(msgs):
-            pq.make_message_to_consume_again(msgs[len(failing):])
-        msgs = failing
-        if result is ConsumeResult.ROLLBACK:
-            pq.rollback()
+        # The messages after the failing call were never handed over: put back, untouched.
+        rest = msgs[handed:]
+        if rest:
+            pq.make_message_to_consume_again(rest)
+        if stop is ConsumeResult.ROLLBACK:
+            pq.rollback()  # every uncommitted message, from earlier turns too
             self.submit_later(pq, mq, self._suspend_time(ctx))
             return False
         # SUSPEND_CURRENT_QUEUE_A_MOMENT (or failure): retry in place, unless a message has used
         # up its retries, in which case it goes to the dead-letter queue and is skipped.
-        if await self._retries_exhausted(msgs):
-            self._commit(mq, pq)
+        if await self._retries_exhausted(failing):
+            if ctx.auto_commit:
+                self._commit(mq, pq, failing[-1].queue_offset)
             return True
-        for m in msgs:
+        for m in failing:
             m.reconsume_times += 1
-        pq.make_message_to_consume_again(msgs)
-        log.info("orderly.suspended", queue=str(mq), offsets=[m.queue_offset for m in msgs],
-                 reconsume_times=msgs[0].reconsume_times)
+        pq.make_message_to_consume_again(failing)
+        log.info("orderly.suspended", queue=str(mq), offsets=[m.queue_offset for m in failing],
+                 reconsume_times=failing[0].reconsume_times)
         self.submit_later(pq, mq, self._suspend_time(ctx))
         return False
 
@@ -275,13 +294,13 @@ class OrderlyConsumeService:
             return millis / 1000.0
         return self._opts.suspend_current_queue_time
 
-    def _commit(self, mq: MessageQueue, pq: ProcessQueue) -> None:
-        """Commit the batch taken from ``pq``.
+    def _commit(self, mq: MessageQueue, pq: ProcessQueue, through: int) -> None:
+        """Commit what was taken from ``pq`` up to offset ``through``.
 
         A dropped queue still commits while it is not held anew (its release waits for this
         batch and persists afterwards); an offset frozen by a reset ignores the update.
         """
-        offset = pq.commit()
+        offset = pq.commit(through)
         if offset < 0:
             return
         current = self._rt.process_queues.get(mq)

@@ -362,9 +362,17 @@ class ProcessQueue:
             self.consuming = False
         return result
 
-    def commit(self) -> int:
-        """Orderly: the taken messages are done. Returns their highest offset + 1, or ``-1``."""
+    def commit(self, through: int | None = None) -> int:
+        """Orderly: the taken messages are done; with ``through``, only those at offsets up to
+        it (the others stay taken). Returns the highest offset done + 1, or ``-1``."""
         consuming = self._consuming
+        if through is not None and consuming and max(consuming) > through:
+            done = [offset for offset in consuming if offset <= through]
+            if not done:
+                return -1
+            self.msg_count -= len(done)
+            self.msg_size -= sum(_body_size(consuming.pop(offset)) for offset in done)
+            return max(done) + 1
         if not consuming:
             return -1
         last = max(consuming)

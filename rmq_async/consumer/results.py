@@ -46,9 +46,12 @@ class ConsumeResult(Enum):
     SUSPEND_CURRENT_QUEUE_A_MOMENT = "SUSPEND_CURRENT_QUEUE_A_MOMENT"
     """Orderly: pause this queue, then hand the same batch to the listener again."""
     COMMIT = "COMMIT"
-    """Orderly, deprecated: like SUCCESS, and commit the offset even without auto-commit."""
+    """Orderly, deprecated: with auto-commit off, commit every message taken so far; with it
+    on (the default), the same as SUCCESS (Java logs a warning, and so do we)."""
     ROLLBACK = "ROLLBACK"
-    """Orderly, deprecated: with auto-commit off, consume the batch again at once."""
+    """Orderly, deprecated: with auto-commit off, put every uncommitted message back and
+    consume them again after the suspend time; with it on, the same as SUCCESS (as in Java:
+    the messages are acknowledged, with a warning)."""
 
     @property
     def is_success(self) -> bool:
@@ -139,8 +142,11 @@ class ConsumeContext:
 
     Orderly (Java ``ConsumeOrderlyContext``):
 
-    * ``auto_commit``: commit the offset after SUCCESS (default). With ``False`` only COMMIT
-      commits, and ROLLBACK re-consumes the batch at once.
+    * ``auto_commit``: commit the offset after SUCCESS (default). With ``False`` a SUCCESS
+      leaves the messages taken but uncommitted (they count in the queue's cache, and come
+      again if the queue moves to another consumer), a COMMIT commits them and everything
+      taken before, a ROLLBACK puts them all back to be consumed again after the suspend
+      time. It is read per call.
     * ``suspend_current_queue_time``: seconds (or a ``timedelta``) to pause after
       SUSPEND_CURRENT_QUEUE_A_MOMENT; ``None`` uses the consumer's option.
       ``suspend_current_queue_time_millis`` is the Java field (milliseconds, ``-1`` = unset),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rmq_async import ConsumeResult, Message, MessageExt, Producer, PushConsumer
+from rmq_async import ConsumeContext, ConsumeResult, Message, MessageExt, Producer, PushConsumer
 from rmq_async.consumer.admin import build_running_info
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.protocol.filter import java_string_hash
@@ -247,6 +247,40 @@ async def test_suspend_retries_in_place_then_dlq(rocketmq: LocalRocketMQ) -> Non
         committed = await admin.committed_offsets(group, topic)
     assert [m.body for m in dlq] == [b"6"]
     assert list(committed.values()) == [10]
+
+
+async def test_without_auto_commit_the_broker_keeps_the_last_commit(
+        rocketmq: LocalRocketMQ) -> None:
+    """``ctx.auto_commit = False``: the offset the broker stores moves only on COMMIT; what was
+    acknowledged with SUCCESS after it is consumed again by the group's next consumer."""
+    topic = unique("T_ord_nocommit")
+    await rocketmq.create_topic(topic, queues=1, order=True)
+    group = unique("G_ord_nocommit")
+    ns = rocketmq.namesrv_addr
+    seen: list[list[int]] = [[], []]
+
+    def consumer_for(run: int) -> PushConsumer:
+        consumer = PushConsumer(group, namesrv=ns, persist_offset_interval=1.0,
+                                consume_from_where="CONSUME_FROM_FIRST_OFFSET")
+
+        @consumer.subscribe(topic, orderly=True)
+        async def on(msg: MessageExt, ctx: ConsumeContext) -> ConsumeResult:
+            ctx.auto_commit = False
+            seen[run].append(int(msg.body))
+            return ConsumeResult.COMMIT if int(msg.body) == 4 else ConsumeResult.SUCCESS
+
+        return consumer
+
+    async with Producer(unique("PG_ord_nocommit"), ns) as producer:
+        mq = (await producer.instance.publish_queues(topic))[0]
+        await producer.send_batch([Message(topic, str(i).encode()) for i in range(10)], queue=mq)
+    for run in (0, 1):
+        async with consumer_for(run):
+            await wait_until(lambda got=seen[run]: got[-1:] == [9], 30, what="message 9")
+        async with AdminClient(ns) as admin:
+            committed = await admin.committed_offsets(group, topic)
+        assert list(committed.values()) == [5], committed
+    assert seen == [list(range(10)), list(range(5, 10))]
 
 
 async def test_orderly_example_runs(rocketmq: LocalRocketMQ) -> None:

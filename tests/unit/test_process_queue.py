@@ -223,6 +223,17 @@ def test_take_and_commit_in_offset_order() -> None:
     assert (pq.msg_count, pq.msg_size) == (0, 0)
 
 
+def test_commit_through_an_offset_leaves_the_later_taken_ones_taken() -> None:
+    pq = ProcessQueue()
+    pq.put_messages(msgs(100, 101, 102, 103, size=10))
+    pq.take_messages(3)
+    assert pq.commit(through=99) == -1  # nothing taken at or below it
+    assert pq.commit(through=101) == 102
+    assert (pq.msg_count, pq.msg_size, pq.consuming_count) == (2, 20, 1)
+    assert pq.commit(through=200) == 103  # everything taken, as commit() does
+    assert (pq.msg_count, pq.msg_size, pq.consuming_count) == (1, 10, 0)
+
+
 def test_make_message_to_consume_again_puts_them_first() -> None:
     pq = ProcessQueue()
     pq.put_messages(msgs(1, 2, 3, 4))

@@ -1,0 +1,179 @@
+"""How the orderly service settles a handler's calls: auto-commit on and off (Java
+``ConsumeMessageOrderlyService.processConsumeResult``) and what its statistics count."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+from structlog.testing import capture_logs
+
+from rmq_async import ConsumeContext, ConsumeResult, DeadLetter, PushConsumer
+from rmq_async.consumer.options import MessageModel
+from rmq_async.consumer.orderly import OrderlyConsumeService
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.stats import ConsumerStats
+from rmq_async.protocol.types import MessageExt, MessageQueue
+
+MQ = MessageQueue("T", "broker-a", 0)
+
+
+class _Offsets:
+    def __init__(self) -> None:
+        self.updates: list[int] = []
+
+    def update(self, mq: MessageQueue, offset: int, increase_only: bool = False) -> None:
+        self.updates.append(offset)
+
+
+class _Harness:
+    """One orderly queue of a real subscription, consumed by the real service, with the
+    offset store and the broker calls recorded instead of sent."""
+
+    def __init__(self, handler: Callable[..., Any], *, batch: bool = False,
+                 batch_size: int = 1, broadcasting: bool = False) -> None:
+        kwargs: dict[str, Any] = {"consume_concurrency": 1, "suspend_current_queue_time": 0.05,
+                                  "consume_message_batch_max_size": batch_size}
+        if broadcasting:
+            kwargs["message_model"] = MessageModel.BROADCASTING
+        consumer = PushConsumer("G_settle", namesrv="127.0.0.1:9876", **kwargs)
+        consumer.subscribe("T", listener=handler, orderly=True, batch=batch)
+        self.pq = ProcessQueue()
+        self.pq.locked = True
+        self.pq.last_lock_timestamp = time.monotonic() + 3600
+        self.offsets = _Offsets()
+        self.stats = ConsumerStats()
+        self.rt = SimpleNamespace(
+            group="G_settle", options=consumer.options, stopping=False,
+            subscriptions=consumer.subscriptions, retry_topic=consumer.retry_topic,
+            stats=self.stats, offset_store=self.offsets, process_queues={MQ: self.pq})
+        self.service = OrderlyConsumeService(self.rt)  # type: ignore[arg-type]
+
+    def put(self, offsets: range) -> None:
+        msgs = [MessageExt("T", f"m{i}".encode(), 0, i) for i in offsets]
+        first = self.pq.put_messages(msgs)
+        self.service.submit(msgs, self.pq, MQ, first)
+
+    async def until(self, done: Callable[[], bool]) -> None:
+        async with asyncio.timeout(5):
+            while not done():
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.15)  # and nothing else happens after it (a late retry)
+
+
+async def test_without_auto_commit_only_commit_moves_the_offset() -> None:
+    """SUCCESS with ``auto_commit=False`` leaves the message taken and uncommitted, across
+    turns; a later COMMIT commits everything taken before it (Java's consuming tree map)."""
+    seen: list[int] = []
+
+    async def handler(msg: MessageExt, ctx: ConsumeContext) -> ConsumeResult:
+        ctx.auto_commit = False
+        seen.append(msg.queue_offset)
+        return ConsumeResult.COMMIT if msg.queue_offset == 3 else ConsumeResult.SUCCESS
+
+    h = _Harness(handler)
+    h.service.start()
+    try:
+        h.put(range(0, 2))
+        await h.until(lambda: seen == [0, 1])
+        assert h.offsets.updates == []  # nothing committed yet
+        assert h.pq.msg_count == 2 and h.pq.consuming_count == 2  # still cached, taken
+        h.put(range(2, 5))  # a later pull: a new turn
+        await h.until(lambda: len(seen) == 5)
+    finally:
+        await h.service.aclose()
+    assert seen == [0, 1, 2, 3, 4]  # each once: held messages are not handed over again
+    assert h.offsets.updates == [4]  # the COMMIT at offset 3 commits 0..3
+    assert h.pq.msg_count == 1 and h.pq.consuming_count == 1  # offset 4 waits for a COMMIT
+
+
+async def test_rollback_without_auto_commit_consumes_every_uncommitted_message_again() -> None:
+    calls: list[int] = []
+
+    async def handler(msg: MessageExt, ctx: ConsumeContext) -> ConsumeResult:
+        ctx.auto_commit = False
+        calls.append(msg.queue_offset)
+        if msg.queue_offset == 2:
+            return ConsumeResult.COMMIT
+        if msg.queue_offset == 1 and calls.count(1) == 1:
+            return ConsumeResult.ROLLBACK
+        return ConsumeResult.SUCCESS
+
+    h = _Harness(handler)
+    h.service.start()
+    try:
+        h.put(range(0, 3))
+        await h.until(lambda: len(calls) == 5)
+    finally:
+        await h.service.aclose()
+    # 0 held, 1 rolled back: both come again, in order, after the suspend time.
+    assert calls == [0, 1, 0, 1, 2]
+    assert h.offsets.updates == [3]
+    assert h.pq.msg_count == 0
+
+
+async def test_rollback_and_commit_with_auto_commit_acknowledge_as_java_does() -> None:
+    """With auto-commit on (the default) Java treats COMMIT and ROLLBACK as SUCCESS, with a
+    warning: the offset moves on and nothing is consumed again."""
+    calls: list[int] = []
+
+    async def handler(msg: MessageExt) -> ConsumeResult:
+        calls.append(msg.queue_offset)
+        return ConsumeResult.ROLLBACK if msg.queue_offset == 0 else ConsumeResult.COMMIT
+
+    h = _Harness(handler)
+    with capture_logs() as logs:
+        h.service.start()
+        try:
+            h.put(range(0, 2))
+            await h.until(lambda: h.offsets.updates[-1:] == [2])
+        finally:
+            await h.service.aclose()
+    assert calls == [0, 1]
+    assert h.offsets.updates == [1, 2]
+    warned = [e["result"] for e in logs if e["event"] == "orderly.result_ignored_with_auto_commit"]
+    assert warned == ["ROLLBACK", "COMMIT"]
+
+
+async def test_a_suspend_after_successes_commits_them_and_retries_only_the_failing_one() -> None:
+    calls: list[int] = []
+
+    async def handler(msg: MessageExt) -> None:
+        calls.append(msg.queue_offset)
+        if msg.queue_offset == 1 and calls.count(1) == 1:
+            raise ValueError("once")
+
+    h = _Harness(handler, batch_size=3)
+    h.service.start()
+    try:
+        h.put(range(0, 3))
+        await h.until(lambda: len(calls) == 4)
+    finally:
+        await h.service.aclose()
+    assert calls == [0, 1, 1, 2]
+    assert h.offsets.updates == [1, 3]
+    totals = h.stats.totals["T"]
+    # The failed call counts its one message; offset 2, never handed over in the first
+    # batch, is not counted failed.
+    assert (totals.consumed, totals.failed) == (3, 1)
+    # One duration sample per listener call: two in the first batch, two in the second.
+    assert totals.consume_seconds.count == 4
+
+
+async def test_dead_lettered_messages_count_as_failed_not_consumed() -> None:
+    async def handler(msg: MessageExt) -> None:
+        if msg.queue_offset == 1:
+            raise DeadLetter("poison")
+
+    h = _Harness(handler, batch_size=3, broadcasting=True)
+    h.service.start()
+    try:
+        h.put(range(0, 3))
+        await h.until(lambda: h.offsets.updates[-1:] == [3])
+    finally:
+        await h.service.aclose()
+    totals = h.stats.totals["T"]
+    assert (totals.consumed, totals.failed) == (2, 1)  # as the concurrent service counts
