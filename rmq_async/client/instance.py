@@ -67,9 +67,10 @@ class ClientInstance:
     """Shared client state of one client id (Java ``MQClientInstance``, minus consumer logic).
 
     It owns the :class:`RemotingClient`, knows every topic route it was asked about and every
-    broker address found in them, and runs two periodic tasks when started: route refresh and
-    heartbeat. What a heartbeat carries comes from ``heartbeat_source``, a callable the owner
-    (a consumer or producer) provides; the instance itself knows nothing about consumers.
+    broker address found in them (forgetting an address once no held route lists it), and runs
+    two periodic tasks when started: route refresh and heartbeat. What a heartbeat carries
+    comes from ``heartbeat_source``, a callable the owner (a consumer or producer) provides;
+    the instance itself knows nothing about consumers.
     """
 
     def __init__(
@@ -146,7 +147,39 @@ class ClientInstance:
                 log.info("route.updated", topic=topic,
                          queues=len(consumer_queues(route, topic)),
                          brokers=[bd.broker_name for bd in route.broker_datas])
+            # Synchronous, right after the assignments above: the sweep sees this route and
+            # every other held one as they are.
+            self._forget_offline_brokers()
             return route
+
+    def _forget_offline_brokers(self) -> None:
+        """Drop every broker address that no held topic route lists any more, and every broker
+        name left without an address (Java ``cleanOfflineBroker``).
+
+        ``self.brokers[name].addrs`` holds what the route last written for ``name`` said, and
+        routes of several topics may name the same broker with different replicas; so an
+        address stays while any held route lists it under that broker name, whichever route
+        wrote the entry. (Java keeps an address listed under any name; a name that a route
+        now gives another broker's address is dropped here.) Versions learned from
+        heartbeats go with their addresses.
+        """
+        listed: dict[str, set[str]] = {}
+        for route in self.routes.values():
+            for bd in route.broker_datas:
+                listed.setdefault(bd.broker_name, set()).update(bd.broker_addrs.values())
+        for name, entry in list(self.brokers.items()):
+            still = listed.get(name, set())
+            for broker_id, addr in list(entry.addrs.items()):
+                if addr not in still:
+                    del entry.addrs[broker_id]
+                    log.info("broker.offline_removed", broker=name, broker_id=broker_id,
+                             addr=addr)
+            if not entry.addrs:
+                del self.brokers[name]
+                log.info("broker.offline_name_removed", broker=name)
+        known = self._known_addrs()
+        for addr in [a for a in self.broker_versions if a not in known]:
+            del self.broker_versions[addr]
 
     async def route(self, topic: str) -> TopicRouteData:
         route = self.routes.get(topic)
@@ -213,10 +246,10 @@ class ClientInstance:
         return bd.broker_addrs.get(MASTER_ID) or next(iter(bd.broker_addrs.values()))
 
     def all_broker_addrs(self) -> list[str]:
-        out: list[str] = []
-        for entry in self.brokers.values():
-            out.extend(entry.addrs.values())
-        return sorted(set(out))
+        return sorted(self._known_addrs())
+
+    def _known_addrs(self) -> set[str]:
+        return {addr for entry in self.brokers.values() for addr in entry.addrs.values()}
 
     async def ensure_topic(self, topic: str, queues: int, *, timeout: float = 30.0) -> None:
         """Create ``topic`` on every master broker of the cluster unless it already has a route,
@@ -259,13 +292,15 @@ class ClientInstance:
                 *(self.api.heartbeat(addr, data) for addr in addrs), return_exceptions=True
             )
         status: dict[str, bool] = {}
+        known = self._known_addrs()  # a route update during the round may have dropped some
         for addr, res in zip(addrs, results, strict=True):
             if isinstance(res, BaseException):
                 status[addr] = False
                 log.warning("heartbeat.failed", broker=addr, error=str(res))
             else:
                 status[addr] = True
-                self.broker_versions[addr] = res
+                if addr in known:
+                    self.broker_versions[addr] = res
         self._heartbeat_round_done(status)
         return status
 
@@ -299,10 +334,12 @@ class ClientInstance:
     async def _heartbeat_one(self, addr: str) -> None:
         assert self.heartbeat_source is not None
         try:
-            self.broker_versions[addr] = await self.api.heartbeat(addr, self.heartbeat_source())
+            version = await self.api.heartbeat(addr, self.heartbeat_source())
         except Exception as exc:  # the periodic heartbeat tries again
             log.warning("heartbeat.on_connect_failed", broker=addr, error=str(exc))
             return
+        if addr in self._known_addrs():  # not dropped from the routes meanwhile
+            self.broker_versions[addr] = version
         self._heartbeat_round_done({addr: True})
 
     async def route_refresh_loop(self, interval: float) -> None:
