@@ -396,20 +396,47 @@ async def matching_topics(client: ClientInstance, pattern: str) -> list[str]:
 
 
 async def source_topics(client: ClientInstance, opts: SourceOptions) -> list[str]:
-    """``topics``, or the topics matching ``topicPattern`` right now."""
+    """``topics``, or the topics matching ``topicPattern`` right now.
+
+    When no name server answers the topic list, the matching topics ``client`` already has
+    routes for stand in (see :func:`list_queues`, which then plans from those routes); with
+    none, the error surfaces.
+    """
     if opts.topic_pattern is None:
         return list(opts.topics)
-    return await matching_topics(client, opts.topic_pattern)
+    try:
+        return await matching_topics(client, opts.topic_pattern)
+    except (MQClientError, RemotingError) as exc:
+        regex = re.compile(opts.topic_pattern)
+        known = sorted(t for t in client.routes if regex.fullmatch(t))
+        if not known:
+            raise
+        log.warning("spark_source.topic_list_failed", pattern=opts.topic_pattern, topics=known,
+                    error=f"{type(exc).__name__}: {exc}")
+        return known
 
 
 async def list_queues(client: ClientInstance, topics: Iterable[str]) -> list[MessageQueue]:
-    """Every readable queue of ``topics`` from the name server, sorted."""
+    """Every readable queue of ``topics`` from the name server, sorted.
+
+    A topic whose route cannot be fetched now but that ``client`` fetched before is planned
+    from the route it holds, with a warning, as Java's client does when a periodic route
+    refresh fails: a name server that just restarted answers TOPIC_NOT_EXIST until the
+    brokers register again, one that is down refuses, and neither should end a stream (whose
+    driver keeps one client). Without a known route (a new topic, a batch read's fresh client)
+    the error surfaces: TOPIC_NOT_EXIST as :class:`SourceError`.
+    """
     out: list[MessageQueue] = []
     for topic in topics:
         try:
             await client.update_route(topic)
-        except NoRouteError as exc:
-            raise SourceError(f"topic {topic!r} has no route on the name server: {exc}")
+        except (MQClientError, RemotingError) as exc:
+            if topic not in client.routes:  # update_route keeps the old route on failure
+                if isinstance(exc, NoRouteError):
+                    raise SourceError(f"topic {topic!r} has no route on the name server: {exc}")
+                raise
+            log.warning("spark_source.route_refresh_failed", topic=topic,
+                        error=f"{type(exc).__name__}: {exc}")
         out.extend(await client.subscribe_queues(topic))
     return sorted(out)
 
@@ -502,22 +529,37 @@ def limit_offsets(start: Mapping[MessageQueue, int], latest: Mapping[MessageQueu
 
 
 async def announce_group(opts: SourceOptions, group: str, addrs: Iterable[str],
-                         topics: Iterable[str]) -> None:
+                         topics: Iterable[str]) -> set[str]:
     """Make ``group`` known to the brokers as a pull-style group, as a lite pull consumer would.
 
     One heartbeat per broker from a client of its own, which then disconnects (so the brokers
     drop it from the group's members again). The broker creates the group's retry topic on the
-    heartbeat; ``mqadmin consumerProgress`` needs it to report the group's offsets.
+    heartbeat; ``mqadmin consumerProgress`` needs it to report the group's offsets. Returns
+    the addresses that answered; a broker that did not is logged
+    (``spark_source.announce_group_failed``) and left to the caller to try again, so one
+    broker down does not keep the group from the others.
     """
     client = open_client(opts, "group")
     data = HeartbeatData(client_id=client.client_id, consumer_data_set=[ConsumerData(
         group_name=group, consume_type="CONSUME_ACTIVELY", message_model="CLUSTERING",
         consume_from_where="CONSUME_FROM_LAST_OFFSET",
         subscription_data_set=[opts.subscription(t) for t in sorted(topics)])])
+    targets = sorted(set(addrs))
     try:
-        await asyncio.gather(*(client.api.heartbeat(addr, data) for addr in sorted(set(addrs))))
+        results = await asyncio.gather(*(client.api.heartbeat(addr, data) for addr in targets),
+                                       return_exceptions=True)
     finally:
         await client.close()
+    answered: set[str] = set()
+    for addr, res in zip(targets, results, strict=True):
+        if isinstance(res, Exception):
+            log.warning("spark_source.announce_group_failed", group=group, broker=addr,
+                        error=f"{type(res).__name__}: {res}")
+        elif isinstance(res, BaseException):
+            raise res  # a cancellation is not a broker's answer
+        else:
+            answered.add(addr)
+    return answered
 
 
 # ---------------------------------------------------------------------- reading a range

@@ -44,6 +44,14 @@ to Arrow (:func:`rmq_async.sinks._arrow.messages_to_arrow`) and yields record ba
 workers, which must import rmq_async: point ``spark.pyspark.python`` (or ``PYSPARK_PYTHON``) at
 an interpreter that has it, on every machine of the cluster.
 
+A stream's driver keeps its client, and with it the routes it fetched. When no name server
+answers for a topic's route (or, with ``topicPattern``, for the topic list), or one that just
+restarted does not know the topic yet, it plans from the route it holds and logs
+``spark_source.route_refresh_failed`` (``spark_source.topic_list_failed``), as Java's client
+does when a route refresh fails; without a route fetched before, the error fails the query.
+A broker that does not answer for its queues' offsets fails it too (the executors could not
+read those queues either).
+
 In a stream, Spark's checkpoint owns the offsets: each micro-batch's end offsets are written to
 the offset log before the batch runs, so a restarted query re-plans the same ranges for a batch
 that did not commit and continues after the last committed one. With an exactly-once sink
@@ -53,10 +61,13 @@ writes the end offsets of each committed micro-batch to that consumer group on t
 offsets are never read back. Spark tells a source about a committed micro-batch when it plans
 the next one, so the offsets are written then, and also whenever the source is asked for new
 data (its start is the last committed end): a stream that has caught up shows no lag. Before
-the first write the source sends the brokers one heartbeat for the group (as a pull consumer,
-from a connection it closes right away), which makes the broker create the group's retry
-topic that ``consumerProgress`` needs. Use a group of its own: push consumers in the same
-group would count that client while it is connected.
+the first write to a broker the source sends it one heartbeat for the group (as a pull
+consumer, from a connection it closes right away), which makes the broker create the group's
+retry topic that ``consumerProgress`` needs; a broker that does not answer gets it again at
+the next write. Each queue's offset is written on its own: one whose broker left the route or
+does not answer is logged (``spark_source.commit_to_group_failed`` with the queue and offset)
+and written at a later commit, the others are written now, and the query goes on. Use a group
+of its own: push consumers in the same group would count that client while it is connected.
 
 Options (names are case-insensitive)
 ------------------------------------
@@ -108,8 +119,10 @@ default 10,000).
 
 Log events (structlog): ``spark_source.planned`` (a batch read or micro-batch planned: queues,
 offsets), ``spark_source.partition_read`` (an executor read one queue range: rows, seconds),
-``spark_source.data_loss``, ``spark_source.committed_to_group`` and
-``spark_source.commit_to_group_failed``.
+``spark_source.data_loss``, ``spark_source.route_refresh_failed`` and
+``spark_source.topic_list_failed`` (planned from the routes held),
+``spark_source.committed_to_group``, ``spark_source.commit_to_group_failed`` (per queue) and
+``spark_source.announce_group_failed`` (per broker).
 """
 
 from __future__ import annotations
@@ -341,13 +354,13 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: dict[MessageQueue, int] | None = None
         self._lows: dict[MessageQueue, int] = {}  # each queue's min offset, as last read
         self._went_down: dict[MessageQueue, int] = {}  # queues reported: the offset read
-        self._group_offsets: dict[MessageQueue, int] | None = None
-        self._group_announced = False
+        self._group_offsets: dict[MessageQueue, int] = {}  # as written to commitToGroup
+        self._group_announced: set[str] = set()  # brokers that took the group's heartbeat
 
     def __getstate__(self) -> dict[str, Any]:
         return {"opts": self.opts, "_runner": None, "_client": None, "_target": None,
-                "_lows": {}, "_went_down": {}, "_group_offsets": None,
-                "_group_announced": False}
+                "_lows": {}, "_went_down": {}, "_group_offsets": {},
+                "_group_announced": set()}
 
     def _run(self, work: Callable[[ClientInstance], Coroutine[Any, Any, T]]) -> T:
         if self._runner is None:
@@ -422,31 +435,59 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._commit_to_group(offsets_from_json(end))
 
     def _commit_to_group(self, offsets: dict[MessageQueue, int]) -> None:
+        """Write ``offsets`` to ``commitToGroup``, each queue on its own.
+
+        The group is only a view (the offsets that count are in Spark's checkpoint), so
+        nothing here fails the query: a queue whose broker left the route or does not answer
+        is logged and tried again at the next commit, while the others are written; only the
+        queues written are remembered as such. A broker gets the group's heartbeat before
+        its first write, again at the next commit until it has answered one.
+        """
         group = self.opts.commit_to_group
-        if group is None or not offsets or offsets == self._group_offsets:
+        if group is None:
             return
+        todo = {mq: off for mq, off in offsets.items() if self._group_offsets.get(mq) != off}
+        if not todo:
+            return
+        failed: dict[MessageQueue, str] = {}
 
         async def work(client: ClientInstance) -> None:
-            if not self._group_announced:
-                addrs = [await client.find_broker_master(mq.broker_name, mq.topic) for mq in offsets]
-                await announce_group(self.opts, group, addrs, {mq.topic for mq in offsets})
-                self._group_announced = True
+            addrs: dict[MessageQueue, str] = {}
 
-            async def one(mq: MessageQueue, off: int) -> None:
-                addr = await client.find_broker_master(mq.broker_name, mq.topic)
-                await client.api.update_consumer_offset(addr, group, mq, off, oneway=False)
+            async def find(mq: MessageQueue) -> None:
+                try:
+                    addrs[mq] = await client.find_broker_master(mq.broker_name, mq.topic)
+                except Exception as exc:  # left the route: its offset waits for the next commit
+                    failed[mq] = f"{type(exc).__name__}: {exc}"
 
-            await asyncio.gather(*(one(mq, off) for mq, off in offsets.items()))
+            async def write(mq: MessageQueue, addr: str) -> None:
+                try:
+                    await client.api.update_consumer_offset(addr, group, mq, todo[mq],
+                                                            oneway=False)
+                except Exception as exc:
+                    failed[mq] = f"{type(exc).__name__}: {exc}"
+                else:
+                    self._group_offsets[mq] = todo[mq]
+
+            await asyncio.gather(*(find(mq) for mq in todo))
+            unannounced = set(addrs.values()) - self._group_announced
+            if unannounced:
+                self._group_announced |= await announce_group(
+                    self.opts, group, unannounced, {mq.topic for mq in offsets})
+            await asyncio.gather(*(write(mq, addr) for mq, addr in addrs.items()))
 
         try:
             self._run(work)
-        except Exception as exc:  # the data is committed in Spark; the group is only a view
+        except Exception as exc:  # not one queue's failure: the whole round went wrong
             log.warning("spark_source.commit_to_group_failed", group=group,
                         error=f"{type(exc).__name__}: {exc}")
-            return
-        self._group_offsets = dict(offsets)
-        log.info("spark_source.committed_to_group", group=group, queues=len(offsets),
-                 offsets=sum(offsets.values()))
+        for mq, error in sorted(failed.items()):
+            log.warning("spark_source.commit_to_group_failed", group=group, topic=mq.topic,
+                        queue=queue_key(mq), offset=todo[mq], error=error)
+        written = {mq: off for mq, off in todo.items() if self._group_offsets.get(mq) == off}
+        if written:
+            log.info("spark_source.committed_to_group", group=group, queues=len(written),
+                     offsets=sum(written.values()), failed=len(todo) - len(written))
 
     def stop(self) -> None:
         runner, client = self._runner, self._client
