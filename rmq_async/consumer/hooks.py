@@ -19,10 +19,16 @@ exception there is logged and ``stop()`` goes on.
 Each hook may be ``async def`` or a plain function; plain functions run in a worker thread so
 they never block the event loop. An exception raised by a rebalance listener is logged
 (``consumer.rebalance_listener_failed``) and the rebalance goes on as if it had returned.
+
+In ``stop()`` each ``on_revoked`` listener and each ``on_shutdown`` hook has up to
+``stop()``'s timeout: one still running then is cancelled (a plain function's thread cannot
+be: it is left to finish on its own), logged (``consumer.hook_timed_out``), and ``stop()``
+goes on with the next.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -64,9 +70,28 @@ async def _call(fn: Callable[..., Any], *args: Any) -> None:
             getattr(fn, "__call__", None)):  # noqa: B004
         await fn(*args)
         return
-    result = await anyio.to_thread.run_sync(lambda: fn(*args))
+    # A cancelled wait (a rebalance round cut short by stop(), a hook over stop()'s timeout)
+    # does not wait for the thread: it cannot be interrupted, and finishes on its own.
+    result = await anyio.to_thread.run_sync(lambda: fn(*args), abandon_on_cancel=True)
     if inspect.isawaitable(result):  # a plain function that returned an awaitable
         await result
+
+
+async def _within(timeout: float | None, group: str, which: str, hook: Callable[..., Any],
+                  *args: Any) -> bool:
+    """Await one hook, for ``timeout`` seconds if given; False when it ran out of time
+    (logged). Its own exceptions propagate."""
+    scope = asyncio.timeout(timeout)
+    try:
+        async with scope:
+            await _call(hook, *args)
+    except TimeoutError:
+        if not scope.expired():
+            raise  # the hook's own TimeoutError
+        log.error("consumer.hook_timed_out", group=group, hook=which, listener=_name(hook),
+                  timeout=timeout)
+        return False
+    return True
 
 
 class RebalanceHooks:
@@ -88,16 +113,19 @@ class RebalanceHooks:
     async def fire_assigned(self, group: str, queues: Iterable[MessageQueue]) -> None:
         await self._fire("assigned", self.assigned, group, frozenset(queues))
 
-    async def fire_revoked(self, group: str, queues: Iterable[MessageQueue]) -> None:
-        await self._fire("revoked", self.revoked, group, frozenset(queues))
+    async def fire_revoked(self, group: str, queues: Iterable[MessageQueue], *,
+                           timeout: float | None = None) -> None:
+        """Await the ``on_revoked`` listeners; with ``timeout``, each for that long at most."""
+        await self._fire("revoked", self.revoked, group, frozenset(queues), timeout)
 
     async def _fire(self, which: str, hooks: list[QueuesHook], group: str,
-                    queues: frozenset[MessageQueue]) -> None:
+                    queues: frozenset[MessageQueue], timeout: float | None = None) -> None:
         if not queues or not hooks:
             return
         for hook in list(hooks):
             try:
-                await _call(hook, queues)
+                if not await _within(timeout, group, which, hook, queues):
+                    continue
             except Exception as exc:  # a listener never breaks the rebalance
                 log.error("consumer.rebalance_listener_failed", group=group, hook=which,
                           listener=_name(hook), queues=sorted(str(q) for q in queues),
@@ -112,11 +140,12 @@ class RebalanceHooks:
             await _call(hook)
             log.debug("consumer.startup_hook_done", group=group, hook=_name(hook))
 
-    async def run_shutdown(self, group: str) -> None:
-        """Await every shutdown hook in order; exceptions are logged, the others still run."""
+    async def run_shutdown(self, group: str, *, timeout: float | None = None) -> None:
+        """Await every shutdown hook in order (with ``timeout``, each for that long at most);
+        exceptions are logged, the others still run."""
         for hook in list(self.shutdown):
             try:
-                await _call(hook)
+                await _within(timeout, group, "shutdown", hook)
             except Exception as exc:
                 log.error("consumer.shutdown_hook_failed", group=group, hook=_name(hook),
                           error=f"{type(exc).__name__}: {exc}", exc_info=exc)

@@ -441,9 +441,10 @@ class PushConsumer:
         """Stop consuming and release everything.
 
         Pulling stops at once; listener calls already running may finish (up to ``timeout``
-        seconds, a float or a ``timedelta``) and their acknowledgements are committed; offsets
-        are persisted, the client is unregistered from the brokers and the connections are
-        closed. Afterwards no task of this consumer is left running.
+        seconds, a float or a ``timedelta``) and their acknowledgements are committed; the
+        ``on_revoked`` listeners, then the ``on_shutdown`` hooks, run (up to ``timeout``
+        each); offsets are persisted, the client is unregistered from the brokers and the
+        connections are closed. Afterwards no task of this consumer is left running.
         """
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
@@ -466,7 +467,7 @@ class PushConsumer:
             await self.sink_service.aclose()
             # 3. the rebalance listeners hear that every queue is given up, then what was
             # acknowledged is persisted and the queues are forgotten
-            await self.hooks.fire_revoked(self.group, set(self.process_queues))
+            await self.hooks.fire_revoked(self.group, set(self.process_queues), timeout=timeout)
             try:
                 await self.offset_store.persist_all(set(self.process_queues), oneway=False)
             except Exception as exc:
@@ -475,7 +476,7 @@ class PushConsumer:
             for pq in self.process_queues.values():
                 pq.dropped = True
             self.process_queues.clear()
-            await self.hooks.run_shutdown(self.group)
+            await self.hooks.run_shutdown(self.group, timeout=timeout)
             # 4. leave the group and close the connections
             await self.instance.unregister(None, self.group)
             await self.instance.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -17,7 +18,7 @@ from rmq_async import ConsumeResult, Message, MessageExt, MessageQueue, PushCons
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.observability.prometheus import instrument, start_metrics_server
 from tests.chaos.proxy import FaultProxy
-from tests.helpers import produce, unique, wait_until
+from tests.helpers import AdminClient, produce, unique, wait_until
 
 pytestmark = pytest.mark.broker
 
@@ -144,6 +145,46 @@ async def test_on_revoked_awaited_before_revoked_offsets_persist_and_lifespan_or
     assert {v[0] for k, v in stop_events if k == "commit"} <= stop_events[0][1]
     print(f"\nrevoke: {len(revoked_qs)} queues revoked (listener 0.3 s) before "
           f"{len(commits_of_revoked)} commits; {time.monotonic() - t0:.1f} s")
+
+
+async def test_stop_is_bounded_when_the_hooks_never_return(rocketmq: LocalRocketMQ) -> None:
+    """An on_revoked that never returns and a plain on_shutdown blocked in its thread hold
+    ``stop()`` for its timeout each, not for ever; the offsets are still persisted."""
+    ns = rocketmq.namesrv_addr
+    topic = unique("T_stuck_hooks")
+    await rocketmq.create_topic(topic, queues=2)
+    group = unique("G_stuck_hooks")
+    release = threading.Event()
+    consumed: list[int] = []
+    consumer = PushConsumer(group, namesrv=ns, consume_from_where="CONSUME_FROM_FIRST_OFFSET",
+                            persist_offset_interval=120.0)
+
+    @consumer.subscribe(topic)
+    async def on(msg: MessageExt) -> None:
+        consumed.append(msg.queue_offset)
+
+    @consumer.on_revoked
+    async def revoked(queues: frozenset[MessageQueue]) -> None:
+        await asyncio.Event().wait()
+
+    @consumer.on_shutdown
+    def shutdown() -> None:
+        release.wait(60)
+
+    placed = await produce(ns, topic, _messages(topic, 20), batch=5)
+    await consumer.start()
+    try:
+        await wait_until(lambda: len(consumed) == 20, 20, what="everything consumed")
+        began = time.monotonic()
+        await asyncio.wait_for(consumer.stop(timeout=1.0), 20)
+        took = time.monotonic() - began
+    finally:
+        release.set()
+    assert took < 10, took
+    async with AdminClient(ns) as admin:
+        committed = await admin.committed_offsets(group, topic)
+    per_queue = {q: sum(1 for qid, _ in placed if qid == q) for q in range(2)}
+    assert {mq.queue_id: off for mq, off in committed.items()} == per_queue
 
 
 def _progress_rows(out: str) -> dict[tuple[str, int], tuple[int, int, int]]:

@@ -105,6 +105,42 @@ async def test_startup_failure_propagates_shutdown_failure_is_logged() -> None:
     assert [e["event"] for e in logs if e["log_level"] == "error"] == ["consumer.shutdown_hook_failed"]
 
 
+async def test_hooks_that_never_return_are_bounded_by_the_stop_timeout() -> None:
+    """stop() gives each on_revoked listener and on_shutdown hook its timeout: an async hook
+    is cancelled, a plain one's thread is left to finish on its own, the next hook runs."""
+    hooks = RebalanceHooks()
+    release = threading.Event()
+    order: list[str] = []
+
+    async def forever(*args: Any) -> None:
+        await asyncio.Event().wait()
+
+    def blocked(*args: Any) -> None:  # a plain function: a worker thread, not cancellable
+        release.wait(30)
+        order.append("blocked returned")
+
+    async def after(*args: Any) -> None:
+        order.append("after")
+
+    hooks.revoked += [forever, blocked, after]
+    hooks.shutdown += [blocked, forever, after]
+    mq = MessageQueue("T", "b", 0)
+    loop = asyncio.get_running_loop()
+    try:
+        with capture_logs() as logs:
+            began = loop.time()
+            async with asyncio.timeout(5):
+                await hooks.fire_revoked("g", {mq}, timeout=0.2)
+                await hooks.run_shutdown("g", timeout=0.2)
+            took = loop.time() - began
+    finally:
+        release.set()
+    assert order == ["after", "after"]
+    assert 0.8 <= took < 3.0
+    timed_out = [(e["hook"], e["timeout"]) for e in logs if e["event"] == "consumer.hook_timed_out"]
+    assert timed_out == [("revoked", 0.2)] * 2 + [("shutdown", 0.2)] * 2
+
+
 # ---------------------------------------------------------------------- statistics totals
 
 
