@@ -32,10 +32,21 @@ import structlog
 from rmq_async.errors import InvalidArgumentError
 
 from . import config as cfg
+from .admin_helper import AdminHelper
 from .errors import DevBrokerError
 from .java import compile_java
 from .maven import DEFAULT_VERSION, ensure_jars, find_tool, version_dir
-from .procs import RunRecord, pid_start_ticks, reap_stale_runs, runs_root, spawn, stop_process
+from .procs import (
+    RunRecord,
+    output_since,
+    output_size,
+    output_tail,
+    pid_start_ticks,
+    reap_stale_runs,
+    runs_root,
+    spawn,
+    stop_process,
+)
 from .versions import PlainAclAccount, logback_files, profile, render_plain_acl
 
 __all__ = ["AclAccount", "LocalRocketMQ"]
@@ -50,7 +61,6 @@ NAMESRV_READY = "The Name Server boot success"
 BROKER_READY = "boot success"
 BROKER_REGISTERED = "Registering current broker to name server completed"
 ADMIN_SOURCE = Path(__file__).parent / "java" / "DevAdmin.java"
-_ADMIN_PORT_RE = re.compile(r"DEVADMIN PORT (\d+)")
 
 
 @dataclass(frozen=True)
@@ -173,34 +183,6 @@ def parse_lenient_json(text: str) -> Any:
     return json.loads("".join(out))
 
 
-def _tail(path: Path, n: int) -> list[str]:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - 256 * 1024))
-            data = fh.read()
-    except OSError:
-        return []
-    return data.decode(errors="replace").splitlines()[-n:]
-
-
-def _read_from(path: Path, offset: int) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            return fh.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
 def _port_taken(exc: BaseException) -> bool:
     """``exc`` (or, from a task group, every error in it) is a start that failed because a
     picked port was taken."""
@@ -269,10 +251,8 @@ class LocalRocketMQ:
         self._broker_port = 0
         self._namesrv: subprocess.Popen[bytes] | None = None
         self._broker: subprocess.Popen[bytes] | None = None
-        self._admin: subprocess.Popen[bytes] | None = None
+        self._admin = AdminHelper()
         self._admin_classes: Path | None = None
-        self._admin_port = 0
-        self._admin_out_offset = 0
         self._record: RunRecord | None = None
         self._closed = False
 
@@ -323,7 +303,8 @@ class LocalRocketMQ:
     def pids(self) -> dict[str, int]:
         """Pids of the running JVMs (``namesrv``, ``broker``)."""
         out = {}
-        procs = (("namesrv", self._namesrv), ("broker", self._broker), ("admin", self._admin))
+        procs = (("namesrv", self._namesrv), ("broker", self._broker),
+                 ("admin", self._admin.proc))
         for name, proc in procs:
             if proc is not None and proc.poll() is None:
                 out[name] = proc.pid
@@ -480,7 +461,7 @@ class LocalRocketMQ:
 
     async def _start_namesrv(self) -> None:
         p = self._paths()
-        offset = _size(p["namesrv_out"])
+        offset = output_size(p["namesrv_out"])
         # The name server only answers route queries: on the quick-start flags its start takes
         # 2.2-3.9 CPU s instead of 4.3-4.7 (measured), with nothing to lose at its load.
         self._namesrv = self._spawn_jvm(cfg.NAMESRV_CLASS, p["namesrv_conf"], p["namesrv_out"],
@@ -492,7 +473,7 @@ class LocalRocketMQ:
             if self._namesrv.poll() is not None:
                 rc = self._namesrv.returncode
                 raise self._failure(f"the name server exited with status {rc}")
-            if NAMESRV_READY in _read_from(p["namesrv_out"], offset) and await self._port_open(
+            if NAMESRV_READY in output_since(p["namesrv_out"], offset) and await self._port_open(
                 self._namesrv_port
             ):
                 return
@@ -512,55 +493,16 @@ class LocalRocketMQ:
             user_home=run / "admin-home", logback="rmq.client.logback.xml", heap="128m",
             quick_start=True, class_dirs=[self._admin_classes],
         )
-        # A helper started again (after a port clash) appends to the same file: its port is
-        # the one printed after this point.
-        self._admin_out_offset = _size(self._paths()["admin_out"])
-        self._admin = spawn(cmd, cwd=run, env=self._env(), output=self._paths()["admin_out"],
-                            die_with_parent=not self.detached, stdin_pipe=True)
-        self._admin_port = 0
+        self._admin.spawn(cmd, cwd=run, env=self._env(), output=self._paths()["admin_out"],
+                          die_with_parent=not self.detached)
         self._save_record()
-
-    def _admin_alive(self) -> bool:
-        return self._admin is not None and self._admin.poll() is None
-
-    async def _admin_ready(self, timeout: float) -> int:
-        """The helper's port, waiting for it to print it."""
-        if self._admin_port:
-            return self._admin_port
-        deadline = time.monotonic() + timeout
-        out = self._paths()["admin_out"]
-        while True:
-            m = _ADMIN_PORT_RE.search(_read_from(out, self._admin_out_offset))
-            if m:
-                self._admin_port = int(m.group(1))
-                return self._admin_port
-            if not self._admin_alive() or time.monotonic() > deadline:
-                tail = "\n".join(_tail(out, 40))
-                raise DevBrokerError(f"the admin helper did not start:\n{tail}")
-            await anyio.sleep(0.05)
 
     async def admin_request(self, *words: str, timeout: float = 30.0) -> list[str]:
         """Send one request to the resident admin helper; return its result lines.
 
         Raises :class:`DevBrokerError` when the helper answers ``ERR``.
         """
-        port = await self._admin_ready(timeout)
-        with anyio.fail_after(timeout):
-            stream = await anyio.connect_tcp("127.0.0.1", port)
-            async with stream:
-                await stream.send("\t".join(words).encode() + b"\n")
-                chunks = []
-                while True:
-                    try:
-                        chunks.append(await stream.receive())
-                    except anyio.EndOfStream:
-                        break
-        lines = b"".join(chunks).decode(errors="replace").splitlines()
-        if not lines:
-            raise DevBrokerError(f"the admin helper gave no answer to {words[0]!r}")
-        if lines[0].startswith("ERR"):
-            raise DevBrokerError(f"admin {' '.join(words)}: {lines[0][4:]}")
-        return lines
+        return await self._admin.request(*words, timeout=timeout)
 
     async def _create_account(self, acl: AclAccount) -> None:
         kind = "Super" if acl.admin else "Normal"
@@ -584,8 +526,8 @@ class LocalRocketMQ:
 
     async def _start_broker(self) -> None:
         p = self._paths()
-        out_offset = _size(p["broker_out"])
-        log_offset = _size(p["broker_log"])
+        out_offset = output_size(p["broker_out"])
+        log_offset = output_size(p["broker_log"])
         started = time.monotonic()
         self._broker = self._spawn_jvm(cfg.BROKER_CLASS, p["broker_conf"], p["broker_out"],
                                        "rmq.broker.logback.xml", self.heap, "512m",
@@ -597,12 +539,12 @@ class LocalRocketMQ:
         while True:
             if self._broker.poll() is not None:
                 raise self._failure(f"the broker exited with status {self._broker.returncode}")
-            if not booted and BROKER_READY in _read_from(p["broker_out"], out_offset):
+            if not booted and BROKER_READY in output_since(p["broker_out"], out_offset):
                 booted = True
                 log.info("devbroker.broker.booted", seconds=round(time.monotonic() - started, 2))
             if booted:
-                registered = BROKER_REGISTERED in _read_from(p["broker_log"], log_offset)
-                if not registered and self._admin_alive():
+                registered = BROKER_REGISTERED in output_since(p["broker_log"], log_offset)
+                if not registered and self._admin.alive:
                     registered = await self._registered()
                     # The broker's first registration can miss the name server (its list of
                     # reachable name servers is filled asynchronously) and the next one is
@@ -624,7 +566,7 @@ class LocalRocketMQ:
         p = self._paths()
         parts = [f"local RocketMQ failed: {what} (run folder {self._workdir})"]
         for key in ("namesrv_out", "broker_out", "broker_log", "admin_out"):
-            lines = _tail(p[key], 40)
+            lines = output_tail(p[key], 40)
             if lines:
                 parts.append(f"--- last lines of {p[key]} ---")
                 parts.extend(lines)
@@ -666,10 +608,8 @@ class LocalRocketMQ:
     async def _stop_processes(self) -> None:
         # A store about to be deleted needs no orderly shutdown (the broker's takes ~13 s).
         grace = 20.0 if self._record is None or not self._record.remove_workdir else 0.0
-        if self._admin is not None and self._admin.stdin is not None:
-            with contextlib.suppress(OSError):
-                self._admin.stdin.close()
-        for attr in ("_admin", "_broker", "_namesrv"):
+        await self._admin.stop(grace)
+        for attr in ("_broker", "_namesrv"):
             proc: subprocess.Popen[bytes] | None = getattr(self, attr)
             if proc is not None:
                 await stop_process(proc, grace=grace)
@@ -695,8 +635,8 @@ class LocalRocketMQ:
     def broker_log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of the broker's stdout and ``broker.log``."""
         p = self._paths()
-        out = _tail(p["broker_out"], n)
-        blog = _tail(p["broker_log"], n)
+        out = output_tail(p["broker_out"], n)
+        blog = output_tail(p["broker_log"], n)
         return "\n".join([*out, *blog])
 
     def tools_command(self, *args: str) -> list[str]:
@@ -768,7 +708,7 @@ class LocalRocketMQ:
             raise InvalidArgumentError(f"queues must be within 1..1024, not {queues}")
         started = time.monotonic()
         deadline = started + timeout
-        if self._admin_alive():
+        if self._admin.alive:
             await self.admin_request("create", self.cluster, name, str(queues),
                                      "true" if order else "false", timeout=timeout)
             while True:

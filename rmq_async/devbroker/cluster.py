@@ -33,8 +33,8 @@ import anyio
 import structlog
 
 from . import config as cfg
+from .admin_helper import AdminHelper
 from .broker import (
-    _ADMIN_PORT_RE,
     _START_ATTEMPTS,
     _TOPIC_RE,
     ADMIN_SOURCE,
@@ -42,15 +42,21 @@ from .broker import (
     BROKER_REGISTERED,
     NAMESRV_READY,
     _port_taken,
-    _read_from,
-    _size,
-    _tail,
     runs_dir,
 )
 from .errors import DevBrokerError
 from .java import compile_java
 from .maven import DEFAULT_VERSION, ensure_jars, find_tool, version_dir
-from .procs import RunRecord, pid_start_ticks, reap_stale_runs, spawn, stop_process
+from .procs import (
+    RunRecord,
+    output_since,
+    output_size,
+    output_tail,
+    pid_start_ticks,
+    reap_stale_runs,
+    spawn,
+    stop_process,
+)
 from .versions import logback_files, profile
 
 __all__ = ["BrokerNode", "LocalCluster", "NamesrvNode", "group_name"]
@@ -193,9 +199,7 @@ class LocalCluster:
         self._lib_dir: Path | None = None
         self._java: Path | None = None
         self._admin_classes: Path | None = None
-        self._admin: subprocess.Popen[bytes] | None = None
-        self._admin_port = 0
-        self._admin_out_offset = 0
+        self._admin = AdminHelper()
         self._record: RunRecord | None = None
         self._closed = False
         self.namesrvs: list[NamesrvNode] = []
@@ -261,8 +265,8 @@ class LocalCluster:
         for node in self.brokers.values():
             if node.proc is not None and node.proc.poll() is None:
                 out[node.key] = node.proc.pid
-        if self._admin is not None and self._admin.poll() is None:
-            out["admin"] = self._admin.pid
+        if self._admin.proc is not None and self._admin.alive:
+            out["admin"] = self._admin.proc.pid
         return out
 
     @property
@@ -408,7 +412,7 @@ class LocalCluster:
 
     async def _start_namesrv(self, ns: NamesrvNode) -> None:
         out = ns.folder / "namesrv.out"
-        offset = _size(out)
+        offset = output_size(out)
         # Quick-start flags, as LocalRocketMQ's name server (route queries only).
         ns.proc = self._spawn(cfg.NAMESRV_CLASS, ns.folder, ns.folder / "namesrv.conf", out,
                               "rmq.namesrv.logback.xml", self.namesrv_heap, "64m",
@@ -419,7 +423,7 @@ class LocalCluster:
             if ns.proc.poll() is not None:
                 raise self._failure(f"name server {ns.index} exited with status "
                                     f"{ns.proc.returncode}", out)
-            if NAMESRV_READY in _read_from(out, offset) and await _port_open(ns.port):
+            if NAMESRV_READY in output_since(out, offset) and await _port_open(ns.port):
                 log.info("devbroker.cluster.namesrv_ready", namesrv=ns.addr)
                 return
             if time.monotonic() > deadline:
@@ -428,8 +432,8 @@ class LocalCluster:
             await anyio.sleep(0.1)
 
     async def _start_broker(self, node: BrokerNode) -> None:
-        out_offset = _size(node.out_path)
-        log_offset = _size(node.log_path)
+        out_offset = output_size(node.out_path)
+        log_offset = output_size(node.log_path)
         started = time.monotonic()
         node.proc = self._spawn(cfg.BROKER_CLASS, node.folder, node.conf_path, node.out_path,
                                 "rmq.broker.logback.xml", self.heap, self.direct,
@@ -442,10 +446,10 @@ class LocalCluster:
             if node.proc.poll() is not None:
                 raise self._failure(f"broker {node.key} exited with status "
                                     f"{node.proc.returncode}", node.out_path, node.log_path)
-            if not booted and BROKER_READY in _read_from(node.out_path, out_offset):
+            if not booted and BROKER_READY in output_since(node.out_path, out_offset):
                 booted = True
             if booted:
-                registered = (BROKER_REGISTERED in _read_from(node.log_path, log_offset)
+                registered = (BROKER_REGISTERED in output_since(node.log_path, log_offset)
                               and await self._listed(node))
                 if not registered and time.monotonic() - nudged > 1.0:
                     # The first registration can miss a name server (the broker fills its list
@@ -491,7 +495,7 @@ class LocalCluster:
     def _failure(self, what: str, *paths: Path) -> DevBrokerError:
         parts = [f"local RocketMQ cluster failed: {what} (run folder {self._workdir})"]
         for path in paths:
-            lines = _tail(path, 40)
+            lines = output_tail(path, 40)
             if lines:
                 parts.append(f"--- last lines of {path} ---")
                 parts.extend(lines)
@@ -569,48 +573,13 @@ class LocalCluster:
             user_home=run / "admin-home", logback="rmq.client.logback.xml", heap="128m",
             quick_start=True, class_dirs=[self._admin_classes],
         )
-        # The port is read from what this start writes (a restart appends to the same file).
-        self._admin_out_offset = _size(run / "devadmin.out")
-        self._admin = spawn(cmd, cwd=run, env=self._env(), output=run / "devadmin.out",
-                            die_with_parent=not self.detached, stdin_pipe=True)
-        self._admin_port = 0
+        self._admin.spawn(cmd, cwd=run, env=self._env(), output=run / "devadmin.out",
+                          die_with_parent=not self.detached)
         self._save_record()
-
-    async def _admin_ready(self, timeout: float) -> int:
-        if self._admin_port:
-            return self._admin_port
-        out = self._require() / "devadmin.out"
-        deadline = time.monotonic() + timeout
-        while True:
-            m = _ADMIN_PORT_RE.search(_read_from(out, self._admin_out_offset))
-            if m:
-                self._admin_port = int(m.group(1))
-                return self._admin_port
-            if self._admin is None or self._admin.poll() is not None or \
-                    time.monotonic() > deadline:
-                tail = "\n".join(_tail(out, 40))
-                raise DevBrokerError(f"the admin helper did not start:\n{tail}")
-            await anyio.sleep(0.05)
 
     async def admin_request(self, *words: str, timeout: float = 30.0) -> list[str]:
         """One request to the resident admin helper (see ``DevAdmin.java``); its result lines."""
-        port = await self._admin_ready(timeout)
-        with anyio.fail_after(timeout):
-            stream = await anyio.connect_tcp("127.0.0.1", port)
-            async with stream:
-                await stream.send("\t".join(words).encode() + b"\n")
-                chunks = []
-                while True:
-                    try:
-                        chunks.append(await stream.receive())
-                    except anyio.EndOfStream:
-                        break
-        lines = b"".join(chunks).decode(errors="replace").splitlines()
-        if not lines:
-            raise DevBrokerError(f"the admin helper gave no answer to {words[0]!r}")
-        if lines[0].startswith("ERR"):
-            raise DevBrokerError(f"admin {' '.join(words)}: {lines[0][4:]}")
-        return lines
+        return await self._admin.request(*words, timeout=timeout)
 
     async def create_topic(self, name: str, queues: int = 8, order: bool = False, *,
                            timeout: float = 60.0) -> None:
@@ -707,12 +676,7 @@ class LocalCluster:
 
     async def _stop_processes(self) -> None:
         grace = 20.0 if self._record is None or not self._record.remove_workdir else 0.0
-        if self._admin is not None:
-            if self._admin.stdin is not None:
-                with contextlib.suppress(OSError):
-                    self._admin.stdin.close()
-            await stop_process(self._admin, grace=grace)
-            self._admin = None
+        await self._admin.stop(grace)
         procs: list[subprocess.Popen[bytes]] = []
         for node in self.brokers.values():
             if node.proc is not None:

@@ -102,6 +102,37 @@ def spawn(cmd: Sequence[str], *, cwd: Path, env: Mapping[str, str], output: Path
         )
 
 
+def output_tail(path: Path, n: int) -> list[str]:
+    """The last ``n`` lines of a process's output file (of its last 256 KiB)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 256 * 1024))
+            data = fh.read()
+    except OSError:
+        return []
+    return data.decode(errors="replace").splitlines()[-n:]
+
+
+def output_since(path: Path, offset: int) -> str:
+    """What a process wrote to its output file after ``offset`` bytes."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def output_size(path: Path) -> int:
+    """The size of an output file, 0 when there is none yet."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie."""
     if pid <= 0:
