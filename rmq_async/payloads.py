@@ -15,8 +15,14 @@
    * a msgspec ``Struct`` (``msgspec`` extra): decoded and validated by msgspec in one step;
    * a dataclass: the decoded object must be a JSON object whose keys are the dataclass's
      fields (unknown or missing required fields fail); field values are not converted;
-   * any other class: the decoded value must already be an instance of it (``dict``,
-     ``list``, ``str``...).
+   * a ``TypedDict``: the decoded object must be a JSON object with its required keys and
+     no others; the handler gets that ``dict``, values not converted;
+   * a class a decoded value can be: ``dict``, ``list``, ``str``, ``int``, ``float`` (a
+     whole number is converted), ``bool``, ``bytes`` (msgpack), or an abstract class of
+     theirs such as ``Mapping``: the decoded value must already be an instance of it.
+
+   Any other class (a ``NamedTuple``, an ``Enum``, a plain class) is refused when the
+   subscription is made, since no body could ever decode into it.
 
    With ``decoder=`` and ``model=`` together, the decoder's result is converted into the model.
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,6 +58,9 @@ PROPERTY_CONTENT_TYPE = "CONTENT_TYPE"
 CONTENT_TYPE_JSON = "application/json"
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 _MSGPACK_TYPES = frozenset({CONTENT_TYPE_MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
+
+#: What JSON and msgpack bodies decode into: a plain model= must be one of these or above one.
+_DECODED_KINDS: tuple[type[Any], ...] = (dict, list, str, int, float, bool, bytes)
 
 #: The longest reason text a dead-lettered message carries.
 MAX_REASON_CHARS = 1000
@@ -118,8 +128,33 @@ def _model_converter(model: type[Any]) -> tuple[Callable[[bytes, str], Any],
 
         return (lambda body, fmt: from_data_dc(_load(body, fmt))), from_data_dc
 
+    if typing.is_typeddict(model):
+        required: frozenset[str] = model.__required_keys__
+        allowed = required | model.__optional_keys__
+
+        def from_data_td(data: Any) -> Any:
+            if not isinstance(data, dict):
+                raise PayloadDecodeError(
+                    f"expected a JSON object for {model.__name__}, got {type(data).__name__}")
+            missing, unknown = required - data.keys(), data.keys() - allowed
+            if missing or unknown:
+                raise PayloadDecodeError(f"{model.__name__}: missing keys {sorted(missing)}, "
+                                         f"unknown keys {sorted(map(str, unknown))}")
+            return data
+
+        return (lambda body, fmt: from_data_td(_load(body, fmt))), from_data_td
+
+    if not any(issubclass(kind, model) for kind in _DECODED_KINDS):
+        raise InvalidTypeError(
+            f"model={model.__name__}: no body decodes into it; give a pydantic model, a "
+            "msgspec Struct, a dataclass, a TypedDict or one of dict, list, str, int, float, "
+            "bool, bytes")
+    whole_to_float = model is float
+
     def from_data_plain(data: Any) -> Any:
-        if not isinstance(data, model):
+        if whole_to_float and type(data) is int:
+            return float(data)
+        if not isinstance(data, model) or (isinstance(data, bool) and model in (int, float)):
             raise PayloadDecodeError(
                 f"expected {model.__name__}, got {type(data).__name__}")
         return data

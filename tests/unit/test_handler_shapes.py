@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, TypedDict
 
 import msgpack
 import msgspec
@@ -24,6 +25,7 @@ from rmq_async import (
 )
 from rmq_async.consumer.listener import ListenerAdapter, inspect_handler
 from rmq_async.consumer.middleware import run_call
+from rmq_async.errors import InvalidTypeError
 from rmq_async.payloads import PayloadDecodeError, build_payload_decoder
 from rmq_async.protocol.types import MessageQueue
 
@@ -180,6 +182,50 @@ def test_custom_decoder_and_plain_types() -> None:
     assert both(_msg(msgpack.packb({"id": 1, "item": "x"}))) == DcOrder(1, "x")
     with pytest.raises(TypeError):
         build_payload_decoder("Order", None)  # type: ignore[arg-type]
+
+
+class TdOrder(TypedDict):
+    id: int
+    item: str
+
+
+class NtOrder(NamedTuple):
+    id: int
+    item: str
+
+
+class Colour(enum.Enum):
+    RED = "red"
+
+
+def test_a_model_no_body_can_decode_into_is_refused_when_subscribing() -> None:
+    """A NamedTuple, an Enum or a plain class would send every message to the dead-letter
+    queue: refused up front instead. Abstract classes of what bodies decode into are fine."""
+    for model in (NtOrder, Colour, ListenerAdapter):
+        with pytest.raises(InvalidTypeError, match="no body decodes into it"):
+            build_payload_decoder(model, None)
+    as_mapping = build_payload_decoder(Mapping, None)
+    assert as_mapping(_msg(b'{"a": 1}')) == {"a": 1}
+    consumer = PushConsumer("G_models", namesrv="127.0.0.1:9876")
+    with pytest.raises(InvalidTypeError):
+        consumer.subscribe("T", listener=lambda order: None, model=NtOrder)
+
+
+def test_typeddict_and_number_models() -> None:
+    as_td = build_payload_decoder(TdOrder, None)
+    assert as_td(_msg(b'{"id": 7, "item": "pen"}')) == {"id": 7, "item": "pen"}
+    for bad in (b'{"id": 7}', b'{"id": 7, "item": "pen", "x": 1}', b"[1]"):
+        with pytest.raises(PayloadDecodeError, match="TdOrder"):
+            as_td(_msg(bad))
+    as_float = build_payload_decoder(float, None)
+    assert as_float(_msg(b"10.5")) == 10.5
+    whole = as_float(_msg(b"10"))  # JSON has one number type: 10 is a float too
+    assert whole == 10.0 and type(whole) is float
+    as_int = build_payload_decoder(int, None)
+    assert as_int(_msg(b"10")) == 10
+    for model, body in ((float, b"true"), (int, b"true"), (int, b"1.5")):
+        with pytest.raises(PayloadDecodeError):
+            build_payload_decoder(model, None)(_msg(body))
 
 
 async def test_undecodable_per_message_is_dead_letter_and_batch_filters_poison() -> None:
