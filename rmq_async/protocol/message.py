@@ -511,7 +511,8 @@ def _decode_records(
                 f"bad properties length {props_len} (record has {end - p} bytes left)"
             )
         if decompress and sys_flag & MSG_COMPRESSED_FLAG:
-            body = _decompress(body, sys_flag, max_body_size)
+            if body:  # an empty body is stored as is (Java inflates only a non-empty one)
+                body = _decompress(body, sys_flag, max_body_size)
             sys_flag &= ~MSG_COMPRESSED_FLAG
         # Properties and the offset message id are kept raw: MessageExt parses / formats them
         # when they are first read.

@@ -448,3 +448,15 @@ def test_uniq_key_layout() -> None:
     assert len(ids) == 5000
     assert len(UniqKeyGenerator("::1").next_id()) == 56
     assert len(UniqKeyGenerator().next_id()) == 32
+
+
+def test_an_empty_body_flagged_compressed_is_delivered_empty() -> None:
+    """Java inflates a body only when it has bytes: an empty one flagged compressed (any
+    type) is an empty body, not a decompression error."""
+    from rmq_async.protocol.codes import MSG_COMPRESSED_FLAG
+
+    for ctype in (0, 1 << 8, 2 << 8, 3 << 8):  # old ZLIB, ZLIB, LZ4, ZSTD
+        msg = MessageExt(topic="t", body=b"", born_host="1.1.1.1:1", store_host="2.2.2.2:2",
+                         sys_flag=MSG_COMPRESSED_FLAG | ctype)
+        (got,) = decode_messages(encode_stored_message(msg))
+        assert got.body == b"" and not got.sys_flag & MSG_COMPRESSED_FLAG, ctype
