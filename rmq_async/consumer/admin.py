@@ -39,7 +39,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from rmq_async.client.errors import MQClientError, NoPermissionError
-from rmq_async.consumer.results import ConsumeContext, direct_consume_result
+from rmq_async.consumer.middleware import run_call
+from rmq_async.consumer.results import (
+    ConsumeContext,
+    DirectConsumeResult,
+    direct_consume_result,
+)
 from rmq_async.consumer.subscriptions import reset_retry_topic
 from rmq_async.protocol.bodies import (
     ConsumeMessageDirectlyResult,
@@ -72,6 +77,7 @@ if TYPE_CHECKING:
     from rmq_async.consumer.pull import PullService
     from rmq_async.consumer.rebalance import Rebalancer
     from rmq_async.consumer.stats import ConsumerStats
+    from rmq_async.consumer.subscriptions import Subscriptions
     from rmq_async.protocol.bodies import HeartbeatData
     from rmq_async.protocol.filter import SubscriptionData
 
@@ -93,6 +99,7 @@ class ConsumerView(Protocol):
     offset_store: OffsetStore
     pull_service: PullService
     rebalancer: Rebalancer
+    subscriptions: Subscriptions
 
     @property
     def stopping(self) -> bool: ...
@@ -415,18 +422,24 @@ class BrokerRequestHandler:
         ctx = ConsumeContext(message_queue=mq)
         orderly = c.is_orderly(msg.topic)
         started = time.monotonic()
-        remark: str | None = None
-        raw: Any
-        try:
-            raw = await listener([msg], ctx)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raw = exc
-            remark = "".join(traceback.format_exception(exc, limit=8))
+        # Through the middlewares, as consumption would (one may unwrap or transform it).
+        outcome = await run_call(listener, [msg], ctx, group=c.group, topic=msg.topic,
+                                 queue=mq, orderly=orderly,
+                                 middlewares=c.subscriptions.middlewares)
         spent = int((time.monotonic() - started) * 1000)
+        dead = outcome.dead_reason or next((reason for _, reason in ctx.dead_letters), None)
+        remark: str | None = None
+        if outcome.error is not None:
+            verdict = DirectConsumeResult.CR_THROW_EXCEPTION
+            remark = "".join(traceback.format_exception(outcome.error, limit=8))
+        elif dead is not None:
+            # Consumption would send it to the dead-letter queue: say so, with the reason.
+            verdict = DirectConsumeResult.CR_THROW_EXCEPTION
+            remark = f"dead letter: {dead}"
+        else:
+            verdict = direct_consume_result(outcome.result)
         result = ConsumeMessageDirectlyResult(
-            consume_result=str(direct_consume_result(raw)),
+            consume_result=str(verdict),
             order=orderly,
             auto_commit=ctx.auto_commit,
             remark=remark,

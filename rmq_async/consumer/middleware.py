@@ -79,6 +79,9 @@ class Outcome:
     """Set when the call's messages go to the dead-letter queue (``DeadLetter``)."""
     acked: list[MessageExt] | None = None
     """Messages a middleware left out of the call (acknowledged whatever the result)."""
+    error: Exception | None = None
+    """The exception the handler (or a middleware) raised, other than ``RetryLater`` and
+    ``DeadLetter``."""
 
 
 def _terminal(adapter: ListenerAdapter, orderly: bool, reached: list[ConsumeCall],
@@ -140,7 +143,7 @@ async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: Consum
         log.warning("consume.handler_raised", group=group, topic=topic, queue=str(queue),
                     handler=adapter.name, offsets=[m.queue_offset for m in msgs[:16]],
                     msg_ids=[m.msg_id for m in msgs[:8]], error=f"{type(exc).__name__}: {exc}")
-        outcome = Outcome(failed)
+        outcome = Outcome(failed, error=exc)
     else:
         outcome = Outcome(succeeded[-1] if succeeded else ConsumeResult.SUCCESS)
     if reached and reached[-1].messages is not msgs:

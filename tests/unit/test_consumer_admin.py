@@ -132,6 +132,45 @@ async def test_consume_message_directly_runs_the_listener_once() -> None:
     assert len(calls) == 4
 
 
+async def test_consume_message_directly_goes_through_the_middlewares_and_sees_poison() -> None:
+    """As consumption would: a middleware that unwraps the body runs first, and a body the
+    handler's model cannot read is reported (the message would go to the dead-letter queue),
+    not called a success."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Order:
+        id: int
+
+    c = _consumer()
+    seen: list[Any] = []
+
+    @c.middleware
+    async def unwrap(call: Any, call_next: Any) -> None:
+        for m in call.messages:
+            m.body = m.body.removeprefix(b"env:")
+        await call_next(call)
+
+    @c.subscribe("T1", model=Order, batch=True)
+    async def on(orders: list[Order]) -> None:
+        seen.extend(orders)
+
+    ext = ConsumeMessageDirectlyResultRequestHeader(
+        consumer_group="G_admin", client_id="cid", msg_id="X", broker_name="broker-a",
+        topic="T1").to_ext_fields()
+    answers = []
+    for body in (b'env:{"id": 3}', b"env:not json"):
+        cmd = RemotingCommand.request(RequestCode.CONSUME_MESSAGE_DIRECTLY, ext,
+                                      body=_stored("T1", body))
+        resp = await _ask(c, cmd)
+        assert resp is not None and resp.code == ResponseCode.SUCCESS
+        answers.append(json.loads(resp.body))
+    assert seen == [Order(3)]
+    assert answers[0]["consumeResult"] == "CR_SUCCESS"
+    assert answers[1]["consumeResult"] == "CR_THROW_EXCEPTION"
+    assert answers[1]["remark"].startswith("dead letter: payload not decodable as Order")
+
+
 async def test_an_offset_reset_and_a_rebalance_round_do_not_interleave() -> None:
     """A round that ran while a reset had removed a queue but not yet persisted its new
     offset would take the queue again from the broker's old offset: the reset would be lost.
