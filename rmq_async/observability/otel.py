@@ -33,21 +33,37 @@ kind                                   ``CONSUMER``
 
 A call that fails (the handler raised, asked for a retry, or sent the message to the
 dead-letter queue) ends its span with status ``ERROR``, the exception recorded as a span event
-and ``error.type`` set to the exception's class name; the exception goes on unchanged.
+and ``error.type`` set to the exception's class name; the exception goes on unchanged. A batch
+call whose handler returned but left messages bound for the dead-letter queue (bodies its
+``model=`` could not read, ``ctx.dead_letters``) ends with ``ERROR`` too, ``error.type``
+``DeadLetter``.
+
+Trace context travels in the message's properties (W3C ``traceparent`` / ``tracestate`` as an
+instrumented producer writes them; whatever propagator is configured reads them): a call of one
+message runs as a child of its producer's span; a batch call links to each message's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode, TracerProvider
 
 from rmq_async.consumer.middleware import CallNext, ConsumeCall
 
 __all__ = ["TracingMiddleware"]
 
 _SCOPE = "rmq_async"
+#: Links of one batch span at most (a span's links are kept in memory until it ends).
+MAX_LINKS = 128
+
+
+def _producer_context(properties: dict[str, str]) -> Context | None:
+    """The trace context a producer put into a message's properties, if any."""
+    ctx = propagate.extract(properties)
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
 
 
 class TracingMiddleware:
@@ -89,8 +105,18 @@ class TracingMiddleware:
         return attrs
 
     async def __call__(self, call: ConsumeCall, call_next: CallNext) -> None:
+        parent: Context | None = None
+        links: list[Link] = []
+        if len(call.messages) == 1:
+            parent = _producer_context(call.messages[0].properties)
+        else:
+            for m in call.messages[:MAX_LINKS]:
+                produced = _producer_context(m.properties)
+                if produced is not None:
+                    links.append(Link(trace.get_current_span(produced).get_span_context()))
         with self._tracer.start_as_current_span(
-            f"process {call.topic}", kind=SpanKind.CONSUMER, attributes=self.attributes(call),
+            f"process {call.topic}", context=parent, kind=SpanKind.CONSUMER,
+            attributes=self.attributes(call), links=links,
             record_exception=False, set_status_on_exception=False,
         ) as span:
             try:
@@ -100,3 +126,8 @@ class TracingMiddleware:
                 span.set_attribute("error.type", type(exc).__qualname__)
                 span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
                 raise
+            dead = call.context.dead_letters
+            if dead:
+                span.set_attribute("error.type", "DeadLetter")
+                span.set_status(Status(StatusCode.ERROR, f"{len(dead)} message(s) bound for "
+                                                         f"the dead-letter queue: {dead[0][1]}"))

@@ -307,6 +307,57 @@ async def test_failed_call_marks_the_span_and_reraises() -> None:
     assert [e.name for e in span.events] == ["exception"]
 
 
+async def test_a_call_that_left_dead_letters_is_an_error_span() -> None:
+    mw, exporter = _tracing()
+    msgs = [MessageExt(topic="orders", body=b"{", queue_offset=i) for i in range(2)]
+
+    async def call_next(call: Any) -> None:  # the handler's decoder put one aside
+        call.context.dead_letters.append((call.messages[0], "payload not decodable"))
+
+    await mw(_call("G", "orders", Q0, msgs), call_next)
+    (span,) = exporter.get_finished_spans()
+    assert span.status.status_code is StatusCode.ERROR
+    assert dict(span.attributes or {})["error.type"] == "DeadLetter"
+
+
+async def test_the_producers_trace_context_is_the_parent_or_a_link() -> None:
+    """A message carrying W3C trace context (as an instrumented producer writes it into the
+    properties) is processed in a child span of the producer's; a batch links to each."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    mw, exporter = _tracing()
+    producer = TracerProvider().get_tracer("producer")
+    carriers: list[dict[str, str]] = []
+    span_ids: list[int] = []
+    for i in range(2):
+        with producer.start_as_current_span(f"send {i}") as sent:
+            carrier: dict[str, str] = {}
+            TraceContextTextMapPropagator().inject(carrier)
+            carriers.append(carrier)
+            span_ids.append(sent.get_span_context().span_id)
+
+    async def call_next(call: Any) -> None:
+        pass
+
+    one = MessageExt(topic="orders", body=b"x", properties=dict(carriers[0]))
+    await mw(_call("G", "orders", Q0, [one]), call_next)
+    batch = [MessageExt(topic="orders", body=b"x", queue_offset=i, properties=dict(c))
+             for i, c in enumerate(carriers)]
+    batch.append(MessageExt(topic="orders", body=b"x", queue_offset=2))  # no context
+    await mw(_call("G", "orders", Q0, batch), call_next)
+    await mw(_call("G", "orders", Q0, [MessageExt(topic="orders", body=b"x")]), call_next)
+    child, linked, root = exporter.get_finished_spans()
+    assert child.parent is not None and child.parent.span_id == span_ids[0]
+    assert child.context.trace_id == _trace_id(carriers[0])
+    assert linked.parent is None
+    assert [link.context.span_id for link in linked.links] == span_ids
+    assert root.parent is None and not root.links
+
+
+def _trace_id(carrier: dict[str, str]) -> int:
+    return int(carrier["traceparent"].split("-")[1], 16)
+
+
 # ---------------------------------------------------------------------- the rebalancer's order
 
 
