@@ -27,7 +27,10 @@
    With ``decoder=`` and ``model=`` together, the decoder's result is converted into the model.
 
 A body that fails any step raises :class:`PayloadDecodeError`; the consumer treats such a
-message as poison and sends it to ``%DLQ%<group>`` at once, with the reason.
+message as poison and sends it to ``%DLQ%<group>`` at once, with the reason. An ``OSError``
+(``ConnectionError``, ``TimeoutError``...) raised by a ``decoder=`` is not about the body (a
+schema registry out of reach, say): it propagates, and the message is retried like any failed
+call.
 """
 
 from __future__ import annotations
@@ -184,7 +187,9 @@ def build_payload_decoder(model: type[Any] | None,
             try:
                 data = dec(msg.body)
                 return convert(data) if convert is not None else data
-            except PayloadDecodeError:
+            except (PayloadDecodeError, OSError):
+                # OSError (a connection refused, a timeout): the decoder could not reach what
+                # it needs, say a schema registry; the body may be fine, so it is retried.
                 raise
             except Exception as exc:
                 raise PayloadDecodeError(_reason(name, exc)) from exc

@@ -228,6 +228,20 @@ def test_typeddict_and_number_models() -> None:
             build_payload_decoder(model, None)(_msg(body))
 
 
+async def test_a_decoder_that_cannot_reach_its_registry_is_retried_not_dead_lettered() -> None:
+    def decoder(body: bytes) -> Any:
+        raise ConnectionRefusedError("schema registry down")
+
+    async def one(order: Any) -> None:
+        raise AssertionError("not called")
+
+    ctx = ConsumeContext(MQ)
+    out = await run_call(ListenerAdapter(one, decoder=decoder), [_msg(b"{}")], ctx, group="G",
+                         topic="T", queue=MQ, orderly=False, middlewares=[])
+    assert out.result is ConsumeResult.RECONSUME_LATER and out.dead_reason is None
+    assert isinstance(out.error, ConnectionRefusedError) and not ctx.dead_letters
+
+
 async def test_undecodable_per_message_is_dead_letter_and_batch_filters_poison() -> None:
     async def one(order: DcOrder) -> None: ...
 
