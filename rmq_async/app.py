@@ -35,12 +35,14 @@ class App:
 
     ``start()`` starts them in the order given (if one fails, those already started are stopped
     again and the error propagates); ``stop()`` stops them all concurrently, each within the
-    same ``timeout``.
+    same ``timeout``. The two are serialized, as for a :class:`PushConsumer`: a ``stop()``
+    called while ``start()`` is under way waits for it, then stops what it started.
     """
 
     def __init__(self, *consumers: PushConsumer) -> None:
         self._consumers: list[PushConsumer] = []
         self._started = False
+        self._start_lock = asyncio.Lock()
         for c in consumers:
             self.add(c)
 
@@ -48,7 +50,7 @@ class App:
         """Add a consumer (before :meth:`start`); returns it, so it can wrap a construction."""
         if not isinstance(consumer, PushConsumer):
             raise InvalidTypeError(f"App holds PushConsumer objects, not {type(consumer).__name__}")
-        if self._started:
+        if self._started or self._start_lock.locked():
             raise IllegalStateError("add consumers before the app starts")
         if any(c is consumer for c in self._consumers):
             raise IllegalStateError(f"{consumer!r} is already part of the app")
@@ -73,33 +75,37 @@ class App:
 
     async def start(self) -> None:
         """Start every consumer, in order."""
-        if self._started:
-            raise IllegalStateError("app already started")
-        if not self._consumers:
-            raise IllegalStateError("the app has no consumers")
-        started: list[PushConsumer] = []
-        try:
-            for c in self._consumers:
-                await c.start()
-                started.append(c)
-        except BaseException:
-            await _stop_all(started, 5.0)
-            raise
-        self._started = True
-        log.info("app.started", consumers=[c.group for c in self._consumers])
+        async with self._start_lock:
+            if self._started:
+                raise IllegalStateError("app already started")
+            if not self._consumers:
+                raise IllegalStateError("the app has no consumers")
+            started: list[PushConsumer] = []
+            try:
+                for c in self._consumers:
+                    await c.start()
+                    started.append(c)
+            except BaseException:
+                await _stop_all(started, 5.0)
+                raise
+            self._started = True
+            log.info("app.started", consumers=[c.group for c in self._consumers])
 
     async def stop(self, timeout: float | timedelta = 30.0) -> None:
         """Stop every consumer concurrently; listener calls in flight get ``timeout`` seconds.
 
-        Acknowledged offsets are persisted by each consumer's own ``stop()``.
+        A ``start()`` under way is waited for first (its consumers are then stopped; if it
+        fails, nothing is left to stop). Acknowledged offsets are persisted by each consumer's
+        own ``stop()``.
         """
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
-        if not self._started:
-            return
-        self._started = False
-        await _stop_all(self._consumers, timeout)
-        log.info("app.stopped", consumers=[c.group for c in self._consumers])
+        async with self._start_lock:
+            if not self._started:
+                return
+            self._started = False
+            await _stop_all(self._consumers, timeout)
+            log.info("app.stopped", consumers=[c.group for c in self._consumers])
 
     async def __aenter__(self) -> App:
         await self.start()

@@ -10,8 +10,19 @@
 
 ``lag`` and ``tail`` find the name server in ``--namesrv``, else ``$NAMESRV_ADDR``, else the dev
 broker started by ``rmq-async broker up``. ``run`` takes the name server from the consumers the
-target builds. Exit status: 0 on success (including a stop by SIGTERM / SIGINT that drained in
-time), 1 when running failed, 2 for a usage error.
+target builds.
+
+Exit status:
+
+- 0 on success, including a stop by SIGTERM / SIGINT that drained in time and a ``tail`` or
+  ``lag`` whose reader went away (``| head``);
+- 1 when the command failed while running: a broker or name server unreachable or refusing, a
+  group without consumption progress (``lag``), a consumer that did not start or a drain that
+  overran (``run``), the dev broker failing to start (``broker``), ``broker status`` with no
+  broker running;
+- 2 for a usage error, found before any network I/O: argparse's own errors, a target that is
+  not ``module:attr`` or not a consumer, an invalid argument (a name server address that is
+  not ``host:port``, a retry topic to ``tail``), no name server to use.
 """
 
 from __future__ import annotations
@@ -21,7 +32,14 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from rmq_async.cli.common import LOG_FORMATS, LOG_LEVELS, CliError, configure_logging
+from rmq_async.cli.common import (
+    LOG_FORMATS,
+    LOG_LEVELS,
+    CliError,
+    CommandFailed,
+    configure_logging,
+    reader_gone,
+)
 from rmq_async.errors import RocketMQError
 
 __all__ = ["build_parser", "main"]
@@ -86,16 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit statuses of ``rmq-async`` (argparse exits with ``USAGE`` by itself).
+OK, FAILED, USAGE = 0, 1, 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rmq-async``; returns the exit status."""
     args = build_parser().parse_args(argv)
-    if args.command == "broker":
-        from rmq_async.devbroker.cli import main as broker_main
-
-        return broker_main(args.broker_args)
     fmt = getattr(args, "run_log_format", None) or args.log_format
     level = getattr(args, "run_log_level", None) or args.log_level
     try:
+        if args.command == "broker":
+            return _broker(args.broker_args, fmt, level)
         if args.command == "run":
             return _run(args, fmt, level)
         configure_logging(fmt, level)
@@ -105,11 +125,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_tail(args))
     except CliError as exc:
         print(f"rmq-async: error: {exc}", file=sys.stderr)
-        return 2
+        return USAGE
+    except CommandFailed as exc:
+        print(f"rmq-async: error: {exc}", file=sys.stderr)
+        return FAILED
     except RocketMQError as exc:
         print(f"rmq-async: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return FAILED
     raise AssertionError(f"unhandled command {args.command!r}")  # pragma: no cover
+
+
+def _broker(argv: Sequence[str], fmt: str, level: str) -> int:
+    # The dev broker's own command line (rmq_async.devbroker.cli), with this command's exit
+    # statuses: its failures (DevBrokerError) are 1, its usage errors 2.
+    from rmq_async.devbroker import cli as devbroker_cli
+    from rmq_async.devbroker.errors import DevBrokerError
+
+    args = devbroker_cli.build_parser().parse_args(argv)
+    configure_logging(fmt, level)
+    try:
+        code: int = getattr(devbroker_cli, f"cmd_{args.command}")(args)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):  # its checks of option values: SystemExit("message")
+            raise CliError(exc.code) from exc
+        raise
+    except DevBrokerError as exc:
+        raise CommandFailed(str(exc)) from exc
+    return code
 
 
 def _run(args: argparse.Namespace, fmt: str, level: str) -> int:
@@ -131,8 +173,11 @@ async def _lag(args: argparse.Namespace) -> int:
     from rmq_async.cli.lag import format_lag, group_lag
 
     rows = await group_lag(resolve_namesrv(args.namesrv), args.group, args.topic)
-    print(format_lag(rows, as_json=args.json))
-    return 0
+    try:
+        print(format_lag(rows, as_json=args.json), flush=True)
+    except BrokenPipeError:  # `rmq-async lag G | head -3`
+        reader_gone(sys.stdout)
+    return OK
 
 
 async def _tail(args: argparse.Namespace) -> int:

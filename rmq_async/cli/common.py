@@ -5,20 +5,46 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
 from rmq_async.errors import RocketMQError
 
-__all__ = ["CliError", "configure_logging", "resolve_namesrv"]
+__all__ = ["CliError", "CommandFailed", "configure_logging", "reader_gone", "resolve_namesrv"]
 
 LOG_FORMATS = ("console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class CliError(RocketMQError):
-    """A command-line mistake (bad target, no name server): printed, exit status 2."""
+    """A usage error, found before any network I/O (a bad target, an invalid argument such as
+    a name server address that is not ``host:port``, no name server): printed, exit status 2."""
+
+
+class CommandFailed(RocketMQError):
+    """A well-formed command that could not do its work (for example a group without
+    consumption progress): printed, exit status 1."""
+
+
+def reader_gone(stream: TextIO) -> None:
+    """The reader of ``stream`` went away (``BrokenPipeError``, as in ``... | head -3``).
+
+    As the Python documentation advises for programs that do not die of SIGPIPE, the stream's
+    file descriptor is pointed at ``os.devnull``: what is still buffered, and anything printed
+    later, is discarded instead of raising ``BrokenPipeError`` again (at the latest when the
+    interpreter flushes the standard streams on exit). A stream without a file descriptor is
+    left as it is.
+    """
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def configure_logging(fmt: str = "console", level: str = "info", **context: Any) -> None:

@@ -1,8 +1,12 @@
 """``rmq-async lag GROUP``: per queue broker offset, committed offset and their difference.
 
-The figures are the brokers' own (GET_CONSUME_STATS, what ``mqadmin consumerProgress`` shows):
-the brokers are found through the group's retry topic route, every master is asked, and the
-rows are printed sorted by topic, broker and queue, with the total difference last.
+The figures are the brokers' own (GET_CONSUME_STATS, what ``mqadmin consumerProgress`` shows),
+gathered as Java's ``DefaultMQAdminExtImpl.examineConsumeStats`` does: the brokers are found
+through the route of the group's retry topic (with ``--topic``, else the topic's own route, else
+its pop retry topic's), each broker group is asked through its master, or a slave while the
+master is down (``BrokerData.selectBrokerAddr``), and the rows are printed sorted by topic,
+broker and queue, with the total difference last. No route, or no queue in the answers, is an
+error (exit status 1), as in ``mqadmin``.
 """
 
 from __future__ import annotations
@@ -13,14 +17,15 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from rmq_async.cli.common import CliError
+from rmq_async.cli.common import CliError, CommandFailed
 from rmq_async.client.errors import NoRouteError
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import default_client_ip
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
-from rmq_async.protocol.codes import MASTER_ID
+from rmq_async.errors import InvalidArgumentError
+from rmq_async.protocol.bodies import TopicRouteData
 
-__all__ = ["QueueLag", "format_lag", "group_lag"]
+__all__ = ["QueueLag", "format_lag", "group_lag", "route_topics"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,26 +45,58 @@ class QueueLag:
         return self.broker_offset - self.consumer_offset
 
 
+def route_topics(group: str, topic: str | None = None) -> list[str]:
+    """The topics whose routes locate ``group``'s brokers, in the order tried (Java
+    ``examineConsumeStats``): its retry topic, then with ``topic`` that topic and its pop
+    retry topic (``%RETRY%<group>_<topic>``)."""
+    topics = [RETRY_GROUP_TOPIC_PREFIX + group]
+    if topic:
+        topics += [topic, f"{RETRY_GROUP_TOPIC_PREFIX}{group}_{topic}"]
+    return topics
+
+
 async def group_lag(namesrv: str, group: str, topic: str | None = None,
                     *, timeout: float = 5.0) -> list[QueueLag]:
-    """Every queue's progress for ``group`` (only ``topic``'s when given), from the brokers."""
+    """Every queue's progress for ``group`` (only ``topic``'s when given), from the brokers.
+
+    Raises :class:`~rmq_async.cli.common.CliError` for a name server address that is not
+    ``host:port`` (before any network I/O) and
+    :class:`~rmq_async.cli.common.CommandFailed` when no route leads to the group's brokers
+    or they report no queue for it.
+    """
     cid = f"{default_client_ip()}@rmq-async-lag-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    instance = ClientInstance(namesrv, cid, api_timeout=timeout)
     try:
-        try:
-            route = await instance.update_route(RETRY_GROUP_TOPIC_PREFIX + group)
-        except NoRouteError as exc:
-            raise CliError(f"group {group!r} has no consumption progress on this cluster "
-                           f"({exc})") from exc
+        instance = ClientInstance(namesrv, cid, api_timeout=timeout)
+    except InvalidArgumentError as exc:
+        raise CliError(str(exc)) from exc
+    try:
+        route: TopicRouteData | None = None
+        missing: list[str] = []
+        for name in route_topics(group, topic):
+            try:
+                route = await instance.update_route(name)
+                break
+            except NoRouteError:
+                missing.append(name)
+        if route is None:
+            raise CommandFailed(f"group {group!r} has no consumption progress on this cluster "
+                                f"(no route for {' nor '.join(map(repr, missing))})")
         rows: list[QueueLag] = []
         for bd in route.broker_datas:
-            addr = bd.broker_addrs.get(MASTER_ID)
+            addr = bd.select_broker_addr()  # the master, else a slave (the master is down)
             if addr is None:
                 continue
             stats = await instance.api.get_consume_stats(addr, group, topic)
             for mq, w in stats.offset_table.items():
                 rows.append(QueueLag(mq.topic, mq.broker_name, mq.queue_id, w.broker_offset,
                                      w.consumer_offset, w.last_timestamp))
+        if not rows:
+            raise CommandFailed(
+                f"no consume stats for group {group!r}"
+                + (f" on topic {topic!r}" if topic else "")
+                + ": the brokers' offset table is empty; maybe the group has not consumed any "
+                "message, or it consumes in broadcasting mode, whose offsets stay with the "
+                "clients")
         return sorted(rows, key=lambda r: (r.topic, r.broker, r.queue_id))
     finally:
         await instance.close()

@@ -33,7 +33,7 @@ import anyio
 import structlog
 
 from rmq_async.app import App
-from rmq_async.cli.common import CliError
+from rmq_async.cli.common import CliError, CommandFailed
 from rmq_async.consumer.push import PushConsumer
 
 __all__ = ["as_app", "load_target", "run_supervisor", "run_worker"]
@@ -103,8 +103,8 @@ def _serve_metrics(app: App, port: int) -> Any:
         instrument(c)
     try:
         server = start_metrics_server(port)
-    except OSError as exc:
-        raise CliError(f"cannot serve metrics on port {port}: {exc}") from exc
+    except OSError as exc:  # in use, say: a failure of the run, not of the command line
+        raise CommandFailed(f"cannot serve metrics on port {port}: {exc}") from exc
     log.info("cli.metrics_serving", port=server.port, path="/metrics")
     return server
 

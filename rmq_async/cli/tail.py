@@ -1,9 +1,16 @@
 """``rmq-async tail TOPIC``: print a topic's messages as they arrive.
 
-A throw-away consumer group in broadcasting mode reads every queue from its current end (or
-from the first offset with ``--from-beginning``); its offsets live in a temporary folder that is
-deleted on exit, so tailing leaves no committed progress behind. Ctrl-C (or SIGTERM), ``--count``
-or ``--seconds`` ends it with status 0.
+A broadcasting consumer of the fixed group :data:`TAIL_GROUP` reads every queue from its current
+end (or from the first offset with ``--from-beginning``). Its offsets live in a temporary folder
+that is deleted on exit, so tailing leaves no committed progress behind, and each run starts
+where its own options say, never where an earlier run stopped. Tails running side by side each
+get every message (broadcasting gives every member every queue), and each pull carries its own
+subscription (``post_subscription_when_pull``), so the broker filters it by that tail's
+``--tags`` whatever the group's other tails subscribe. The group being fixed, the broker creates
+its subscription group and ``%RETRY%`` topic once, not once per run.
+
+Ctrl-C (or SIGTERM), ``--count``, ``--seconds`` or a reader that goes away (``| head -3``: a
+``BrokenPipeError`` on stdout) ends it with status 0.
 """
 
 from __future__ import annotations
@@ -15,18 +22,22 @@ import signal
 import sys
 import tempfile
 import time
-import uuid
 from datetime import UTC, datetime
 from typing import TextIO
 
 import structlog
 
+from rmq_async.cli.common import CliError, reader_gone
 from rmq_async.consumer.options import ConsumeFromWhere, MessageModel
 from rmq_async.consumer.push import PushConsumer
 from rmq_async.consumer.results import ConsumeResult
+from rmq_async.errors import InvalidArgumentError, InvalidTypeError
 from rmq_async.protocol.types import MessageExt
 
-__all__ = ["format_message", "tail"]
+__all__ = ["TAIL_GROUP", "format_message", "tail"]
+
+#: The consumer group of every ``rmq-async tail`` (broadcasting, offsets kept per run).
+TAIL_GROUP = "rmq_async_tail"
 
 log = structlog.get_logger("rmq_async.cli")
 
@@ -50,36 +61,58 @@ def format_message(m: MessageExt, *, max_body: int = 200, as_json: bool = False)
 async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: bool = False,
                count: int | None = None, seconds: float | None = None, max_body: int = 200,
                as_json: bool = False, out: TextIO | None = None) -> int:
-    """Print ``topic``'s messages until a signal, ``count`` messages or ``seconds``; status 0."""
+    """Print ``topic``'s messages until a signal, ``count`` messages, ``seconds`` or the
+    output's reader going away; status 0.
+
+    Raises :class:`~rmq_async.cli.common.CliError` for arguments the consumer refuses (the
+    name server address, the topic, the tag expression) before any network I/O.
+    """
     stream = out if out is not None else sys.stdout
     done = asyncio.Event()
     printed = 0
+    closed = False
+
+    async def show(msgs: list[MessageExt]) -> ConsumeResult:
+        nonlocal printed, closed
+        for m in msgs:
+            if closed or (count is not None and printed >= count):
+                break
+            line = format_message(m, max_body=max_body, as_json=as_json)
+            try:
+                print(line, file=stream, flush=True)
+            except BrokenPipeError:
+                # The reader went away (`| head -3`): stop, as --count does.
+                closed = True
+                reader_gone(stream)
+                log.info("tail.output_closed", topic=topic, printed=printed)
+                break
+            printed += 1
+        if closed or (count is not None and printed >= count):
+            done.set()
+        return ConsumeResult.SUCCESS
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
     try:
         with tempfile.TemporaryDirectory(prefix="rmq-async-tail-") as offsets_dir:
-            consumer = PushConsumer(
-                f"rmq_async_tail_{uuid.uuid4().hex[:12]}", namesrv=namesrv,
-                message_model=MessageModel.BROADCASTING,
-                consume_from_where=(ConsumeFromWhere.FIRST_OFFSET if from_beginning
-                                    else ConsumeFromWhere.LAST_OFFSET),
-                consume_concurrency=1, offset_store_dir=offsets_dir,
-            )
-
-            async def show(msgs: list[MessageExt]) -> ConsumeResult:
-                nonlocal printed
-                for m in msgs:
-                    if count is not None and printed >= count:
-                        break
-                    print(format_message(m, max_body=max_body, as_json=as_json), file=stream,
-                          flush=True)
-                    printed += 1
-                if count is not None and printed >= count:
-                    done.set()
-                return ConsumeResult.SUCCESS
-
-            consumer.subscribe(topic, tags=tags, listener=show)
+            try:
+                consumer = PushConsumer(
+                    TAIL_GROUP, namesrv=namesrv,
+                    message_model=MessageModel.BROADCASTING,
+                    consume_from_where=(ConsumeFromWhere.FIRST_OFFSET if from_beginning
+                                        else ConsumeFromWhere.LAST_OFFSET),
+                    consume_concurrency=1,
+                    # A per-run folder: no run resumes another's offsets. (The client id is
+                    # ip@DEFAULT for every broadcasting consumer of a host, as in Java.)
+                    offset_store_dir=offsets_dir,
+                    # The broker filters each pull by its own subscription, not by the group's
+                    # latest heartbeat, which another tail of other tags or topics may send.
+                    post_subscription_when_pull=True,
+                )
+                consumer.subscribe(topic, tags=tags, listener=show)
+            except (InvalidArgumentError, InvalidTypeError) as exc:
+                raise CliError(str(exc)) from exc  # before any network I/O: a usage error
             async with consumer:
                 await _wait_ready(consumer, topic)
                 log.info("tail.ready", topic=topic, queues=len(consumer.process_queues))
