@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl as _ssl
 from collections.abc import Callable
 
@@ -16,7 +17,7 @@ from rmq_async.remoting.connection import (
     RequestHandler,
     RpcHook,
 )
-from rmq_async.remoting.errors import ConnectionClosed, RemotingTimeout
+from rmq_async.remoting.errors import ConnectionClosed, RemotingError, RemotingTimeout
 
 log = structlog.get_logger(__name__)
 
@@ -25,9 +26,11 @@ class RemotingClient:
     """Sends commands to name servers and brokers by address.
 
     There is at most one open connection per address. A connection that was closed (by the
-    peer, a protocol error or a timeout storm) is replaced transparently by the next call.
-    ``close()`` closes every connection, failing all requests in flight with
-    :class:`ConnectionClosed`.
+    peer, a protocol error or a timeout storm) is replaced transparently by the next call;
+    callers that need a connection at the same time share one connect attempt. One answered
+    GO_AWAY (its peer is shutting down) is replaced too, but closed only once the requests
+    still on it have their answers. ``close()`` ends connect attempts and closes every
+    connection, failing all requests in flight with :class:`ConnectionClosed`.
     """
 
     def __init__(
@@ -47,23 +50,35 @@ class RemotingClient:
         self.request_handler = request_handler
         self.max_frame_size = max_frame_size
         self._connections: dict[str, Connection] = {}
-        self._connect_locks: dict[str, asyncio.Lock] = {}
+        # The connect attempt under way per address, shared by every caller waiting for it.
+        self._connecting: dict[str, asyncio.Task[Connection]] = {}
+        # Connections answered GO_AWAY, closing once their last request is done (close()
+        # closes those still open).
+        self._retired: set[Connection] = set()
         self._closed = False
 
     async def connection(self, addr: str) -> Connection:
-        """The open connection to ``addr``, connecting (again) when there is none."""
+        """The open connection to ``addr``, connecting (again) when there is none.
+
+        Concurrent callers share one connect attempt (Java's channel future): all get its
+        connection, or all fail with its error, after at most one ``connect_timeout``. A
+        caller that stops waiting (cancelled) does not end the attempt for the others.
+        """
         if self._closed:
             raise ConnectionClosed("remoting client is closed", addr=addr)
         conn = self._pooled(addr)
         if conn is not None:
             return conn
-        lock = self._connect_locks.setdefault(addr, asyncio.Lock())
-        async with lock:
-            conn = self._pooled(addr)
-            if conn is not None:
-                return conn
-            if self._closed:
-                raise ConnectionClosed("remoting client is closed", addr=addr)
+        attempt = self._connecting.get(addr)
+        if attempt is None:
+            attempt = asyncio.get_running_loop().create_task(
+                self._connect(addr), name=f"remoting-connect {addr}")
+            self._connecting[addr] = attempt
+            attempt.add_done_callback(functools.partial(self._connect_done, addr))
+        return await asyncio.shield(attempt)
+
+    async def _connect(self, addr: str) -> Connection:
+        try:
             conn = await Connection.open(
                 addr,
                 connect_timeout=self.connect_timeout,
@@ -72,13 +87,39 @@ class RemotingClient:
                 rpc_hook=self.rpc_hook,
                 max_frame_size=self.max_frame_size,
             )
-            if self.closed:  # close() ran while we were connecting
-                await conn.close()
-                raise ConnectionClosed("remoting client is closed", addr=addr)
-            conn.on_started_timeout = self._after_started_timeout
-            conn.on_started_go_away = self._after_started_go_away
-            self._connections[addr] = conn
+        except asyncio.CancelledError:
+            if self._closed:  # close() ends the attempts under way
+                raise ConnectionClosed("remoting client is closed", addr=addr) from None
+            raise
+        if self._closed:  # close() ran while the connection was being made
+            await conn.close()
+            raise ConnectionClosed("remoting client is closed", addr=addr)
+        conn.on_started_timeout = self._after_started_timeout
+        conn.on_started_go_away = self._after_started_go_away
+        self._connections[addr] = conn
+        return conn
+
+    def _connect_done(self, addr: str, attempt: asyncio.Task[Connection]) -> None:
+        if self._connecting.get(addr) is attempt:
+            del self._connecting[addr]
+        if not attempt.cancelled():
+            attempt.exception()  # seen here: every caller may have stopped waiting for it
+
+    async def _connection_by(self, addr: str, deadline: float, timeout: float) -> Connection:
+        """:meth:`connection`, waiting for a connect at most until ``deadline`` (loop time),
+        the end of the ``timeout`` of the request it is for."""
+        conn = self._pooled(addr)
+        if conn is not None:
             return conn
+        window = asyncio.timeout_at(deadline)
+        try:
+            async with window:
+                return await self.connection(addr)
+        except TimeoutError:
+            if not window.expired():
+                raise
+            raise RemotingTimeout(f"connecting to {addr} took the request's whole timeout "
+                                  f"({timeout:.3f}s)", addr=addr) from None
 
     def _pooled(self, addr: str) -> Connection | None:
         """The open connection to ``addr`` while the client is open, else ``None`` (then
@@ -89,16 +130,40 @@ class RemotingClient:
         return conn
 
     async def invoke(self, addr: str, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
-        """Send a request and return the peer's response (any response code).
+        """Send a request and return the peer's response (any response code but GO_AWAY).
+
+        ``timeout`` covers connecting too (Java's ``invokeSync``): a request that waited for
+        its connection gets what is left.
 
         A request that times out closes its connection (Java's ``clientCloseSocketIfTimeout``,
         on by default): a peer that went silent, or a half-open socket whose other end is gone,
         would otherwise keep every later request waiting for its full timeout. Other requests
         on it fail at once with :class:`ConnectionClosed`, and the next call reconnects.
+
+        A GO_AWAY answer (a 5.x server shutting down) retires the connection (see
+        :meth:`_retire`) and the request is sent once more on a new one, within what is left
+        of ``timeout``; a second GO_AWAY raises :class:`RemotingError`, which callers that
+        retry elsewhere (the producer) retry.
         """
-        conn = await self.connection(addr)
+        deadline = asyncio.get_running_loop().time() + timeout
+        response = await self._invoke_by(addr, cmd, deadline, timeout)
+        if response.code == ResponseCode.GO_AWAY:
+            response = await self._invoke_by(addr, cmd, deadline, timeout)
+            if response.code == ResponseCode.GO_AWAY:
+                raise RemotingError(f"{addr} answered GO_AWAY twice (on a new connection too)",
+                                    addr=addr)
+        return response
+
+    async def _invoke_by(self, addr: str, cmd: RemotingCommand, deadline: float,
+                         timeout: float) -> RemotingCommand:
+        """One sending of :meth:`invoke`, connecting first if need be, all by ``deadline``."""
+        conn = await self._connection_by(addr, deadline, timeout)
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise RemotingTimeout(f"no time left for the request to {addr} after connecting "
+                                  f"(timeout {timeout:.3f}s)", addr=addr)
         try:
-            response = await conn.request(cmd, timeout)
+            response = await conn.request(cmd, left)
         except RemotingTimeout:
             if self.close_on_timeout and not conn.closed:
                 log.warning("remoting.closed_after_timeout", addr=addr, code=cmd.code,
@@ -107,11 +172,8 @@ class RemotingClient:
                 await conn.close()
             raise
         if response.code == ResponseCode.GO_AWAY:
-            # A 5.x server that is shutting down: reconnect and send once more.
-            log.info("remoting.go_away", addr=addr)
-            await conn.close()
-            conn = await self.connection(addr)
-            response = await conn.request(cmd, timeout)
+            log.info("remoting.go_away", addr=addr, code=cmd.code)
+            self._retire(conn)
         return response
 
     async def start_invoke(self, addr: str, make_cmd: Callable[[], RemotingCommand],
@@ -119,12 +181,21 @@ class RemotingClient:
                            ) -> asyncio.Future[RemotingCommand]:
         """Send a request and return the future of its response without awaiting it.
 
-        Pipelining form of :meth:`invoke` with the same close-on-timeout rule; a GO_AWAY
-        answer closes the connection too, but is not sent again: the caller sees its code.
+        Pipelining form of :meth:`invoke` with the same close-on-timeout rule, and
+        ``timeout`` covering a connect as there; a GO_AWAY answer retires the connection too,
+        but the request is not sent again: the caller sees its code.
         ``frame`` (opaque, bytes) is the request already encoded; ``make_cmd`` builds it when
         the connection cannot take the encoded form.
         """
-        conn = self._pooled(addr) or await self.connection(addr)
+        conn = self._pooled(addr)
+        if conn is None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            conn = await self._connection_by(addr, deadline, timeout)
+            timeout = deadline - loop.time()
+            if timeout <= 0:
+                raise RemotingTimeout(f"no time left for the request to {addr} after "
+                                      "connecting", addr=addr)
         fut = conn.start_frame(*frame, timeout) if frame is not None else None
         if fut is None:
             cmd = make_cmd()
@@ -144,10 +215,20 @@ class RemotingClient:
         conn.abort()
 
     def _after_started_go_away(self, conn: Connection) -> None:
-        """A request kept in flight on ``conn`` was answered GO_AWAY: the next call reconnects."""
+        """A request kept in flight on ``conn`` was answered GO_AWAY: retire ``conn``."""
         log.info("remoting.go_away", addr=conn.addr)
+        self._retire(conn)
+
+    def _retire(self, conn: Connection) -> None:
+        """``conn``'s peer answered GO_AWAY: new requests go to a new connection, and ``conn``
+        closes once the requests still on it are answered or timed out (closing it now would
+        fail those whose answers are still coming; Java keeps it as ``channelToClose``)."""
         self._forget(conn.addr, conn)
-        conn.abort()
+        if conn.closed:
+            return
+        self._retired = {c for c in self._retired if not c.closed}
+        self._retired.add(conn)
+        conn.close_when_idle()
 
     def _forget(self, addr: str, conn: Connection) -> None:
         """Stop handing out ``conn`` for ``addr`` (the next call connects anew)."""
@@ -173,9 +254,13 @@ class RemotingClient:
 
     async def close(self) -> None:
         self._closed = True
-        conns = list(self._connections.values())
+        attempts = list(self._connecting.values())
+        for attempt in attempts:
+            attempt.cancel()
+        conns = [*self._connections.values(), *self._retired]
         self._connections.clear()
-        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        self._retired.clear()
+        await asyncio.gather(*attempts, *(c.close() for c in conns), return_exceptions=True)
 
     async def __aenter__(self) -> RemotingClient:
         return self

@@ -98,6 +98,7 @@ class Connection(asyncio.BufferedProtocol):
         self.on_started_timeout: Callable[[Connection, float], None] | None = None
         #: Called (soon) when a request kept in flight was answered with GO_AWAY.
         self.on_started_go_away: Callable[[Connection], None] | None = None
+        self._close_when_idle = False
         self.last_activity = asyncio.get_running_loop().time()
 
     # ------------------------------------------------------------------ opening / closing
@@ -160,6 +161,19 @@ class Connection(asyncio.BufferedProtocol):
 
     async def wait_closed(self) -> None:
         await self._closed_event.wait()
+
+    def close_when_idle(self) -> None:
+        """Close once no request waits for its answer any more (at once when none does).
+
+        For a peer that answered GO_AWAY: it still answers the requests it took before, so
+        those are left to get their answer or time out; the owner sends new ones elsewhere.
+        """
+        self._close_when_idle = True
+        self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
+        if self._close_when_idle and not self._pending:
+            self._shutdown(None)
 
     def _shutdown(self, exc: BaseException | None) -> None:
         if self._closed:
@@ -238,6 +252,8 @@ class Connection(asyncio.BufferedProtocol):
                     fut.set_result(cmd)
             else:
                 self._dispatch_request(cmd)
+        if self._close_when_idle:
+            self._close_if_idle()
 
     # ------------------------------------------------------------------ requests from the peer
 
@@ -310,6 +326,8 @@ class Connection(asyncio.BufferedProtocol):
         finally:
             timer.cancel()
             self._pending.pop(cmd.opaque, None)
+            if self._close_when_idle:
+                self._close_if_idle()
 
     def start_request(self, cmd: RemotingCommand,
                       timeout: float) -> asyncio.Future[RemotingCommand] | None:
@@ -383,6 +401,8 @@ class Connection(asyncio.BufferedProtocol):
             self._schedule_sweep(loop, min(deadlines.values()))
         if timed_out and self.on_started_timeout is not None:
             loop.call_soon(self.on_started_timeout, self, timed_out)
+        if self._close_when_idle:
+            self._close_if_idle()
 
     def _send_soon(self, parts: list[bytes]) -> None:
         out = self._out

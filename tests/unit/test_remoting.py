@@ -16,8 +16,10 @@ from rmq_async.remoting import (
     ConnectionClosed,
     RemotingClient,
     RemotingConnectError,
+    RemotingError,
     RemotingTimeout,
 )
+from tests.fake_broker import FakeBroker, insecure_tls, silent_listener
 
 Script = Callable[[RemotingCommand, asyncio.StreamWriter], Awaitable[None]]
 
@@ -404,3 +406,156 @@ async def test_a_started_request_answered_go_away_replaces_its_connection() -> N
             assert peer.connections == 2
         finally:
             await client.close()
+
+
+# ---------------------------------------------------------------- connects, GO_AWAY (fakes)
+
+
+async def test_concurrent_callers_share_one_connect_attempt() -> None:
+    # Six requests need a connection to an address whose connect hangs: one attempt is made,
+    # and all six fail together when it gives up, after one connect_timeout (not one after
+    # the other, the k-th after k timeouts).
+    async with silent_listener() as (addr, accepted):
+        client = RemotingClient(connect_timeout=0.3, ssl=insecure_tls())
+        try:
+            started = time.monotonic()
+
+            async def one() -> float:
+                with pytest.raises(RemotingConnectError):
+                    await client.invoke(addr, RemotingCommand.request(RequestCode.HEART_BEAT), 5)
+                return time.monotonic() - started
+
+            ended = await asyncio.gather(*(one() for _ in range(6)))
+            assert len(accepted) == 1
+            assert min(ended) >= 0.29 and max(ended) < 1.0
+        finally:
+            await client.close()
+
+
+async def test_a_request_timeout_includes_its_connect() -> None:
+    # The request has 0.3 s; connecting may take 5: it fails when its own time is up (Java's
+    # invokeSync counts the connect), and close() ends the attempt still under way.
+    async with silent_listener() as (addr, _):
+        client = RemotingClient(connect_timeout=5, ssl=insecure_tls())
+        try:
+            started = time.monotonic()
+            with pytest.raises(RemotingTimeout):
+                await client.invoke(addr, RemotingCommand.request(RequestCode.HEART_BEAT), 0.3)
+            assert time.monotonic() - started < 2.0
+            with pytest.raises(RemotingTimeout):
+                await client.start_invoke(
+                    addr, lambda: RemotingCommand.request(RequestCode.PULL_MESSAGE), 0.2)
+        finally:
+            started = time.monotonic()
+            await client.close()
+        assert time.monotonic() - started < 1.0
+        assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("remoting-connect")]
+
+
+def _ok(cmd: RemotingCommand) -> RemotingCommand:
+    return cmd.response_to(ResponseCode.SUCCESS, ext_fields=cmd.ext_fields)
+
+
+async def test_go_away_leaves_answers_in_flight_and_sends_again_on_a_new_connection() -> None:
+    # A broker shutting down answers GO_AWAY to new requests but still answers those it took
+    # before. The request answered GO_AWAY is sent again on a new connection; the one taken
+    # before still gets its answer on the old connection, which closes after it.
+    taken = asyncio.Event()
+
+    async def shutting_down(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        if conn > 0:
+            return _ok(cmd)
+        if cmd.code == RequestCode.PULL_MESSAGE:  # taken before the shutdown began
+            taken.set()
+            await asyncio.sleep(0.3)
+            return _ok(cmd)
+        return cmd.response_to(ResponseCode.GO_AWAY)
+
+    async with FakeBroker(shutting_down) as broker:
+        client = RemotingClient()
+        try:
+            taken_before = asyncio.ensure_future(client.invoke(
+                broker.addr, RemotingCommand.request(RequestCode.PULL_MESSAGE), 5))
+            await taken.wait()
+            resp = await client.invoke(broker.addr,
+                                       RemotingCommand.request(RequestCode.HEART_BEAT), 5)
+            assert resp.code == ResponseCode.SUCCESS
+            assert [(n, c.code) for n, c in broker.received][1:] == [
+                (0, RequestCode.HEART_BEAT), (1, RequestCode.HEART_BEAT)]
+            assert broker.closed == []  # the old connection waits for its last answer
+            assert (await taken_before).code == ResponseCode.SUCCESS
+            async with asyncio.timeout(2):
+                while broker.closed != [0]:
+                    await asyncio.sleep(0.01)
+            assert client.addresses == [broker.addr] and broker.connections == 2
+        finally:
+            await client.close()
+
+
+async def test_a_second_go_away_is_an_error_and_the_resend_has_what_is_left() -> None:
+    async def always_go_away(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        return cmd.response_to(ResponseCode.GO_AWAY)
+
+    async with FakeBroker(always_go_away) as broker:
+        client = RemotingClient()
+        try:
+            with pytest.raises(RemotingError, match="GO_AWAY twice") as info:
+                await client.invoke(broker.addr,
+                                    RemotingCommand.request(RequestCode.HEART_BEAT), 5)
+            assert not isinstance(info.value, RemotingTimeout | ConnectionClosed)
+            assert broker.connections == 2
+        finally:
+            await client.close()
+
+    # GO_AWAY after 0.5 s, then silence on the new connection: the request sent again has
+    # the 0.2 s left of its 0.7, not 0.7 more.
+    async def slow_go_away_then_silence(cmd: RemotingCommand, conn: int) -> RemotingCommand | None:
+        if conn > 0:
+            return None
+        await asyncio.sleep(0.5)
+        return cmd.response_to(ResponseCode.GO_AWAY)
+
+    async with FakeBroker(slow_go_away_then_silence) as broker:
+        client = RemotingClient()
+        try:
+            started = time.monotonic()
+            with pytest.raises(RemotingTimeout):
+                await client.invoke(broker.addr,
+                                    RemotingCommand.request(RequestCode.HEART_BEAT), 0.7)
+            assert 0.65 <= time.monotonic() - started < 1.05  # 1.2 s if given 0.7 s more
+            assert [n for n, _ in broker.received] == [0, 1]
+        finally:
+            await client.close()
+
+
+async def test_a_started_request_answered_go_away_leaves_the_others_in_flight() -> None:
+    # The pipelined path (pulls): a GO_AWAY answer no longer fails the other pulls on the
+    # connection; it closes once they are answered, and close() closes one still waiting.
+    async def shutting_down(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        if conn == 0 and (cmd.ext_fields or {}).get("slow"):
+            await asyncio.sleep(float((cmd.ext_fields or {})["slow"]))
+            return _ok(cmd)
+        return cmd.response_to(ResponseCode.GO_AWAY if conn == 0 else ResponseCode.SUCCESS)
+
+    def pull(**ext: str) -> Callable[[], RemotingCommand]:
+        return lambda: RemotingCommand.request(RequestCode.PULL_MESSAGE, ext_fields=ext)
+
+    async with FakeBroker(shutting_down) as broker:
+        client = RemotingClient()
+        try:
+            slow = await client.start_invoke(broker.addr, pull(slow="0.3"), 5)
+            very_slow = await client.start_invoke(broker.addr, pull(slow="30"), 40)
+            gone = await client.start_invoke(broker.addr, pull(), 5)
+            assert (await gone).code == ResponseCode.GO_AWAY  # the caller sees the code
+            assert (await slow).code == ResponseCode.SUCCESS
+            assert not very_slow.done()
+            fresh = await client.start_invoke(broker.addr, pull(), 5)
+            assert (await fresh).code == ResponseCode.SUCCESS
+            assert broker.connections == 2 and broker.closed == []
+        finally:
+            await client.close()
+        with pytest.raises(ConnectionClosed):
+            await very_slow
+        async with asyncio.timeout(2):
+            while sorted(broker.closed) != [0, 1]:
+                await asyncio.sleep(0.01)
