@@ -9,15 +9,16 @@ complete (no transactions, no request-reply)::
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import random
 import ssl
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import structlog
@@ -26,7 +27,8 @@ from rmq_async.client.api import SendResult
 from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import Credentials, InvalidOptionError, check_tls_options
-from rmq_async.errors import InvalidArgumentError
+from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.errors import IllegalStateError, InvalidArgumentError
 from rmq_async.protocol.codes import (
     COMPRESSION_LZ4,
     COMPRESSION_ZLIB,
@@ -47,7 +49,7 @@ from rmq_async.protocol.types import (
     Message,
     MessageQueue,
 )
-from rmq_async.remoting.errors import RemotingError, TlsVerificationError
+from rmq_async.remoting.errors import RemotingError, RemotingTimeout, TlsVerificationError
 from rmq_async.remoting.tls import client_ssl_context
 
 log = structlog.get_logger(__name__)
@@ -55,12 +57,15 @@ log = structlog.get_logger(__name__)
 # Bodies at least this large are compressed in a worker thread.
 _COMPRESS_INLINE = 64 * 1024
 
-# Broker answers after which Java's producer tries again (on another broker); any other answer
-# is final.
+# Broker answers after which Java's producer tries again (on another broker; 5.3.3's
+# DefaultMQProducer retryResponseCodes); any other answer is final.
 _RETRY_BROKER_CODES = frozenset({
     ResponseCode.TOPIC_NOT_EXIST, ResponseCode.SERVICE_NOT_AVAILABLE, ResponseCode.SYSTEM_ERROR,
-    ResponseCode.NO_PERMISSION, ResponseCode.NO_BUYER_ID, ResponseCode.NOT_IN_CURRENT_UNIT,
+    ResponseCode.SYSTEM_BUSY, ResponseCode.NO_PERMISSION, ResponseCode.NO_BUYER_ID,
+    ResponseCode.NOT_IN_CURRENT_UNIT, ResponseCode.GO_AWAY,
 })
+
+_T = TypeVar("_T")
 
 QueueSelector = Callable[[list[MessageQueue], Message], MessageQueue]
 
@@ -80,13 +85,19 @@ _COMPRESSION_TYPES = {"ZLIB": COMPRESSION_ZLIB, "LZ4": COMPRESSION_LZ4, "ZSTD": 
 
 @dataclass(slots=True)
 class ProducerOptions:
-    """Producer settings (Java ``DefaultMQProducer`` names in snake_case); ``send_timeout`` is
+    """Producer settings (Java ``DefaultMQProducer`` names in snake_case); durations are
     seconds, a float or a ``timedelta``."""
 
     send_timeout: float = 3.0
+    """The time one ``send()`` may take, every attempt included (Java ``sendMsgTimeout``):
+    route lookup, connecting and each request get what the ones before left. A request
+    that timed out used it all and is not sent again."""
     retry_times_when_send_failed: int = 2
     """Extra attempts of a send whose queue was not given, each on another broker when the
-    topic has one (Java ``retryTimesWhenSendFailed``)."""
+    topic has one (Java ``retryTimesWhenSendFailed``), while ``send_timeout`` lasts."""
+    route_refresh_interval: float = 30.0
+    """How often the routes of the topics sent to are fetched again while the producer is
+    started, as the consumer's option of this name (Java ``pollNameServerInterval``)."""
     compress_over: int = 4096
     compress_level: int = 5
     compress_type: str = "ZLIB"
@@ -105,12 +116,9 @@ class ProducerOptions:
     unless ``tls_verify=False``; a ready ``ssl_context`` is used as given."""
 
     def __post_init__(self) -> None:
-        timeout: object = self.send_timeout
-        if isinstance(timeout, timedelta):
-            timeout = timeout.total_seconds()
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise InvalidOptionError("send_timeout", f"expected seconds > 0, got {timeout!r}")
-        self.send_timeout = float(timeout)
+        self.send_timeout = _positive_seconds("send_timeout", self.send_timeout)
+        self.route_refresh_interval = _positive_seconds("route_refresh_interval",
+                                                        self.route_refresh_interval)
         self.credentials = Credentials.coerce(self.credentials)
         check_tls_options(self.tls, self.tls_verify, self.tls_ca_file, self.ssl_context)
         ctype = self.compress_type.strip().upper() if isinstance(self.compress_type, str) else None
@@ -126,6 +134,14 @@ class ProducerOptions:
     @property
     def tls_enabled(self) -> bool:
         return self.tls or self.tls_ca_file is not None or self.ssl_context is not None
+
+
+def _positive_seconds(name: str, value: object) -> float:
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidOptionError(name, f"expected seconds > 0, got {value!r}")
+    return float(value)
 
 
 def select_queue(queues: Sequence[MessageQueue], counter: Iterator[int],
@@ -166,17 +182,25 @@ class Producer:
         self._compression = _COMPRESSION_TYPES[opts.compress_type]
         self._uniq = UniqKeyGenerator()
         self._counters: dict[str, Iterator[int]] = {}
-        self._started = False
+        self._tasks: TaskOwner | None = None
 
     async def start(self) -> None:
-        """Get ready to send (routes are fetched on the first send to each topic)."""
-        self._started = True
+        """Get ready to send: routes are fetched on the first send to each topic, and again
+        every ``route_refresh_interval`` until :meth:`stop`."""
+        if self._tasks is not None:
+            return
+        if self.instance.remoting.closed:
+            raise IllegalStateError("the producer was stopped; create a new one to send again")
+        self._tasks = TaskOwner(f"producer[{self.group}]")
+        self._tasks.spawn(self.instance.route_refresh_loop(self.options.route_refresh_interval),
+                          name="route-refresh")
 
     async def stop(self) -> None:
-        """Close the connections to the name servers and brokers."""
-        if not self._started:
-            return
-        self._started = False
+        """End the route refresh and close the connections to the name servers and brokers
+        (also those of sends made without :meth:`start`)."""
+        tasks, self._tasks = self._tasks, None
+        if tasks is not None:
+            await tasks.aclose()
         await self.instance.close()
 
     async def __aenter__(self) -> Producer:
@@ -207,7 +231,7 @@ class Producer:
             # "the message body length is zero"); inside a batch an empty body is fine.
             raise InvalidArgumentError("the message body is empty; send it with send_batch() or add a body")
         props = msg.all_properties()
-        props.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id())
+        uniq_id = props.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id())
         props.setdefault(PROPERTY_WAIT, "true")
         body = msg.body
         sys_flag = 0
@@ -218,7 +242,7 @@ class Producer:
             raise InvalidArgumentError(f"message body of {len(body)} bytes exceeds max_message_size")
         return await self._send_with_retry(
             msg.topic, queue, msg, selector, body, encode_properties(props), sys_flag, msg.flag,
-            batch=False,
+            batch=False, msg_id=uniq_id,
         )
 
     async def _compress(self, body: bytes) -> bytes:
@@ -235,37 +259,53 @@ class Producer:
             raise InvalidArgumentError("empty batch")
         topic = msgs[0].topic
         prepared: list[Message] = []
+        uniq_ids: list[str] = []
         for m in msgs:
             if m.topic != topic:
                 raise InvalidArgumentError("all messages of a batch must have the same topic")
             props = m.all_properties()
-            props.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id())
+            uniq_ids.append(props.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id()))
             props.setdefault(PROPERTY_WAIT, "true")
             prepared.append(Message(topic, m.body, properties=props, flag=m.flag))
         body = encode_batch(prepared)
         if len(body) > self.options.max_message_size:
             raise InvalidArgumentError(f"batch of {len(body)} bytes exceeds max_message_size")
         return await self._send_with_retry(
-            topic, queue, None, None, body, "", 0, 0, batch=True,
+            topic, queue, None, None, body, "", 0, 0, batch=True, msg_id=",".join(uniq_ids),
         )
 
     async def _send_with_retry(self, topic: str, queue: MessageQueue | None, msg: Message | None,
                                selector: QueueSelector | None, body: bytes, properties: str,
-                               sys_flag: int, flag: int, *, batch: bool) -> SendResult:
+                               sys_flag: int, flag: int, *, batch: bool,
+                               msg_id: str) -> SendResult:
+        """Send, retrying as Java's ``sendDefaultImpl`` does, all within one ``send_timeout``.
+
+        Each attempt (route lookup, connecting, the request) gets what the ones before it
+        left. An attempt that timed out used the rest: the message is not sent again (the
+        broker may have stored it), and neither is it once nothing is left.
+        """
         attempts = 1 + (self.options.retry_times_when_send_failed if queue is None else 0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.send_timeout
         last_exc: Exception | None = None
         last_broker: str | None = None
+        timed_out = False
         for attempt in range(attempts):
-            mq = queue or await self._pick_queue(topic, msg, selector, last_broker)
+            if loop.time() >= deadline:
+                timed_out = True
+                break
+            mq = queue if queue is not None else await self._by_deadline(
+                deadline, self._pick_queue(topic, msg, selector, last_broker))
             last_broker = mq.broker_name
             try:
-                addr = await self.instance.find_broker_master(mq.broker_name, topic)
+                addr = await self._by_deadline(deadline,
+                                      self.instance.find_broker_master(mq.broker_name, topic))
                 return await self.instance.api.send_message(
                     addr, mq, producer_group=self.group, body=body, properties=properties,
                     sys_flag=sys_flag, flag=flag, batch=batch,
                     default_topic=self.options.create_topic_key,
                     default_topic_queue_nums=self.options.default_topic_queue_nums,
-                    timeout=self.options.send_timeout,
+                    timeout=deadline - loop.time(), msg_id=msg_id,
                 )
             except TlsVerificationError:
                 raise  # another attempt meets the same certificate
@@ -273,10 +313,19 @@ class Producer:
                 last_exc = exc
                 log.warning("producer.send_failed", topic=topic, queue=str(mq), attempt=attempt,
                             error=str(exc))
+                if isinstance(exc, RemotingTimeout):
+                    timed_out = True  # this attempt had what was left of send_timeout
+                    break
                 if selector is not None:
                     break
                 if isinstance(exc, MQBrokerError) and exc.code not in _RETRY_BROKER_CODES:
                     break
+        if timed_out:
+            raise RemotingTimeout(
+                f"send to topic {topic!r} not done within send_timeout "
+                f"({self.options.send_timeout:.3f}s; last failure: {last_exc})",
+                addr=getattr(last_exc, "addr", None),
+            ) from last_exc
         assert last_exc is not None
         if isinstance(last_exc, NoPermissionError):
             creds = self.options.credentials
@@ -288,3 +337,16 @@ class Producer:
                 addr=last_exc.addr, request=last_exc.request,
             ) from last_exc
         raise last_exc
+
+    async def _by_deadline(self, deadline: float, lookup: Awaitable[_T]) -> _T:
+        """``lookup`` (of a route or broker address) ended at ``deadline`` (loop time), the end
+        of the send's ``send_timeout``, with :class:`RemotingTimeout`."""
+        window = asyncio.timeout_at(deadline)
+        try:
+            async with window:
+                return await lookup
+        except TimeoutError:
+            if not window.expired():
+                raise
+            raise RemotingTimeout(f"route lookup took the rest of send_timeout "
+                                  f"({self.options.send_timeout:.3f}s)") from None

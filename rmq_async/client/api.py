@@ -78,12 +78,21 @@ class PullResult:
 
 @dataclass(slots=True)
 class SendResult:
-    msg_id: str  # offset message id of the stored message (batch: of the first one)
+    """What the broker answered to a send (Java ``SendResult``)."""
+
+    msg_id: str
+    """The message's ``UNIQ_KEY``, the id the producer gave it, which a consumer sees as
+    ``MessageExt.msg_id`` (a batch: the messages' ids, comma-joined). A send made without
+    one (``MQClientAPI.send_message`` with no ``msg_id``) has :attr:`offset_msg_id` here."""
     queue_id: int
     queue_offset: int
+    """The queue offset of the stored message (a batch: of its first message)."""
     broker_name: str
     status_code: int
     transaction_id: str | None = None
+    offset_msg_id: str = ""
+    """The broker's id of the stored message: its store host and commit-log offset (a
+    batch: one per message, comma-joined)."""
 
 
 _PULL_NEXT, _PULL_MIN, _PULL_MAX = "nextBeginOffset", "minOffset", "maxOffset"
@@ -393,7 +402,10 @@ class MQClientAPI:
                            born_timestamp: int | None = None, reconsume_times: int | None = None,
                            max_reconsume_times: int | None = None,
                            default_topic: str = "TBW102", default_topic_queue_nums: int = 4,
-                           timeout: float = 3.0) -> SendResult:
+                           timeout: float = 3.0, msg_id: str | None = None) -> SendResult:
+        """SEND_MESSAGE_V2 or SEND_BATCH_MESSAGE. ``msg_id`` is the ``UNIQ_KEY`` the message
+        carries in ``properties`` (a batch's, comma-joined), returned as
+        :attr:`SendResult.msg_id`."""
         import time as _time
 
         header = h.SendMessageRequestHeaderV2(
@@ -421,12 +433,13 @@ class MQClientAPI:
         )
         rh = h.SendMessageResponseHeader.from_ext_fields(resp.ext_fields or {})
         return SendResult(
-            msg_id=rh.msg_id,
+            msg_id=rh.msg_id if msg_id is None else msg_id,
             queue_id=rh.queue_id,
             queue_offset=rh.queue_offset,
             broker_name=mq.broker_name,
             status_code=resp.code,
             transaction_id=rh.transaction_id,
+            offset_msg_id=rh.msg_id,
         )
 
     # ------------------------------------------------------------------ admin

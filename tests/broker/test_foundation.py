@@ -78,8 +78,8 @@ async def test_round_trip_python_and_java_producers(rocketmq, java_programs) -> 
         assert back.keys == m.keys  # type: ignore[comparison-overlap]
         for k, v in m.properties.items():
             assert back.properties[k] == v
-        assert back.offset_msg_id == r.msg_id
-        assert back.msg_id == back.properties["UNIQ_KEY"]
+        assert back.offset_msg_id == r.offset_msg_id
+        assert back.msg_id == back.properties["UNIQ_KEY"] == r.msg_id
         assert back.topic == topic
     for _, qid, qoff, msg_id, size in java_sent:
         back = by_pos[(int(qid), int(qoff))]

@@ -1,24 +1,42 @@
 """Producer without a broker: queue selection over several broker groups, retries on another
-broker, compression types, credentials and TLS options."""
+broker, compression types, credentials and TLS options; and, against loopback fakes, the faults
+a real broker cannot produce on demand (slow answers past the send timeout, GO_AWAY,
+SYSTEM_BUSY, a broker that moved, a connect that hangs)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
 
-from rmq_async import Message, Producer, RemotingConnectError, TlsVerificationError
-from rmq_async.client.api import SendResult
+from rmq_async import (
+    Message,
+    Producer,
+    RemotingConnectError,
+    RemotingTimeout,
+    TlsVerificationError,
+)
+from rmq_async.client.api import MQClientAPI, SendResult
 from rmq_async.client.errors import MQBrokerError, NoPermissionError
 from rmq_async.consumer.options import ConsumerOptions, Credentials, InvalidOptionError
+from rmq_async.errors import IllegalStateError
 from rmq_async.producer import select_queue
-from rmq_async.protocol.codes import MSG_COMPRESSED_FLAG, MessageSysFlag, ResponseCode
-from rmq_async.protocol.message import decode_messages, encode_stored_message
-from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.protocol.codes import (
+    MSG_COMPRESSED_FLAG,
+    MessageSysFlag,
+    RequestCode,
+    ResponseCode,
+)
+from rmq_async.protocol.command import RemotingCommand
+from rmq_async.protocol.message import decode_messages, decode_properties, encode_stored_message
+from rmq_async.protocol.types import PROPERTY_UNIQ_KEY, MessageExt, MessageQueue
+from tests.fake_broker import FakeBroker, route_answer, send_ok, silent_listener, uniq_key
 
 # Java's order of a route with two groups of 4 writable queues: by broker name, then queue id.
 QUEUES = [MessageQueue("T", b, i) for b in ("broker-a", "broker-b") for i in range(4)]
@@ -50,9 +68,11 @@ class _FakeApi:
     def __init__(self, fail: dict[str, Exception]) -> None:
         self.fail = fail
         self.sent: list[tuple[str, MessageQueue, int, bytes]] = []
+        self.calls: list[dict[str, Any]] = []
 
     async def send_message(self, addr: str, mq: MessageQueue, **kw: Any) -> SendResult:
         self.sent.append((addr, mq, kw["sys_flag"], kw["body"]))
+        self.calls.append(kw)
         exc = self.fail.get(mq.broker_name)
         if exc is not None:
             raise exc
@@ -188,3 +208,243 @@ def test_tls_verifies_by_default_and_warns_once_when_told_not_to(kind: str, tmp_
         assert loose is not None and loose.verify_mode == ssl.CERT_NONE
     warnings = [e for e in logs if e["event"] == "tls.verification_disabled"]
     assert len(warnings) == 1 and warnings[0]["log_level"] == "warning"
+
+
+# ---------------------------------------------------------------- retried answers, ids
+
+
+@pytest.mark.parametrize("code", [ResponseCode.SYSTEM_BUSY, ResponseCode.GO_AWAY])
+async def test_system_busy_and_go_away_are_retried_on_another_broker(code: int) -> None:
+    # Java 5.3.3's retryResponseCodes: a broker in flow control or shutting down.
+    producer, api = _fake_producer({"broker-a": MQBrokerError(code, "busy or going away")})
+    producer._counters["T"] = itertools.count(0)
+    result = await producer.send(Message("T", b"x"))
+    assert result.broker_name == "broker-b"
+    assert [mq.broker_name for _, mq, _, _ in api.sent] == ["broker-a", "broker-b"]
+
+
+async def test_the_message_ids_go_with_the_request() -> None:
+    # msg_id is the UNIQ_KEY the producer put in the message (a batch: each message's,
+    # comma-joined), the same on every attempt; one the caller set is kept.
+    producer, api = _fake_producer({"broker-a": RemotingConnectError("refused", addr="a")})
+    producer._counters["T"] = itertools.count(0)
+    await producer.send(Message("T", b"x"))
+    first, retry = api.calls
+    sent_key = decode_properties(first["properties"])[PROPERTY_UNIQ_KEY]
+    assert first["msg_id"] == retry["msg_id"] == sent_key and len(sent_key) == 32
+    api.calls.clear()
+    await producer.send(Message("T", b"x", properties={PROPERTY_UNIQ_KEY: "MY-ID"}))
+    assert api.calls[-1]["msg_id"] == "MY-ID"
+    await producer.send_batch([Message("T", b"1"), Message("T", b"2", properties={
+        PROPERTY_UNIQ_KEY: "MINE"})])
+    ids = api.calls[-1]["msg_id"].split(",")
+    assert len(ids) == 2 and len(ids[0]) == 32 and ids[1] == "MINE"
+    body = api.calls[-1]["body"]  # each message of the batch carries its own id
+    assert f"{PROPERTY_UNIQ_KEY}\x01{ids[0]}".encode() in body
+    assert body.index(ids[0].encode()) < body.index(b"MINE")
+
+
+async def test_send_result_has_the_message_id_and_the_brokers_offset_id() -> None:
+    # Java's SendResult: msgId is the producer's id, offsetMsgId the broker's (a batch: one
+    # per message, comma-joined).
+    class Remoting:
+        async def invoke(self, addr: str, req: RemotingCommand, timeout: float) -> RemotingCommand:
+            return send_ok(req, offset_msg_id="0A00000100002A9F0000000000000010,"
+                                              "0A00000100002A9F0000000000000050")
+
+    api = MQClientAPI(Remoting())  # type: ignore[arg-type]
+    mq = MessageQueue("T", "broker-a", 1)
+    r = await api.send_message("a:1", mq, producer_group="PG", body=b"...", properties="",
+                               batch=True, msg_id="K1,K2")
+    assert r.msg_id == "K1,K2"
+    assert r.offset_msg_id == "0A00000100002A9F0000000000000010,0A00000100002A9F0000000000000050"
+    # Without the producer's id, msg_id stays the broker's, as before.
+    r = await api.send_message("a:1", mq, producer_group="PG", body=b"...", properties="")
+    assert r.msg_id == r.offset_msg_id != ""
+
+
+# ---------------------------------------------------------------- one send_timeout (fakes)
+
+
+def _route_to(producer: Producer, addrs: dict[str, str]) -> None:
+    """Route topic T over ``addrs`` (broker name -> address), one queue each, broker-a first."""
+    queues = [MessageQueue("T", name, 0) for name in addrs]
+
+    async def publish_queues(topic: str) -> list[MessageQueue]:
+        return queues
+
+    async def find_broker_master(broker_name: str, topic: str | None = None) -> str:
+        return addrs[broker_name]
+
+    producer.instance.publish_queues = publish_queues  # type: ignore[method-assign]
+    producer.instance.find_broker_master = find_broker_master  # type: ignore[method-assign]
+    producer._counters["T"] = itertools.count(0)
+
+
+def _slow(seconds: float, code: int = ResponseCode.SUCCESS) -> Any:
+    async def answer(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        await asyncio.sleep(seconds)
+        return send_ok(cmd) if code == ResponseCode.SUCCESS else cmd.response_to(code, "no")
+    return answer
+
+
+async def test_a_send_that_timed_out_is_not_sent_again() -> None:
+    # Both brokers store the message but answer after 0.5 s; send_timeout is 0.3 s for the
+    # whole send: it fails after 0.3 s, and the message went out once (a retry would store
+    # a second copy; Java gives all attempts one budget).
+    async with FakeBroker(_slow(0.5)) as a, FakeBroker(_slow(0.5)) as b:
+        producer = Producer("PG", "127.0.0.1:1", send_timeout=0.3)
+        _route_to(producer, {"broker-a": a.addr, "broker-b": b.addr})
+        try:
+            started = time.monotonic()
+            with pytest.raises(RemotingTimeout, match="send_timeout"):
+                await producer.send(Message("T", b"x"))
+            assert time.monotonic() - started < 0.7  # three full timeouts were 0.9 s
+            await asyncio.sleep(0.1)
+            assert len(a.received) + len(b.received) == 1
+        finally:
+            await producer.stop()
+
+
+async def test_a_retry_has_what_the_failed_attempt_left() -> None:
+    # broker-a answers SYSTEM_ERROR (retried) after 0.25 s; broker-b would answer after
+    # 0.2 s, but only 0.15 s of send_timeout are left.
+    async with (FakeBroker(_slow(0.25, ResponseCode.SYSTEM_ERROR)) as a,
+                FakeBroker(_slow(0.2)) as b):
+        producer = Producer("PG", "127.0.0.1:1", send_timeout=0.4)
+        _route_to(producer, {"broker-a": a.addr, "broker-b": b.addr})
+        try:
+            started = time.monotonic()
+            with pytest.raises(RemotingTimeout):
+                await producer.send(Message("T", b"x"))
+            assert time.monotonic() - started < 0.8
+            assert len(a.received) == len(b.received) == 1
+        finally:
+            await producer.stop()
+
+
+async def test_the_route_lookup_is_inside_send_timeout() -> None:
+    # The name server answers after 0.2 s, the broker after 0.2 s more: 0.4 s > send_timeout.
+    async with FakeBroker(_slow(0.2)) as broker:
+        async def namesrv(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+            await asyncio.sleep(0.2)
+            return route_answer(cmd, {"broker-a": broker.addr})
+
+        async with FakeBroker(namesrv) as ns:
+            producer = Producer("PG", ns.addr, send_timeout=0.3)
+            try:
+                started = time.monotonic()
+                with pytest.raises(RemotingTimeout):
+                    await producer.send(Message("T", b"x"))
+                assert time.monotonic() - started < 0.8
+            finally:
+                await producer.stop()
+
+
+async def test_a_connect_that_hangs_is_inside_send_timeout() -> None:
+    # Connecting to broker-a hangs (TLS handshake never answered; connect_timeout is 3 s):
+    # the send fails when its 0.3 s are up, not after 3 s per attempt.
+    async with silent_listener() as (addr, accepted):
+        producer = Producer("PG", "127.0.0.1:1", send_timeout=0.3, tls=True, tls_verify=False)
+        _route_to(producer, {"broker-a": addr})
+        try:
+            started = time.monotonic()
+            with pytest.raises(RemotingTimeout):
+                await producer.send(Message("T", b"x"))
+            assert time.monotonic() - started < 1.5
+            assert len(accepted) == 1
+        finally:
+            await producer.stop()
+
+
+async def test_go_away_spares_the_send_in_flight_and_moves_the_next_one() -> None:
+    # broker-a starts shutting down while it still works on send A: A's answer comes on the
+    # old connection (A is stored once, not also re-sent to broker-b); send B, answered
+    # GO_AWAY on the old connection and on a new one, is retried on broker-b.
+    taken = asyncio.Event()
+    stored: dict[str, list[str | None]] = {"broker-a": [], "broker-b": []}
+
+    async def shutting_down(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        if not taken.is_set():
+            taken.set()
+            stored["broker-a"].append(uniq_key(cmd))
+            await asyncio.sleep(0.3)
+            return send_ok(cmd)
+        return cmd.response_to(ResponseCode.GO_AWAY, "please go away")
+
+    async def healthy(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        stored["broker-b"].append(uniq_key(cmd))
+        return send_ok(cmd)
+
+    async with FakeBroker(shutting_down) as a, FakeBroker(healthy) as b:
+        producer = Producer("PG", "127.0.0.1:1")
+        _route_to(producer, {"broker-a": a.addr, "broker-b": b.addr})
+        try:
+            send_a = asyncio.ensure_future(producer.send(Message("T", b"A")))
+            await taken.wait()
+            producer._counters["T"] = itertools.count(0)  # B to broker-a too
+            result_b = await producer.send(Message("T", b"B"))
+            result_a = await send_a
+            assert (result_a.broker_name, result_b.broker_name) == ("broker-a", "broker-b")
+            assert stored == {"broker-a": [result_a.msg_id], "broker-b": [result_b.msg_id]}
+        finally:
+            await producer.stop()
+
+
+# ---------------------------------------------------------------- start, stop, routes
+
+
+async def test_routes_are_refreshed_while_started() -> None:
+    # broker-a restarts at another address; the name server knows it. The refresh started by
+    # start() (every route_refresh_interval) finds it; stop() ends the refresh.
+    async def ok(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        return send_ok(cmd)
+
+    where: dict[str, str] = {}
+
+    async def namesrv(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        assert cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC
+        return route_answer(cmd, where)
+
+    async with FakeBroker(namesrv) as ns, FakeBroker(ok) as old, FakeBroker(ok) as new:
+        producer = Producer("PG", ns.addr, send_timeout=1.0, route_refresh_interval=0.1)
+        where["broker-a"] = old.addr
+        await producer.start()
+        try:
+            assert (await producer.send(Message("T", b"x"))).broker_name == "broker-a"
+            await old.aclose()
+            where["broker-a"] = new.addr
+            async with asyncio.timeout(3):
+                while True:
+                    try:
+                        result = await producer.send(Message("T", b"x"))
+                        break
+                    except RemotingConnectError:  # the old address, until the refresh
+                        await asyncio.sleep(0.05)
+            assert result.broker_name == "broker-a" and len(new.received) == 1
+            refresh = [t for t in asyncio.all_tasks() if t.get_name() == "producer[PG]:route-refresh"]
+            assert len(refresh) == 1
+        finally:
+            await producer.stop()
+        assert refresh[0].done()
+        with pytest.raises(IllegalStateError):
+            await producer.start()
+
+
+async def test_stop_without_start_closes_the_connections() -> None:
+    # send() works without start(); stop() must close what it opened all the same.
+    async with silent_listener() as (addr, _):
+        producer = Producer("PG", "127.0.0.1:1")
+        conn = await producer.instance.remoting.connection(addr)
+        await producer.stop()
+        assert conn.closed and producer.instance.remoting.addresses == []
+
+
+def test_route_refresh_interval_option() -> None:
+    from datetime import timedelta
+
+    assert Producer("PG", "127.0.0.1:1").options.route_refresh_interval == 30.0
+    p = Producer("PG", "127.0.0.1:1", route_refresh_interval=timedelta(seconds=5))
+    assert p.options.route_refresh_interval == 5.0
+    with pytest.raises(InvalidOptionError, match="route_refresh_interval"):
+        Producer("PG", "127.0.0.1:1", route_refresh_interval=0)
