@@ -27,22 +27,27 @@
    With ``decoder=`` and ``model=`` together, the decoder's result is converted into the model.
 
 A body that fails any step raises :class:`PayloadDecodeError`; the consumer treats such a
-message as poison and sends it to ``%DLQ%<group>`` at once, with the reason. An ``OSError``
-(``ConnectionError``, ``TimeoutError``...) raised by a ``decoder=`` is not about the body (a
-schema registry out of reach, say): it propagates, and the message is retried like any failed
-call.
+message as poison and sends it to ``%DLQ%<group>`` at once, with the reason. What a
+``decoder=`` raises that is not about the body propagates instead, and the message is retried
+like any failed call: Python's own ``ConnectionError`` and ``TimeoutError``, a failed name
+lookup (``socket.gaierror``), and :class:`~rmq_async.consumer.results.RetryLater`, which a
+decoder raises itself when it cannot reach what it needs (a schema registry through a client
+library whose errors are its own). Other ``OSError`` s are about the body (``gzip`` raises
+``BadGzipFile``, an ``OSError``, for a body that is not gzip).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgpack  # type: ignore[import-untyped, unused-ignore]
 
+from rmq_async.consumer.results import RetryLater
 from rmq_async.errors import InvalidArgumentError, InvalidTypeError, RocketMQError
 from rmq_async.protocol.types import MessageExt
 
@@ -71,6 +76,10 @@ MAX_REASON_CHARS = 1000
 
 class PayloadDecodeError(RocketMQError, ValueError):
     """A message body could not be decoded into the subscription's payload type."""
+
+
+#: Raised by a decoder= for reasons other than the body: retried, not dead-lettered.
+_NOT_THE_BODY = (PayloadDecodeError, RetryLater, ConnectionError, TimeoutError, socket.gaierror)
 
 
 def _wire_format(msg: MessageExt) -> str:
@@ -187,9 +196,9 @@ def build_payload_decoder(model: type[Any] | None,
             try:
                 data = dec(msg.body)
                 return convert(data) if convert is not None else data
-            except (PayloadDecodeError, OSError):
-                # OSError (a connection refused, a timeout): the decoder could not reach what
-                # it needs, say a schema registry; the body may be fine, so it is retried.
+            except _NOT_THE_BODY:
+                # The decoder could not reach what it needs (a schema registry), or asked for
+                # a retry itself: the body may be fine, so the message is retried.
                 raise
             except Exception as exc:
                 raise PayloadDecodeError(_reason(name, exc)) from exc

@@ -242,6 +242,35 @@ async def test_a_decoder_that_cannot_reach_its_registry_is_retried_not_dead_lett
     assert isinstance(out.error, ConnectionRefusedError) and not ctx.dead_letters
 
 
+async def test_a_body_error_that_is_an_oserror_is_still_poison() -> None:
+    """gzip says a body is not gzip with BadGzipFile, an OSError: that is about the body, so
+    the message is dead-lettered, not retried for ever (an orderly queue would stall)."""
+    import gzip
+
+    async def one(order: Any) -> None:
+        raise AssertionError("not called")
+
+    ctx = ConsumeContext(MQ)
+    out = await run_call(ListenerAdapter(one, decoder=lambda b: json.loads(gzip.decompress(b))),
+                         [_msg(b"not gzip")], ctx, group="G", topic="T", queue=MQ,
+                         orderly=True, middlewares=[])
+    assert out.dead_reason is not None and "BadGzipFile" in out.dead_reason
+
+
+async def test_a_decoder_asking_for_a_retry_is_retried() -> None:
+    def decoder(body: bytes) -> Any:
+        raise RetryLater()  # its registry client failed with an error of its own
+
+    async def one(order: Any) -> None:
+        raise AssertionError("not called")
+
+    out = await run_call(ListenerAdapter(one, decoder=decoder), [_msg(b"{}")],
+                         ConsumeContext(MQ), group="G", topic="T", queue=MQ, orderly=True,
+                         middlewares=[])
+    assert out.result is ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
+    assert out.dead_reason is None
+
+
 async def test_undecodable_per_message_is_dead_letter_and_batch_filters_poison() -> None:
     async def one(order: DcOrder) -> None: ...
 
