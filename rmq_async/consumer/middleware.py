@@ -82,6 +82,9 @@ class Outcome:
     error: Exception | None = None
     """The exception the handler (or a middleware) raised, other than ``RetryLater`` and
     ``DeadLetter``."""
+    reached: bool = True
+    """The call reached the handler (its decoder at least): ``False`` when a middleware
+    answered for it without calling on."""
 
 
 def _terminal(adapter: ListenerAdapter, orderly: bool, reached: list[ConsumeCall],
@@ -146,6 +149,7 @@ async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: Consum
         outcome = Outcome(failed, error=exc)
     else:
         outcome = Outcome(succeeded[-1] if succeeded else ConsumeResult.SUCCESS)
+    outcome.reached = bool(reached)
     if reached and reached[-1].messages is not msgs:
         # One call's messages are of one queue: the offset names each of them.
         seen = {m.queue_offset for m in reached[-1].messages}

@@ -199,13 +199,17 @@ class OrderlyConsumeService:
         stop: ConsumeResult | None = None  # SUSPEND_... or ROLLBACK: the turn ends
         failing: list[MessageExt] = []
         ctx = ConsumeContext(message_queue=mq)
+        # Messages of earlier turns taken and left uncommitted (SUCCESS without auto-commit)
+        # wait for the handler's COMMIT: nothing the handler did not answer itself commits them.
+        holding = pq.consuming_count > len(msgs)
         for adapter, part in _plan_calls(sub, msgs):
             handed += len(part)
             if adapter is None:
                 if sub is not None and sub.by_tag:
                     log.info("orderly.no_handler_for_tag", queue=str(mq), tag=part[0].tags)
                     ok += len(part)
-                    through = part[-1].queue_offset
+                    if not holding:
+                        through = part[-1].queue_offset
                     continue
                 stop, failing = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT, part
                 break
@@ -236,9 +240,19 @@ class OrderlyConsumeService:
                 break
             ok += len(part) - len(dead)
             failed += len(dead)
-            if ctx.auto_commit or result is ConsumeResult.COMMIT:
-                through = part[-1].queue_offset
-            # else SUCCESS without auto-commit: the messages stay taken until a COMMIT
+            last = part[-1].queue_offset
+            if not outcome.reached or outcome.dead_reason is not None or len(dead) >= len(part):
+                # Not the handler's verdict (dead-lettered before it ran, answered by a
+                # middleware): done, but it commits nothing held for the handler's COMMIT.
+                if not holding:
+                    through = last
+            elif ctx.auto_commit or result is ConsumeResult.COMMIT:
+                through, holding = last, False
+            else:
+                holding = True  # SUCCESS without auto-commit: taken until a COMMIT
+            if dead and through < last:
+                # In the dead-letter queue now; a ROLLBACK must not hand them out again.
+                pq.forget_taken(m for m, _ in dead)
         failed += len(failing)
         if calls or ok or failed:
             rt.stats.record_consume(topic, ok, failed, elapsed, calls=calls)

@@ -406,6 +406,15 @@ class ProcessQueue:
                 self.msg_count += 1
                 self.msg_size += _body_size(msg)
 
+    def forget_taken(self, msgs: Iterable[MessageExt]) -> None:
+        """Orderly: these taken messages are done without a commit (sent to the dead-letter
+        queue while earlier ones wait for theirs): a rollback does not bring them back."""
+        consuming = self._consuming
+        for msg in msgs:
+            if consuming.pop(msg.queue_offset, None) is not None:
+                self.msg_count -= 1
+                self.msg_size -= _body_size(msg)
+
     @property
     def consuming_count(self) -> int:
         """Orderly: messages taken and not yet committed."""

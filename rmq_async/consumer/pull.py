@@ -149,10 +149,13 @@ class PullService:
         count_limit = self.queue_count_threshold.get(topic, opts.pull_threshold_for_queue)
         size_limit = self.queue_size_threshold_mib.get(topic, opts.pull_threshold_size_for_queue)
         if pq.msg_count > count_limit:
-            self.flow_count.hit(queue=str(req.mq), cached=pq.msg_count, limit=count_limit)
+            # ``taken``: orderly messages with the listener or held for its COMMIT.
+            self.flow_count.hit(queue=str(req.mq), cached=pq.msg_count, limit=count_limit,
+                                taken=pq.consuming_count)
             return opts.pull_time_delay_when_flow_control
         if pq.msg_size > size_limit * MiB:
-            self.flow_size.hit(queue=str(req.mq), cached_mib=pq.msg_size // MiB, limit=size_limit)
+            self.flow_size.hit(queue=str(req.mq), cached_mib=pq.msg_size // MiB, limit=size_limit,
+                               taken=pq.consuming_count)
             return opts.pull_time_delay_when_flow_control
         service = self._router.service_for(topic)
         if not service.in_order and pq.max_span > opts.consume_concurrently_max_span:

@@ -199,10 +199,12 @@ class ConsumerStats:
     def record_consume(self, topic: str, ok: int, failed: int, rt: float, *,
                        calls: int = 1) -> None:
         """``calls`` listener calls that acknowledged ``ok`` and failed ``failed`` messages in
-        ``rt`` seconds together (the consume RT is kept per call)."""
+        ``rt`` seconds together (the consume RT is kept per call; none when no listener was
+        called, for messages settled without one)."""
         now = self._clock()
         ts = self._topic(topic, now)
-        ts.consume_rt.add(now, rt * 1000.0, max(calls, 1))
+        if calls > 0:
+            ts.consume_rt.add(now, rt * 1000.0, calls)
         if ok:
             ts.consume_ok.add(now, float(ok))
         if failed:
@@ -210,8 +212,7 @@ class ConsumerStats:
         totals = self._totals(topic)
         totals.consumed += ok
         totals.failed += failed
-        if rt > 0.0:  # sink chunks are written in batches and recorded without a time
-            calls = max(calls, 1)
+        if rt > 0.0 and calls > 0:  # sink chunks are written in batches, recorded without a time
             totals.consume_seconds.observe(rt / calls, calls)
 
     def record_send_back(self, topic: str, *, dead_letter: bool) -> None:

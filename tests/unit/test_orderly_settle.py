@@ -34,13 +34,14 @@ class _Harness:
     offset store and the broker calls recorded instead of sent."""
 
     def __init__(self, handler: Callable[..., Any], *, batch: bool = False,
-                 batch_size: int = 1, broadcasting: bool = False) -> None:
+                 batch_size: int = 1, broadcasting: bool = False,
+                 model: type[Any] | None = None) -> None:
         kwargs: dict[str, Any] = {"consume_concurrency": 1, "suspend_current_queue_time": 0.05,
                                   "consume_message_batch_max_size": batch_size}
         if broadcasting:
             kwargs["message_model"] = MessageModel.BROADCASTING
         consumer = PushConsumer("G_settle", namesrv="127.0.0.1:9876", **kwargs)
-        consumer.subscribe("T", listener=handler, orderly=True, batch=batch)
+        consumer.subscribe("T", listener=handler, orderly=True, batch=batch, model=model)
         self.pq = ProcessQueue()
         self.pq.locked = True
         self.pq.last_lock_timestamp = time.monotonic() + 3600
@@ -177,3 +178,66 @@ async def test_dead_lettered_messages_count_as_failed_not_consumed() -> None:
         await h.service.aclose()
     totals = h.stats.totals["T"]
     assert (totals.consumed, totals.failed) == (2, 1)  # as the concurrent service counts
+
+
+async def test_messages_settled_without_the_handler_do_not_commit_what_it_holds() -> None:
+    """A body its model cannot read is dead-lettered before the handler runs: that settles
+    it, but must not commit the messages the handler answered SUCCESS without auto-commit,
+    which wait for its COMMIT (a crash before it redelivers them)."""
+    seen: list[int] = []
+
+    async def handler(order: dict[str, int], ctx: ConsumeContext) -> ConsumeResult:
+        ctx.auto_commit = False
+        seen.append(order["id"])
+        return ConsumeResult.SUCCESS
+
+    h = _Harness(handler, broadcasting=True, model=dict)
+    bodies = [b'{"id": 0}', b'{"id": 1}', b"not json", b'{"id": 3}']
+    msgs = [MessageExt("T", body, 0, i) for i, body in enumerate(bodies)]
+    h.service.start()
+    try:
+        h.service.submit(msgs, h.pq, MQ, h.pq.put_messages(msgs))
+        await h.until(lambda: seen == [0, 1, 3])
+    finally:
+        await h.service.aclose()
+    assert h.offsets.updates == []  # nothing committed without a COMMIT
+    # The dead-lettered one is done; the three the handler holds stay taken.
+    assert (h.pq.msg_count, h.pq.consuming_count) == (3, 3)
+
+
+async def test_a_rollback_does_not_dead_letter_a_message_again() -> None:
+    calls: list[int] = []
+
+    async def handler(msg: MessageExt, ctx: ConsumeContext) -> ConsumeResult:
+        ctx.auto_commit = False
+        calls.append(msg.queue_offset)
+        if msg.queue_offset == 1:
+            raise DeadLetter("poison")
+        if msg.queue_offset == 2:
+            return ConsumeResult.ROLLBACK if calls.count(2) == 1 else ConsumeResult.COMMIT
+        return ConsumeResult.SUCCESS
+
+    h = _Harness(handler, broadcasting=True)
+    with capture_logs() as logs:
+        h.service.start()
+        try:
+            h.put(range(0, 3))
+            await h.until(lambda: h.offsets.updates[-1:] == [3])
+        finally:
+            await h.service.aclose()
+    # 0 held, 1 dead-lettered, 2 rolled back with 0; then 0 and 2 again (not 1), committed.
+    assert calls == [0, 1, 2, 0, 2]
+    dead = [e["offset"] for e in logs if e["event"] == "orderly.broadcast_dead_letter_dropped"]
+    assert dead == [1]
+    assert h.pq.msg_count == 0
+
+
+def test_no_duration_sample_without_a_listener_call() -> None:
+    """Messages settled without a listener call (no handler for their tag) are counted, but
+    add no 0 ms sample to the consume RT that mqadmin shows."""
+    stats = ConsumerStats()
+    stats.record_consume("T", 1, 0, 0.010, calls=1)
+    stats.record_consume("T", 3, 0, 0.0, calls=0)
+    totals = stats.totals["T"]
+    assert totals.consumed == 4 and totals.consume_seconds.count == 1
+    assert stats.snapshot("T")["consumeRT"] == 10.0
