@@ -15,8 +15,9 @@
    * a msgspec ``Struct`` (``msgspec`` extra): decoded and validated by msgspec in one step;
    * a dataclass: the decoded object must be a JSON object whose keys are the dataclass's
      fields (unknown or missing required fields fail); field values are not converted;
-   * a ``TypedDict``: the decoded object must be a JSON object with its required keys and
-     no others; the handler gets that ``dict``, values not converted;
+   * a ``TypedDict`` (``typing``'s or ``typing_extensions``'): the decoded object must be a
+     JSON object with its required keys; the handler gets that ``dict`` (other keys kept,
+     values not converted);
    * a class a decoded value can be: ``dict``, ``list``, ``str``, ``int``, ``float`` (a
      whole number is converted), ``bool``, ``bytes`` (msgpack), or an abstract class of
      theirs such as ``Mapping``: the decoded value must already be an instance of it.
@@ -109,6 +110,32 @@ def _is_msgspec_struct(model: type[Any]) -> bool:
     return hasattr(model, "__struct_fields__")
 
 
+def _is_typeddict(model: type[Any]) -> bool:
+    # typing's and typing_extensions' (which typing.is_typeddict does not know on 3.11) alike.
+    return (issubclass(model, dict) and hasattr(model, "__required_keys__")
+            and hasattr(model, "__total__"))
+
+
+def _required_keys(model: type[Any]) -> frozenset[str]:
+    """A TypedDict's required keys, read from its annotations: on 3.11, with postponed
+    annotations (``from __future__ import annotations``), ``__required_keys__`` misses what
+    ``Required[...]`` / ``NotRequired[...]`` say."""
+    required = set(model.__required_keys__)
+    try:
+        hints = typing.get_type_hints(model, include_extras=True)
+    except Exception:  # an annotation that does not resolve here: keep what the class says
+        return frozenset(required)
+    for key, hint in hints.items():
+        while typing.get_origin(hint) is typing.Annotated:
+            hint = typing.get_args(hint)[0]
+        origin = typing.get_origin(hint)
+        if origin is typing.NotRequired:
+            required.discard(key)
+        elif origin is typing.Required:
+            required.add(key)
+    return frozenset(required)
+
+
 def _model_converter(model: type[Any]) -> tuple[Callable[[bytes, str], Any],
                                                   Callable[[Any], Any]]:
     """(from body and wire format, from already decoded data) for ``model``."""
@@ -140,18 +167,16 @@ def _model_converter(model: type[Any]) -> tuple[Callable[[bytes, str], Any],
 
         return (lambda body, fmt: from_data_dc(_load(body, fmt))), from_data_dc
 
-    if typing.is_typeddict(model):
-        required: frozenset[str] = model.__required_keys__
-        allowed = required | model.__optional_keys__
+    if _is_typeddict(model):
+        required = _required_keys(model)
 
         def from_data_td(data: Any) -> Any:
             if not isinstance(data, dict):
                 raise PayloadDecodeError(
                     f"expected a JSON object for {model.__name__}, got {type(data).__name__}")
-            missing, unknown = required - data.keys(), data.keys() - allowed
-            if missing or unknown:
-                raise PayloadDecodeError(f"{model.__name__}: missing keys {sorted(missing)}, "
-                                         f"unknown keys {sorted(map(str, unknown))}")
+            missing = required - data.keys()
+            if missing:
+                raise PayloadDecodeError(f"{model.__name__}: missing keys {sorted(missing)}")
             return data
 
         return (lambda body, fmt: from_data_td(_load(body, fmt))), from_data_td
