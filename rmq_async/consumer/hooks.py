@@ -20,10 +20,11 @@ Each hook may be ``async def`` or a plain function; plain functions run in a wor
 they never block the event loop. An exception raised by a rebalance listener is logged
 (``consumer.rebalance_listener_failed``) and the rebalance goes on as if it had returned.
 
-In ``stop()`` each ``on_revoked`` listener and each ``on_shutdown`` hook has up to
-``stop()``'s timeout: one still running then is cancelled (a plain function's thread cannot
-be: it is left to finish on its own), logged (``consumer.hook_timed_out``), and ``stop()``
-goes on with the next.
+In ``stop()`` the ``on_revoked`` listeners, then the ``on_shutdown`` hooks, run within what is
+left of ``stop()``'s timeout after the drain (each group gets at least a second, or the whole
+timeout when it is shorter): a hook still running then is cancelled and not waited for (a plain
+function's thread cannot be cancelled: it finishes on its own), logged
+(``consumer.hook_timed_out``), and ``stop()`` goes on.
 """
 
 from __future__ import annotations
@@ -77,23 +78,6 @@ async def _call(fn: Callable[..., Any], *args: Any) -> None:
         await result
 
 
-async def _within(timeout: float | None, group: str, which: str, hook: Callable[..., Any],
-                  *args: Any) -> bool:
-    """Await one hook, for ``timeout`` seconds if given; False when it ran out of time
-    (logged). Its own exceptions propagate."""
-    scope = asyncio.timeout(timeout)
-    try:
-        async with scope:
-            await _call(hook, *args)
-    except TimeoutError:
-        if not scope.expired():
-            raise  # the hook's own TimeoutError
-        log.error("consumer.hook_timed_out", group=group, hook=which, listener=_name(hook),
-                  timeout=timeout)
-        return False
-    return True
-
-
 class RebalanceHooks:
     """The rebalance and lifespan hooks registered on one consumer, and how they are called."""
 
@@ -102,6 +86,8 @@ class RebalanceHooks:
         self.revoked: list[QueuesHook] = []
         self.startup: list[LifespanHook] = []
         self.shutdown: list[LifespanHook] = []
+        # Hooks that ran out of stop()'s time: cancelled, not waited for, kept until they end.
+        self._overdue: set[asyncio.Task[None]] = set()
 
     def add_listener(self, listener: RebalanceListener) -> None:
         if not isinstance(listener, RebalanceListener):
@@ -114,17 +100,18 @@ class RebalanceHooks:
         await self._fire("assigned", self.assigned, group, frozenset(queues))
 
     async def fire_revoked(self, group: str, queues: Iterable[MessageQueue], *,
-                           timeout: float | None = None) -> None:
-        """Await the ``on_revoked`` listeners; with ``timeout``, each for that long at most."""
-        await self._fire("revoked", self.revoked, group, frozenset(queues), timeout)
+                           deadline: float | None = None) -> None:
+        """Await the ``on_revoked`` listeners; with ``deadline`` (event loop time), until
+        then at most."""
+        await self._fire("revoked", self.revoked, group, frozenset(queues), deadline)
 
     async def _fire(self, which: str, hooks: list[QueuesHook], group: str,
-                    queues: frozenset[MessageQueue], timeout: float | None = None) -> None:
+                    queues: frozenset[MessageQueue], deadline: float | None = None) -> None:
         if not queues or not hooks:
             return
         for hook in list(hooks):
             try:
-                if not await _within(timeout, group, which, hook, queues):
+                if not await self._within(deadline, group, which, hook, queues):
                     continue
             except Exception as exc:  # a listener never breaks the rebalance
                 log.error("consumer.rebalance_listener_failed", group=group, hook=which,
@@ -140,13 +127,46 @@ class RebalanceHooks:
             await _call(hook)
             log.debug("consumer.startup_hook_done", group=group, hook=_name(hook))
 
-    async def run_shutdown(self, group: str, *, timeout: float | None = None) -> None:
-        """Await every shutdown hook in order (with ``timeout``, each for that long at most);
-        exceptions are logged, the others still run."""
+    async def run_shutdown(self, group: str, *, deadline: float | None = None) -> None:
+        """Await every shutdown hook in order (with ``deadline``, event loop time, until then
+        at most); exceptions are logged, the others still run."""
         for hook in list(self.shutdown):
             try:
-                await _within(timeout, group, "shutdown", hook)
+                await self._within(deadline, group, "shutdown", hook)
             except Exception as exc:
                 log.error("consumer.shutdown_hook_failed", group=group, hook=_name(hook),
                           error=f"{type(exc).__name__}: {exc}", exc_info=exc)
 
+    async def _within(self, deadline: float | None, group: str, which: str,
+                      hook: Callable[..., Any], *args: Any) -> bool:
+        """Await one hook, until ``deadline`` if given; False when it ran out of time.
+
+        A hook over time is cancelled and logged (``consumer.hook_timed_out``), and not waited
+        for: one that handles or ignores its cancellation by awaiting more cannot hold
+        ``stop()``. Its own exceptions propagate.
+        """
+        if deadline is None:
+            await _call(hook, *args)
+            return True
+        task = asyncio.get_running_loop().create_task(_call(hook, *args),
+                                                      name=f"hook:{_name(hook)}")
+        try:
+            done, _ = await asyncio.wait({task}, timeout=max(
+                deadline - asyncio.get_running_loop().time(), 0.0))
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if done:
+            task.result()  # its exception, if any
+            return True
+        task.cancel()
+        self._overdue.add(task)
+        task.add_done_callback(self._overdue_done)
+        log.error("consumer.hook_timed_out", group=group, hook=which, listener=_name(hook))
+        return False
+
+    def _overdue_done(self, task: asyncio.Task[None]) -> None:
+        self._overdue.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("consumer.hook_failed_after_timeout", hook=task.get_name(),
+                        error=repr(task.exception()))

@@ -441,10 +441,12 @@ class PushConsumer:
         """Stop consuming and release everything.
 
         Pulling stops at once; listener calls already running may finish (up to ``timeout``
-        seconds, a float or a ``timedelta``) and their acknowledgements are committed; the
-        ``on_revoked`` listeners, then the ``on_shutdown`` hooks, run (up to ``timeout``
-        each); offsets are persisted, the client is unregistered from the brokers and the
-        connections are closed. Afterwards no task of this consumer is left running.
+        seconds, a float or a ``timedelta``) and their acknowledgements are committed. The
+        ``on_revoked`` listeners, then the ``on_shutdown`` hooks, run in what is left of
+        ``timeout`` (each group at least a second, or ``timeout`` when shorter); a hook over
+        time is cancelled and not waited for. Offsets are persisted, the client is
+        unregistered from the brokers and the connections are closed. Afterwards no task of
+        this consumer is left running, but for a hook that ignored its cancellation.
         """
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
@@ -452,6 +454,7 @@ class PushConsumer:
             if not self._started:
                 return
             assert self._owner is not None and self._rt is not None
+            stop_by = asyncio.get_running_loop().time() + timeout
             self._rt.stopping = True
             owner = self._owner
             # 1. no new rebalances, heartbeats or pulls
@@ -467,7 +470,8 @@ class PushConsumer:
             await self.sink_service.aclose()
             # 3. the rebalance listeners hear that every queue is given up, then what was
             # acknowledged is persisted and the queues are forgotten
-            await self.hooks.fire_revoked(self.group, set(self.process_queues), timeout=timeout)
+            await self.hooks.fire_revoked(self.group, set(self.process_queues),
+                                          deadline=_hooks_deadline(stop_by, timeout))
             try:
                 await self.offset_store.persist_all(set(self.process_queues), oneway=False)
             except Exception as exc:
@@ -476,7 +480,7 @@ class PushConsumer:
             for pq in self.process_queues.values():
                 pq.dropped = True
             self.process_queues.clear()
-            await self.hooks.run_shutdown(self.group, timeout=timeout)
+            await self.hooks.run_shutdown(self.group, deadline=_hooks_deadline(stop_by, timeout))
             # 4. leave the group and close the connections
             await self.instance.unregister(None, self.group)
             await self.instance.close()
@@ -675,3 +679,15 @@ def _pid() -> int:
 
 
 __all__ = ["RETRY_GROUP_TOPIC_PREFIX", "PushConsumer", "Subscription", "MQBrokerError"]
+
+
+#: The least time stop() gives the on_revoked hooks, and then the on_shutdown hooks, however
+#: long the drain took (capped by stop()'s timeout).
+HOOKS_MIN_SECONDS = 1.0
+
+
+def _hooks_deadline(stop_by: float, timeout: float) -> float:
+    """When a group of hooks run by ``stop()`` must be done (event loop time): what is left of
+    its timeout, at least :data:`HOOKS_MIN_SECONDS` (or the timeout when that is shorter)."""
+    now = asyncio.get_running_loop().time()
+    return max(stop_by, now + min(HOOKS_MIN_SECONDS, timeout))
