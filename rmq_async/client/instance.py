@@ -53,14 +53,11 @@ class _AnnouncingRemoting(RemotingClient):
     def __init__(self, *, on_connect: Callable[[str], None], **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._on_connect = on_connect
-        self._announced: dict[str, Connection] = {}
 
-    async def connection(self, addr: str) -> Connection:
-        conn = await super().connection(addr)
-        if self._announced.get(addr) is not conn:
-            self._announced[addr] = conn
-            self._on_connect(addr)
-        return conn
+    def _connection_made(self, addr: str, conn: Connection) -> None:
+        # Where the connection is made, not in a caller of connection(): every caller may
+        # have stopped waiting (a timeout, a cancelled pull) when it is.
+        self._on_connect(addr)
 
 
 class ClientInstance:

@@ -21,6 +21,10 @@ from rmq_async.remoting.errors import ConnectionClosed, RemotingError, RemotingT
 
 log = structlog.get_logger(__name__)
 
+#: A request that timed out closes its connection when it had more than this (seconds) or a
+#: quarter of its timeout left when sent (Java ``MIN_CLOSE_TIMEOUT_MILLIS``).
+MIN_CLOSE_TIMEOUT = 0.1
+
 
 class RemotingClient:
     """Sends commands to name servers and brokers by address.
@@ -75,7 +79,17 @@ class RemotingClient:
                 self._connect(addr), name=f"remoting-connect {addr}")
             self._connecting[addr] = attempt
             attempt.add_done_callback(functools.partial(self._connect_done, addr))
-        return await asyncio.shield(attempt)
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if self.closed and attempt.cancelled() and (me is None or not me.cancelling()):
+                # close() ended the attempt (maybe before it ran a step), not our caller.
+                raise ConnectionClosed("remoting client is closed", addr=addr) from None
+            raise
+
+    def _connection_made(self, addr: str, conn: Connection) -> None:
+        """Called once per new connection, whoever still waits for it (a subclass hook)."""
 
     async def _connect(self, addr: str) -> Connection:
         try:
@@ -97,6 +111,7 @@ class RemotingClient:
         conn.on_started_timeout = self._after_started_timeout
         conn.on_started_go_away = self._after_started_go_away
         self._connections[addr] = conn
+        self._connection_made(addr, conn)
         return conn
 
     def _connect_done(self, addr: str, attempt: asyncio.Task[Connection]) -> None:
@@ -165,7 +180,11 @@ class RemotingClient:
         try:
             response = await conn.request(cmd, left)
         except RemotingTimeout:
-            if self.close_on_timeout and not conn.closed:
+            # Java's rule: a request that had only a sliver of its timeout left when sent (the
+            # connect or a GO_AWAY'd first sending took the rest) does not condemn the
+            # connection, which the requests beside it may be using well.
+            condemn = left > MIN_CLOSE_TIMEOUT or left > timeout / 4
+            if self.close_on_timeout and condemn and not conn.closed:
                 log.warning("remoting.closed_after_timeout", addr=addr, code=cmd.code,
                             timeout=timeout)
                 self._forget(addr, conn)

@@ -559,3 +559,91 @@ async def test_a_started_request_answered_go_away_leaves_the_others_in_flight() 
         async with asyncio.timeout(2):
             while sorted(broker.closed) != [0, 1]:
                 await asyncio.sleep(0.01)
+
+
+def _slow_connects(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every connect takes ``seconds`` longer (a lost SYN, a slow TLS handshake)."""
+    from rmq_async.remoting import client as client_mod
+
+    real = client_mod.Connection.open
+
+    async def slow_open(*args: object, **kwargs: object) -> Connection:
+        await asyncio.sleep(seconds)
+        return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(client_mod.Connection, "open", slow_open)
+
+
+async def test_a_request_the_connect_left_a_sliver_does_not_close_the_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Java's invokeSync rule: a request that timed out after a connect took most of its
+    timeout (it had less than 0.1 s and a quarter of it left when sent) leaves the
+    connection to the requests sharing it."""
+    _slow_connects(monkeypatch, 0.45)
+
+    async def answer(cmd: RemotingCommand, conn: int) -> RemotingCommand | None:
+        if cmd.code == RequestCode.HEART_BEAT:
+            return None  # never answered: it times out
+        await asyncio.sleep(0.2)
+        return _ok(cmd)
+
+    async with FakeBroker(answer) as broker:
+        client = RemotingClient()
+        try:
+            beat = client.invoke(broker.addr, RemotingCommand.request(RequestCode.HEART_BEAT),
+                                 0.5)
+            pulls = [client.invoke(broker.addr,
+                                   RemotingCommand.request(RequestCode.PULL_MESSAGE), 5)
+                     for _ in range(4)]
+            results = await asyncio.gather(beat, *pulls, return_exceptions=True)
+        finally:
+            await client.close()
+    assert isinstance(results[0], RemotingTimeout)
+    assert [r.code for r in results[1:]] == [ResponseCode.SUCCESS] * 4  # type: ignore[union-attr]
+    assert broker.connections == 1
+
+
+async def test_a_connection_made_after_every_caller_gave_up_is_still_announced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client instance heartbeats on every new connection: one made after its only
+    caller timed out is pooled and used by later requests, so it is announced too."""
+    from rmq_async.client.instance import _AnnouncingRemoting
+
+    _slow_connects(monkeypatch, 0.3)
+    announced: list[str] = []
+
+    async def answer(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        return _ok(cmd)
+
+    async with FakeBroker(answer) as broker:
+        addr = broker.addr
+        client = _AnnouncingRemoting(on_connect=announced.append)
+        try:
+            with pytest.raises(RemotingTimeout):
+                await client.invoke(broker.addr,
+                                    RemotingCommand.request(RequestCode.LOCK_BATCH_MQ), 0.1)
+            async with asyncio.timeout(2):
+                while not client.addresses:
+                    await asyncio.sleep(0.01)
+            resp = await client.invoke(broker.addr,
+                                       RemotingCommand.request(RequestCode.PULL_MESSAGE), 1)
+        finally:
+            await client.close()
+    assert resp.code == ResponseCode.SUCCESS
+    assert announced == [addr]
+
+
+async def test_close_during_a_new_connect_fails_the_caller_with_connection_closed() -> None:
+    """close() ends a connect attempt that has not run a step yet: its caller, which nobody
+    cancelled, gets ConnectionClosed, not a CancelledError of its own."""
+    async def answer(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        return _ok(cmd)
+
+    async with FakeBroker(answer) as broker:
+        client = RemotingClient()
+        caller = asyncio.ensure_future(client.connection(broker.addr))
+        await asyncio.sleep(0)  # the caller made the attempt and waits for it
+        await client.close()
+        with pytest.raises(ConnectionClosed):
+            await caller
+        assert not caller.cancelled()
