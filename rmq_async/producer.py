@@ -183,13 +183,14 @@ class Producer:
         self._uniq = UniqKeyGenerator()
         self._counters: dict[str, Iterator[int]] = {}
         self._tasks: TaskOwner | None = None
+        self._stopped = False
 
     async def start(self) -> None:
         """Get ready to send: routes are fetched on the first send to each topic, and again
         every ``route_refresh_interval`` until :meth:`stop`."""
         if self._tasks is not None:
             return
-        if self.instance.remoting.closed:
+        if self._stopped or self.instance.remoting.closed:
             raise IllegalStateError("the producer was stopped; create a new one to send again")
         self._tasks = TaskOwner(f"producer[{self.group}]")
         self._tasks.spawn(self.instance.route_refresh_loop(self.options.route_refresh_interval),
@@ -198,6 +199,7 @@ class Producer:
     async def stop(self) -> None:
         """End the route refresh and close the connections to the name servers and brokers
         (also those of sends made without :meth:`start`)."""
+        self._stopped = True  # a start() while this stop() awaits must not start again
         tasks, self._tasks = self._tasks, None
         if tasks is not None:
             await tasks.aclose()

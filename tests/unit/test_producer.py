@@ -440,6 +440,19 @@ async def test_stop_without_start_closes_the_connections() -> None:
         assert conn.closed and producer.instance.remoting.addresses == []
 
 
+async def test_a_start_while_stop_runs_starts_nothing() -> None:
+    """start() awaited while stop() waits for its tasks must not start a route refresh that
+    outlives the closed client."""
+    producer = Producer("PG", "127.0.0.1:1")
+    await producer.start()
+    stopping = asyncio.ensure_future(producer.stop())
+    await asyncio.sleep(0)  # stop() now waits for the route refresh to end
+    with pytest.raises(IllegalStateError):
+        await producer.start()
+    await stopping
+    assert not [t for t in asyncio.all_tasks() if t.get_name().endswith("route-refresh")]
+
+
 def test_route_refresh_interval_option() -> None:
     from datetime import timedelta
 
