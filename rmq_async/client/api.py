@@ -153,9 +153,10 @@ class MQClientAPI:
 
     async def _call(self, addr: str, code: int, ext: dict[str, str] | None, body: bytes = b"",
                     *, timeout: float | None = None, ok: tuple[int, ...] = (ResponseCode.SUCCESS,),
-                    name: str = "") -> RemotingCommand:
+                    name: str = "", resend_on_go_away: bool = True) -> RemotingCommand:
         req = RemotingCommand.request(code, ext_fields=ext, body=body)
-        resp = await self.remoting.invoke(addr, req, self.timeout if timeout is None else timeout)
+        resp = await self.remoting.invoke(addr, req, self.timeout if timeout is None else timeout,
+                                          resend_on_go_away=resend_on_go_away)
         if resp.code not in ok:
             raise broker_error(resp.code, resp.remark, addr=addr, request=name or str(code))
         return resp
@@ -184,10 +185,11 @@ class MQClientAPI:
 
     # ------------------------------------------------------------------ membership
 
-    async def heartbeat(self, addr: str, data: HeartbeatData) -> int:
+    async def heartbeat(self, addr: str, data: HeartbeatData, *,
+                        resend_on_go_away: bool = True) -> int:
         """Send a heartbeat; returns the broker's version ordinal."""
         resp = await self._call(addr, RequestCode.HEART_BEAT, {}, data.to_json_bytes(),
-                                name="HEART_BEAT")
+                                name="HEART_BEAT", resend_on_go_away=resend_on_go_away)
         return resp.version
 
     async def unregister_client(self, addr: str, client_id: str, producer_group: str | None,

@@ -331,7 +331,10 @@ class ClientInstance:
     async def _heartbeat_one(self, addr: str) -> None:
         assert self.heartbeat_source is not None
         try:
-            version = await self.api.heartbeat(addr, self.heartbeat_source())
+            # Not sent again on a GO_AWAY: that would make a connection, which would send a
+            # heartbeat of its own, answered GO_AWAY too, for as long as the broker shuts down.
+            version = await self.api.heartbeat(addr, self.heartbeat_source(),
+                                               resend_on_go_away=False)
         except Exception as exc:  # the periodic heartbeat tries again
             log.warning("heartbeat.on_connect_failed", broker=addr, error=str(exc))
             return

@@ -144,7 +144,8 @@ class RemotingClient:
             return None
         return conn
 
-    async def invoke(self, addr: str, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
+    async def invoke(self, addr: str, cmd: RemotingCommand, timeout: float, *,
+                     resend_on_go_away: bool = True) -> RemotingCommand:
         """Send a request and return the peer's response (any response code but GO_AWAY).
 
         ``timeout`` covers connecting too (Java's ``invokeSync``): a request that waited for
@@ -158,11 +159,12 @@ class RemotingClient:
         A GO_AWAY answer (a 5.x server shutting down) retires the connection (see
         :meth:`_retire`) and the request is sent once more on a new one, within what is left
         of ``timeout``; a second GO_AWAY raises :class:`RemotingError`, which callers that
-        retry elsewhere (the producer) retry.
+        retry elsewhere (the producer) retry. With ``resend_on_go_away=False`` the GO_AWAY
+        answer is returned instead (the connection retired all the same).
         """
         deadline = asyncio.get_running_loop().time() + timeout
         response = await self._invoke_by(addr, cmd, deadline, timeout)
-        if response.code == ResponseCode.GO_AWAY:
+        if response.code == ResponseCode.GO_AWAY and resend_on_go_away:
             response = await self._invoke_by(addr, cmd, deadline, timeout)
             if response.code == ResponseCode.GO_AWAY:
                 raise RemotingError(f"{addr} answered GO_AWAY twice (on a new connection too)",

@@ -8,10 +8,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import pytest
+
 from rmq_async.client.instance import ClientInstance, _BrokerAddrs
 from rmq_async.protocol.bodies import HeartbeatData
 from rmq_async.protocol.codes import RequestCode, ResponseCode
 from rmq_async.protocol.command import FrameDecoder, RemotingCommand
+from rmq_async.remoting.errors import RemotingError
 
 
 class FakeBroker:
@@ -101,3 +104,29 @@ async def test_no_heartbeat_to_name_servers_or_without_a_source() -> None:
             assert server.heartbeats() == 0
         finally:
             await bare.close()
+
+
+async def test_a_broker_shutting_down_gets_no_chain_of_connections() -> None:
+    """A 5.x broker shutting down answers GO_AWAY to every new request. The heartbeat on a
+    new connection is not sent again on another one: otherwise that connection's own
+    heartbeat, answered GO_AWAY too, would make the next, and so on (hundreds a second)."""
+    from tests.fake_broker import FakeBroker as ScriptedBroker
+
+    async def going_away(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        return cmd.response_to(ResponseCode.GO_AWAY)
+
+    async with ScriptedBroker(going_away) as broker:
+        addr = broker.addr
+        instance = ClientInstance("127.0.0.1:1", "cid@test",
+                                  heartbeat_source=lambda: HeartbeatData(client_id="cid@test"))
+        instance.brokers["b"] = _BrokerAddrs("c", {0: addr})
+        try:
+            with pytest.raises(RemotingError, match="GO_AWAY twice"):
+                await instance.remoting.invoke(
+                    addr, RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {}), 3)
+            await asyncio.sleep(0.5)
+            # The request's two connections, each with its one heartbeat, answered GO_AWAY.
+            assert broker.connections <= 3, broker.connections
+            assert broker.codes().count(RequestCode.HEART_BEAT) <= 3
+        finally:
+            await instance.close()

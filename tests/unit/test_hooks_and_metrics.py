@@ -458,7 +458,7 @@ class _HeartbeatApi:
         self.first_in_flight = asyncio.Event()
         self.release = asyncio.Event()
 
-    async def heartbeat(self, addr: str, data: Any) -> int:
+    async def heartbeat(self, addr: str, data: Any, *, resend_on_go_away: bool = True) -> int:
         self.versions.append(next(d.sub_version for d in data if d.topic == "orders"))
         if len(self.versions) == 1:
             self.first_in_flight.set()

@@ -43,7 +43,8 @@ class _FakeApi:
             raise answer
         return answer
 
-    async def heartbeat(self, addr: str, data: HeartbeatData) -> int:
+    async def heartbeat(self, addr: str, data: HeartbeatData, *,
+                        resend_on_go_away: bool = True) -> int:
         self.heartbeats.append(addr)
         if self.hold_heartbeats is not None:
             self.heartbeats_waiting.set()

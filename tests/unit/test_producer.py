@@ -248,7 +248,8 @@ async def test_send_result_has_the_message_id_and_the_brokers_offset_id() -> Non
     # Java's SendResult: msgId is the producer's id, offsetMsgId the broker's (a batch: one
     # per message, comma-joined).
     class Remoting:
-        async def invoke(self, addr: str, req: RemotingCommand, timeout: float) -> RemotingCommand:
+        async def invoke(self, addr: str, req: RemotingCommand, timeout: float,
+                         **kwargs: Any) -> RemotingCommand:
             return send_ok(req, offset_msg_id="0A00000100002A9F0000000000000010,"
                                               "0A00000100002A9F0000000000000050")
 

@@ -62,7 +62,7 @@ class Cluster:
     # announce_group's own client ---------------------------------------------------
     client_id = "127.0.0.1@spark-source-group"
 
-    async def heartbeat(self, addr: str, data: Any) -> int:
+    async def heartbeat(self, addr: str, data: Any, *, resend_on_go_away: bool = True) -> int:
         self.check(addr)
         if addr in {ADDRS[b] for b in self.no_heartbeat}:
             raise RemotingConnectError(f"heartbeat to {addr} failed", addr=addr)
