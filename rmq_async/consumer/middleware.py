@@ -83,16 +83,16 @@ class Outcome:
     """The exception the handler (or a middleware) raised, other than ``RetryLater`` and
     ``DeadLetter``."""
     reached: bool = True
-    """The call reached the handler (its decoder at least): ``False`` when a middleware
-    answered for it without calling on."""
+    """The call reached the handler (its decoder at least) with messages: ``False`` when a
+    middleware answered for it, without calling on or with none left."""
 
 
 def _terminal(adapter: ListenerAdapter, orderly: bool, reached: list[ConsumeCall],
               succeeded: list[ConsumeResult]) -> CallNext:
     async def call_handler(call: ConsumeCall) -> None:
-        reached.append(call)
         if not call.messages:
-            return
+            return  # a middleware filtered everything out: the handler is not reached
+        reached.append(call)
         raw = await adapter.invoke(call.messages, call.context)
         if raw is None:
             return

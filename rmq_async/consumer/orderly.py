@@ -241,7 +241,8 @@ class OrderlyConsumeService:
             ok += len(part) - len(dead)
             failed += len(dead)
             last = part[-1].queue_offset
-            if not outcome.reached or outcome.dead_reason is not None or len(dead) >= len(part):
+            seen = len(part) - len(outcome.acked or ())  # what the middlewares passed on
+            if not outcome.reached or outcome.dead_reason is not None or len(dead) >= seen:
                 # Not the handler's verdict (dead-lettered before it ran, answered by a
                 # middleware): done, but it commits nothing held for the handler's COMMIT.
                 if not holding:
@@ -278,6 +279,8 @@ class OrderlyConsumeService:
         if await self._retries_exhausted(failing):
             if ctx.auto_commit:
                 self._commit(mq, pq, failing[-1].queue_offset)
+            else:  # in the dead-letter queue now; a ROLLBACK must not hand them out again
+                pq.forget_taken(failing)
             return True
         for m in failing:
             m.reconsume_times += 1

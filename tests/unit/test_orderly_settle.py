@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -35,9 +36,9 @@ class _Harness:
 
     def __init__(self, handler: Callable[..., Any], *, batch: bool = False,
                  batch_size: int = 1, broadcasting: bool = False,
-                 model: type[Any] | None = None) -> None:
+                 model: type[Any] | None = None, **options: Any) -> None:
         kwargs: dict[str, Any] = {"consume_concurrency": 1, "suspend_current_queue_time": 0.05,
-                                  "consume_message_batch_max_size": batch_size}
+                                  "consume_message_batch_max_size": batch_size, **options}
         if broadcasting:
             kwargs["message_model"] = MessageModel.BROADCASTING
         consumer = PushConsumer("G_settle", namesrv="127.0.0.1:9876", **kwargs)
@@ -241,3 +242,57 @@ def test_no_duration_sample_without_a_listener_call() -> None:
     totals = stats.totals["T"]
     assert totals.consumed == 4 and totals.consume_seconds.count == 1
     assert stats.snapshot("T")["consumeRT"] == 10.0
+
+
+async def test_a_middleware_filtering_a_duplicate_out_commits_nothing_held() -> None:
+    """A dedup middleware that hands the handler no message (a duplicate) answers for the
+    call: that must not commit what the handler holds for its COMMIT."""
+    seen: list[int] = []
+
+    async def handler(msg: MessageExt, ctx: ConsumeContext) -> ConsumeResult:
+        ctx.auto_commit = False
+        seen.append(msg.queue_offset)
+        return ConsumeResult.SUCCESS
+
+    h = _Harness(handler, broadcasting=True)
+
+    async def dedup(call: Any, call_next: Any) -> None:
+        fresh = [m for m in call.messages if m.queue_offset != 2]
+        await call_next(dataclasses.replace(call, messages=fresh))
+
+    h.rt.subscriptions.middlewares.append(dedup)
+    h.service.start()
+    try:
+        h.put(range(0, 4))
+        await h.until(lambda: seen == [0, 1, 3])
+    finally:
+        await h.service.aclose()
+    assert h.offsets.updates == []
+    # 0, 1 and 3 held; the duplicate stays taken too, committed with them at the COMMIT.
+    assert h.pq.consuming_count == 4
+
+
+async def test_a_held_message_out_of_retries_is_not_handed_out_again_by_a_rollback() -> None:
+    calls: list[int] = []
+
+    async def handler(msg: MessageExt, ctx: ConsumeContext) -> ConsumeResult:
+        ctx.auto_commit = False
+        calls.append(msg.queue_offset)
+        if msg.queue_offset == 1:
+            return ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        if msg.queue_offset == 2:
+            return ConsumeResult.ROLLBACK if calls.count(2) == 1 else ConsumeResult.COMMIT
+        return ConsumeResult.SUCCESS
+
+    h = _Harness(handler, broadcasting=True, max_reconsume_times=1)
+    with capture_logs() as logs:
+        h.service.start()
+        try:
+            h.put(range(0, 3))
+            await h.until(lambda: h.offsets.updates[-1:] == [3])
+        finally:
+            await h.service.aclose()
+    # 1 tried twice, then out of retries; 2's ROLLBACK brings back 0, not 1.
+    assert calls == [0, 1, 1, 2, 0, 2]
+    exhausted = [e for e in logs if e["event"] == "orderly.broadcast_retries_exhausted"]
+    assert len(exhausted) == 1
