@@ -31,10 +31,10 @@ A body that fails any step raises :class:`PayloadDecodeError`; the consumer trea
 message as poison and sends it to ``%DLQ%<group>`` at once, with the reason. What a
 ``decoder=`` raises that is not about the body propagates instead, and the message is retried
 like any failed call: Python's own ``ConnectionError`` and ``TimeoutError``, a failed name
-lookup (``socket.gaierror``), and :class:`~rmq_async.consumer.results.RetryLater`, which a
-decoder raises itself when it cannot reach what it needs (a schema registry through a client
-library whose errors are its own). Other ``OSError`` s are about the body (``gzip`` raises
-``BadGzipFile``, an ``OSError``, for a body that is not gzip).
+lookup (``socket.gaierror``), an error whose causes include one of those (an HTTP client's
+own error for a refused connection), and :class:`~rmq_async.consumer.results.RetryLater`,
+which a decoder may raise itself. Other exceptions are about the body, ``OSError`` s too
+(``gzip`` raises ``BadGzipFile``, an ``OSError``, for a body that is not gzip).
 """
 
 from __future__ import annotations
@@ -79,8 +79,22 @@ class PayloadDecodeError(RocketMQError, ValueError):
     """A message body could not be decoded into the subscription's payload type."""
 
 
-#: Raised by a decoder= for reasons other than the body: retried, not dead-lettered.
-_NOT_THE_BODY = (PayloadDecodeError, RetryLater, ConnectionError, TimeoutError, socket.gaierror)
+#: Raised by a decoder= (or found among the causes of what it raised) for reasons other than
+#: the body: retried, not dead-lettered.
+_NOT_THE_BODY = (RetryLater, ConnectionError, TimeoutError, socket.gaierror)
+
+
+def _not_the_body(exc: BaseException) -> bool:
+    """``exc`` or one of its causes says the decoder could not reach something (an HTTP
+    client's own error wrapping a refused connection, say), or asks for a retry."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen and len(seen) < 16:
+        if isinstance(cur, _NOT_THE_BODY):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def _wire_format(msg: MessageExt) -> str:
@@ -110,6 +124,11 @@ def _is_msgspec_struct(model: type[Any]) -> bool:
     return hasattr(model, "__struct_fields__")
 
 
+#: Wrappers around a TypedDict key's type that say nothing about whether it is required
+#: (``ReadOnly``, from typing_extensions or Python 3.13, is recognised by its name).
+_QUALIFIERS: tuple[Any, ...] = (typing.Annotated,)
+
+
 def _is_typeddict(model: type[Any]) -> bool:
     # typing's and typing_extensions' (which typing.is_typeddict does not know on 3.11) alike.
     return (issubclass(model, dict) and hasattr(model, "__required_keys__")
@@ -126,7 +145,8 @@ def _required_keys(model: type[Any]) -> frozenset[str]:
     except Exception:  # an annotation that does not resolve here: keep what the class says
         return frozenset(required)
     for key, hint in hints.items():
-        while typing.get_origin(hint) is typing.Annotated:
+        while typing.get_origin(hint) in _QUALIFIERS or (
+                getattr(typing.get_origin(hint), "_name", None) == "ReadOnly"):
             hint = typing.get_args(hint)[0]
         origin = typing.get_origin(hint)
         if origin is typing.NotRequired:
@@ -221,11 +241,13 @@ def build_payload_decoder(model: type[Any] | None,
             try:
                 data = dec(msg.body)
                 return convert(data) if convert is not None else data
-            except _NOT_THE_BODY:
-                # The decoder could not reach what it needs (a schema registry), or asked for
-                # a retry itself: the body may be fine, so the message is retried.
+            except PayloadDecodeError:
                 raise
             except Exception as exc:
+                if _not_the_body(exc):
+                    # The decoder could not reach what it needs (a schema registry), or asked
+                    # for a retry itself: the body may be fine, so the message is retried.
+                    raise
                 raise PayloadDecodeError(_reason(name, exc)) from exc
 
         return decode_custom

@@ -197,6 +197,7 @@ class TdNote(TypedDict):  # this module has postponed annotations, as many do
 
 class TeOrder(typing_extensions.TypedDict):  # the flavour pydantic asks for before 3.12
     id: int
+    seen: typing_extensions.ReadOnly[NotRequired[bool]]
 
 
 class NtOrder(NamedTuple):
@@ -272,6 +273,27 @@ async def test_a_body_error_that_is_an_oserror_is_still_poison() -> None:
                          [_msg(b"not gzip")], ctx, group="G", topic="T", queue=MQ,
                          orderly=True, middlewares=[])
     assert out.dead_reason is not None and "BadGzipFile" in out.dead_reason
+
+
+async def test_a_client_library_error_caused_by_a_refused_connection_is_retried() -> None:
+    """An HTTP client wraps the refused connection in an error of its own (requests'
+    ConnectionError is an OSError, not Python's): found among the causes, it is retried."""
+    class ClientError(OSError):
+        pass
+
+    def decoder(body: bytes) -> Any:
+        try:
+            raise ConnectionRefusedError("registry down")
+        except ConnectionRefusedError as exc:
+            raise ClientError("max retries exceeded") from exc
+
+    async def one(order: Any) -> None:
+        raise AssertionError("not called")
+
+    out = await run_call(ListenerAdapter(one, decoder=decoder), [_msg(b"{}")],
+                         ConsumeContext(MQ), group="G", topic="T", queue=MQ, orderly=False,
+                         middlewares=[])
+    assert out.result is ConsumeResult.RECONSUME_LATER and out.dead_reason is None
 
 
 async def test_a_decoder_asking_for_a_retry_is_retried() -> None:
