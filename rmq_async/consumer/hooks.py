@@ -22,7 +22,8 @@ they never block the event loop. An exception raised by a rebalance listener is 
 
 In ``stop()`` the ``on_revoked`` listeners, then the ``on_shutdown`` hooks, run within what is
 left of ``stop()``'s timeout after the drain (each group gets at least a second, or the whole
-timeout when it is shorter): a hook still running then is cancelled and not waited for (a plain
+timeout when it is shorter; each hook, even one whose turn comes late, a tenth of a second):
+a hook still running then is cancelled and not waited for (a plain
 function's thread cannot be cancelled: it finishes on its own), logged
 (``consumer.hook_timed_out``), and ``stop()`` goes on.
 """
@@ -76,6 +77,11 @@ async def _call(fn: Callable[..., Any], *args: Any) -> None:
     result = await anyio.to_thread.run_sync(lambda: fn(*args), abandon_on_cancel=True)
     if inspect.isawaitable(result):  # a plain function that returned an awaitable
         await result
+
+
+#: The least time a hook run by ``stop()`` gets, even after its group's deadline: enough to
+#: start (a plain one in its thread) and, for a quick one, to finish.
+MIN_HOOK_SECONDS = 0.1
 
 
 class RebalanceHooks:
@@ -139,7 +145,8 @@ class RebalanceHooks:
 
     async def _within(self, deadline: float | None, group: str, which: str,
                       hook: Callable[..., Any], *args: Any) -> bool:
-        """Await one hook, until ``deadline`` if given; False when it ran out of time.
+        """Await one hook, until ``deadline`` if given (at least :data:`MIN_HOOK_SECONDS`);
+        False when it ran out of time.
 
         A hook over time is cancelled and logged (``consumer.hook_timed_out``), and not waited
         for: one that handles or ignores its cancellation by awaiting more cannot hold
@@ -152,7 +159,7 @@ class RebalanceHooks:
                                                       name=f"hook:{_name(hook)}")
         try:
             done, _ = await asyncio.wait({task}, timeout=max(
-                deadline - asyncio.get_running_loop().time(), 0.0))
+                deadline - asyncio.get_running_loop().time(), MIN_HOOK_SECONDS))
         except asyncio.CancelledError:
             task.cancel()
             raise
