@@ -423,6 +423,7 @@ class Runtime:
     progress: Progress
     stall_timeout: float
     profile_dir: Path | None = None
+    java_flags: tuple[str, ...] = JAVA_FLAGS
 
 
 def contender_command(rt: Runtime, contender: str, spec: dict[str, Any]) -> list[str]:
@@ -435,7 +436,7 @@ def contender_command(rt: Runtime, contender: str, spec: dict[str, Any]) -> list
             args.append(f"batch={TUNED_BATCH}")
         home = Path(tempfile.mkdtemp(prefix="java-home-", dir=rt.work))
         cp = f"{rt.java_classes}{os.pathsep}{rt.rmq.lib_dir}/*"
-        return [str(find_tool("java")), *JAVA_FLAGS, f"-Duser.home={home}", "-cp", cp,
+        return [str(find_tool("java")), *rt.java_flags, f"-Duser.home={home}", "-cp", cp,
                 "BenchConsumer", *args]
     if contender == "rocketmq-cpp":
         assert rt.cpp_python is not None
@@ -657,6 +658,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, default=None,
                    help="run the rmq_async contenders under cProfile, writing one .pstats file "
                         "per run into this folder (slows them down: not for comparisons)")
+    p.add_argument("--java-flag", action="append", default=[],
+                   help="an extra JVM flag for the Java contenders (repeatable; the comparisons "
+                        "use Java's defaults: for checks of the harness, not for figures)")
     p.add_argument("--stall-timeout", type=float, default=60.0,
                    help="seconds without progress before a contender is given up")
     return p.parse_args(argv)
@@ -712,9 +716,11 @@ async def main_async(args: argparse.Namespace) -> int:
             java_classes = await compile_java(sorted((BENCH_DIR / "java").glob("*.java")),
                                               rmq.lib_dir)
             result["env"] = environment(rmq, cpp_python)
+            java_flags = (*JAVA_FLAGS, *args.java_flag)
+            result["env"]["java_flags"] = list(java_flags)
             rt = Runtime(rmq=rmq, java_classes=java_classes, cpp_python=cpp_python, work=work,
                          progress=progress, stall_timeout=args.stall_timeout,
-                         profile_dir=args.profile)
+                         profile_dir=args.profile, java_flags=java_flags)
             if args.profile is not None:
                 args.profile.mkdir(parents=True, exist_ok=True)
             drain_topics: dict[str, str] = {}
