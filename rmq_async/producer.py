@@ -15,10 +15,10 @@ import os
 import random
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import structlog
@@ -49,6 +49,7 @@ from rmq_async.protocol.types import (
     Message,
     MessageQueue,
 )
+from rmq_async.remoting.client import until_deadline
 from rmq_async.remoting.errors import RemotingError, RemotingTimeout, TlsVerificationError
 from rmq_async.remoting.tls import client_ssl_context
 
@@ -64,8 +65,6 @@ _RETRY_BROKER_CODES = frozenset({
     ResponseCode.SYSTEM_BUSY, ResponseCode.NO_PERMISSION, ResponseCode.NO_BUYER_ID,
     ResponseCode.NOT_IN_CURRENT_UNIT, ResponseCode.GO_AWAY,
 })
-
-_T = TypeVar("_T")
 
 QueueSelector = Callable[[list[MessageQueue], Message], MessageQueue]
 
@@ -183,6 +182,8 @@ class Producer:
         self._uniq = UniqKeyGenerator()
         self._counters: dict[str, Iterator[int]] = {}
         self._tasks: TaskOwner | None = None
+        self._lookup_late = (f"route lookup took the rest of send_timeout "
+                             f"({self.options.send_timeout:.3f}s)")
         self._stopped = False
 
     async def start(self) -> None:
@@ -296,12 +297,13 @@ class Producer:
             if loop.time() >= deadline:
                 timed_out = True
                 break
-            mq = queue if queue is not None else await self._by_deadline(
-                deadline, self._pick_queue(topic, msg, selector, last_broker))
+            mq = queue if queue is not None else await until_deadline(
+                self._pick_queue(topic, msg, selector, last_broker), deadline, self._lookup_late)
             last_broker = mq.broker_name
             try:
-                addr = await self._by_deadline(deadline,
-                                      self.instance.find_broker_master(mq.broker_name, topic))
+                addr = await until_deadline(
+                    self.instance.find_broker_master(mq.broker_name, topic), deadline,
+                    self._lookup_late)
                 return await self.instance.api.send_message(
                     addr, mq, producer_group=self.group, body=body, properties=properties,
                     sys_flag=sys_flag, flag=flag, batch=batch,
@@ -339,16 +341,3 @@ class Producer:
                 addr=last_exc.addr, request=last_exc.request,
             ) from last_exc
         raise last_exc
-
-    async def _by_deadline(self, deadline: float, lookup: Awaitable[_T]) -> _T:
-        """``lookup`` (of a route or broker address) ended at ``deadline`` (loop time), the end
-        of the send's ``send_timeout``, with :class:`RemotingTimeout`."""
-        window = asyncio.timeout_at(deadline)
-        try:
-            async with window:
-                return await lookup
-        except TimeoutError:
-            if not window.expired():
-                raise
-            raise RemotingTimeout(f"route lookup took the rest of send_timeout "
-                                  f"({self.options.send_timeout:.3f}s)") from None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import ssl as _ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import structlog
 
@@ -20,6 +21,23 @@ from rmq_async.remoting.connection import (
 from rmq_async.remoting.errors import ConnectionClosed, RemotingError, RemotingTimeout
 
 log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+
+
+async def until_deadline(work: Awaitable[_T], deadline: float, what: str, *,
+                         addr: str | None = None) -> _T:
+    """Await ``work`` until ``deadline`` (event loop time); then :class:`RemotingTimeout`
+    saying ``what`` took the time. A ``TimeoutError`` of ``work``'s own propagates."""
+    window = asyncio.timeout_at(deadline)
+    try:
+        async with window:
+            return await work
+    except TimeoutError:
+        if not window.expired():
+            raise
+        raise RemotingTimeout(what, addr=addr) from None
+
 
 #: A request that timed out closes its connection when it had more than this (seconds) or a
 #: quarter of its timeout left when sent (Java ``MIN_CLOSE_TIMEOUT_MILLIS``).
@@ -120,21 +138,21 @@ class RemotingClient:
         if not attempt.cancelled():
             attempt.exception()  # seen here: every caller may have stopped waiting for it
 
-    async def _connection_by(self, addr: str, deadline: float, timeout: float) -> Connection:
+    async def _connection_by(self, addr: str, deadline: float,
+                             timeout: float) -> tuple[Connection, float]:
         """:meth:`connection`, waiting for a connect at most until ``deadline`` (loop time),
-        the end of the ``timeout`` of the request it is for."""
+        the end of the ``timeout`` of the request it is for; and the time left for it."""
         conn = self._pooled(addr)
-        if conn is not None:
-            return conn
-        window = asyncio.timeout_at(deadline)
-        try:
-            async with window:
-                return await self.connection(addr)
-        except TimeoutError:
-            if not window.expired():
-                raise
-            raise RemotingTimeout(f"connecting to {addr} took the request's whole timeout "
-                                  f"({timeout:.3f}s)", addr=addr) from None
+        if conn is None:
+            conn = await until_deadline(
+                self.connection(addr), deadline,
+                f"connecting to {addr} took the request's whole timeout ({timeout:.3f}s)",
+                addr=addr)
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise RemotingTimeout(f"no time left for the request to {addr} after connecting "
+                                  f"(timeout {timeout:.3f}s)", addr=addr)
+        return conn, left
 
     def _pooled(self, addr: str) -> Connection | None:
         """The open connection to ``addr`` while the client is open, else ``None`` (then
@@ -174,11 +192,7 @@ class RemotingClient:
     async def _invoke_by(self, addr: str, cmd: RemotingCommand, deadline: float,
                          timeout: float) -> RemotingCommand:
         """One sending of :meth:`invoke`, connecting first if need be, all by ``deadline``."""
-        conn = await self._connection_by(addr, deadline, timeout)
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            raise RemotingTimeout(f"no time left for the request to {addr} after connecting "
-                                  f"(timeout {timeout:.3f}s)", addr=addr)
+        conn, left = await self._connection_by(addr, deadline, timeout)
         try:
             response = await conn.request(cmd, left)
         except RemotingTimeout:
@@ -210,13 +224,8 @@ class RemotingClient:
         """
         conn = self._pooled(addr)
         if conn is None:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            conn = await self._connection_by(addr, deadline, timeout)
-            timeout = deadline - loop.time()
-            if timeout <= 0:
-                raise RemotingTimeout(f"no time left for the request to {addr} after "
-                                      "connecting", addr=addr)
+            deadline = asyncio.get_running_loop().time() + timeout
+            conn, timeout = await self._connection_by(addr, deadline, timeout)
         fut = conn.start_frame(*frame, timeout) if frame is not None else None
         if fut is None:
             cmd = make_cmd()
