@@ -124,11 +124,6 @@ def _is_msgspec_struct(model: type[Any]) -> bool:
     return hasattr(model, "__struct_fields__")
 
 
-#: Wrappers around a TypedDict key's type that say nothing about whether it is required
-#: (``ReadOnly``, from typing_extensions or Python 3.13, is recognised by its name).
-_QUALIFIERS: tuple[Any, ...] = (typing.Annotated,)
-
-
 def _is_typeddict(model: type[Any]) -> bool:
     # typing's and typing_extensions' (which typing.is_typeddict does not know on 3.11) alike.
     return (issubclass(model, dict) and hasattr(model, "__required_keys__")
@@ -145,10 +140,12 @@ def _required_keys(model: type[Any]) -> frozenset[str]:
     except Exception:  # an annotation that does not resolve here: keep what the class says
         return frozenset(required)
     for key, hint in hints.items():
-        while typing.get_origin(hint) in _QUALIFIERS or (
-                getattr(typing.get_origin(hint), "_name", None) == "ReadOnly"):
-            hint = typing.get_args(hint)[0]
         origin = typing.get_origin(hint)
+        # Annotated[...] and ReadOnly[...] (typing_extensions', or 3.13's: known by its name)
+        # say nothing about whether the key is required: look inside.
+        while origin is typing.Annotated or getattr(origin, "_name", None) == "ReadOnly":
+            hint = typing.get_args(hint)[0]
+            origin = typing.get_origin(hint)
         if origin is typing.NotRequired:
             required.discard(key)
         elif origin is typing.Required:
