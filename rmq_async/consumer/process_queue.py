@@ -370,8 +370,7 @@ class ProcessQueue:
             done = [offset for offset in consuming if offset <= through]
             if not done:
                 return -1
-            self.msg_count -= len(done)
-            self.msg_size -= sum(_body_size(consuming.pop(offset)) for offset in done)
+            self._remove_taken(done)
             return max(done) + 1
         if not consuming:
             return -1
@@ -409,9 +408,14 @@ class ProcessQueue:
     def forget_taken(self, msgs: Iterable[MessageExt]) -> None:
         """Orderly: these taken messages are done without a commit (sent to the dead-letter
         queue while earlier ones wait for theirs): a rollback does not bring them back."""
+        self._remove_taken(msg.queue_offset for msg in msgs)
+
+    def _remove_taken(self, offsets: Iterable[int]) -> None:
+        """Take these offsets out of "consuming" and out of the cache's counts."""
         consuming = self._consuming
-        for msg in msgs:
-            if consuming.pop(msg.queue_offset, None) is not None:
+        for offset in offsets:
+            msg = consuming.pop(offset, None)
+            if msg is not None:
                 self.msg_count -= 1
                 self.msg_size -= _body_size(msg)
 
