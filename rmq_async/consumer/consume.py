@@ -73,6 +73,9 @@ class ConsumeRequest:
     pq: ProcessQueue
     mq: MessageQueue
     started_ms: int = 0
+    """When the chunk's first call started (wall-clock ms)."""
+    call_started_ms: int = 0
+    """When its current call started: the ``CONSUME_START_TIME`` of the unanswered messages."""
     done: int = 0
     """Leading messages handed to the listener and answered (acknowledged or in ``failed``)."""
     failed: list[tuple[MessageExt, int]] = field(default_factory=list)
@@ -205,12 +208,19 @@ class ConcurrentConsumeService:
         sub = rt.subscriptions.topics.get(topic)
         adapter = sub.adapter_for(msgs[0]) if sub is not None else None
         middlewares = rt.subscriptions.middlewares
-        started_ms = int(time.time() * 1000)
-        now_ms = str(started_ms)
-        put_each(msgs, {PROPERTY_CONSUME_START_TIME: now_ms})
+        # Every message carries the start of its own call (Java stamps a call's messages as
+        # it starts). The chunk is stamped once here; before a later call, the messages not
+        # yet answered are stamped again when the clock has moved on a millisecond, so those
+        # of the current call and those still waiting for one carry its start (the cleaner
+        # sends back what waits behind a call stuck past the timeout, as Java's other
+        # threads would have consumed it).
+        clock = time.time
+        started_ms = int(clock() * 1000)
+        put_each(msgs, {PROPERTY_CONSUME_START_TIME: str(started_ms)})
+        next_ms = (started_ms + 1) / 1000
         n = len(msgs)
         size = self._opts.consume_message_batch_max_size
-        req.started_ms = started_ms
+        req.started_ms = req.call_started_ms = started_ms
         req.expired_seen = epoch = pq.expired_sent_back
         self._inflight.add(req)
         # Failed messages with the delay level their call asked for; poison with its reason.
@@ -243,6 +253,8 @@ class ConcurrentConsumeService:
                     done += 1
                     req.done = done
                     continue
+                if calls and clock() >= next_ms:
+                    next_ms = self._restamp(req, msgs, done)
                 calls += 1
                 if fast is not None:
                     try:
@@ -288,6 +300,8 @@ class ConcurrentConsumeService:
                         req.done = done
                         continue
                     batch = cached
+                if calls and clock() >= next_ms:
+                    next_ms = self._restamp(req, msgs, done)
                 calls += 1
                 if direct is not None:
                     # The handler takes no context, so nothing can set an ack index or a
@@ -319,6 +333,14 @@ class ConcurrentConsumeService:
         elapsed = time.monotonic() - started
         pq.last_consume_timestamp = time.monotonic()
         await self._settle(req, msgs[:done] if done < n else msgs, failed, elapsed, calls)
+
+    @staticmethod
+    def _restamp(req: ConsumeRequest, msgs: list[MessageExt], done: int) -> float:
+        """Stamp the chunk's unanswered messages with now; the time of the next restamp."""
+        now_ms = int(time.time() * 1000)
+        put_each(msgs[done:], {PROPERTY_CONSUME_START_TIME: str(now_ms)})
+        req.call_started_ms = now_ms
+        return (now_ms + 1) / 1000
 
     async def _settle(self, req: ConsumeRequest, handled: list[MessageExt],
                       failed: list[tuple[MessageExt, int]], elapsed: float, calls: int) -> None:
@@ -379,12 +401,14 @@ class ConcurrentConsumeService:
     async def clean_expired(self) -> None:
         """Send back cached messages whose consumption started longer than consume_timeout ago.
 
-        A chunk stuck in a listener call that does not return has its messages answered
-        before that call removed first (they are acknowledged; only the settlement at the end
-        of the chunk was missing), so that only the stuck message and those behind it, which
-        no listener saw, go back to the broker, as in Java. Should the slow call return after
-        all, its worker hands none of the messages sent back to the listener (they come again
-        through the retry topic) and sends none of them back a second time.
+        Each message carries the start of its call (the unanswered ones of a chunk that of
+        its current call). A chunk running longer than the timeout has its messages answered
+        so far removed first (they are acknowledged; only the settlement at the end of the
+        chunk was missing), so that only a call stuck past the timeout and the messages
+        behind it in its chunk, which no listener saw, go back to the broker, as in Java.
+        Should the stuck call return after all, its worker hands none of the messages sent
+        back to the listener (they come again through the retry topic) and sends none of them
+        back a second time.
         """
         rt = self._rt
         if self._opts.message_model != MessageModel.CLUSTERING:
@@ -403,8 +427,12 @@ class ConcurrentConsumeService:
                 offset = pq.remove_messages(acked)
                 if offset >= 0 and not pq.dropped:
                     rt.offset_store.update(req.mq, offset, increase_only=True)
-                log.info("consume.stuck_chunk_settled", queue=str(req.mq), count=len(acked),
-                         stuck_offset=req.msgs[done].queue_offset if done < len(req.msgs) else -1)
+                if now_ms - req.call_started_ms > timeout_ms:
+                    log.info("consume.stuck_chunk_settled", queue=str(req.mq), count=len(acked),
+                             stuck_offset=req.msgs[done].queue_offset
+                             if done < len(req.msgs) else -1)
+                else:
+                    log.debug("consume.slow_chunk_settled", queue=str(req.mq), count=len(acked))
         for mq, pq in list(rt.process_queues.items()):
             if rt.subscriptions.is_orderly(mq.topic) or pq.dropped:
                 continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -343,3 +344,83 @@ async def test_a_plain_function_returning_a_coroutine_is_awaited() -> None:
     await h.run_chunk(3)
     assert ran == [0, 1, 2]
     assert h.sent_back == [(1, 0)]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+@pytest.mark.parametrize("per_message", [True, False])
+async def test_the_consume_timeout_is_per_call_not_per_chunk(
+        per_message: bool, batch_size: int) -> None:
+    """Java stamps ``CONSUME_START_TIME`` when a call starts and the cleaner sends back only
+    messages whose call has run longer than ``consume_timeout``. A chunk of calls that each
+    take well under the timeout, but together much longer, loses nothing to the cleaner
+    (before, the whole chunk carried its first call's stamp: the cleaner sent back messages
+    that were in a fresh call or not yet called, and they were consumed twice)."""
+    seen: list[int] = []
+    lag_ms: list[float] = []  # how long before its call each message's stamp was taken
+
+    async def slow(msgs: list[MessageExt]) -> None:
+        now_ms = time.time() * 1000
+        for m in msgs:
+            seen.append(m.queue_offset)
+            lag_ms.append(now_ms - int(m.get_property(PROPERTY_CONSUME_START_TIME) or 0))
+        await asyncio.sleep(0.03)
+
+    if per_message:
+        async def listener(msg: MessageExt) -> ConsumeResult:
+            await slow([msg])
+            return ConsumeResult.SUCCESS
+        h = Harness(listener, consume_timeout=0.2)
+    else:
+        async def batch_listener(msgs: list[MessageExt]) -> ConsumeResult:
+            await slow(msgs)
+            return ConsumeResult.SUCCESS
+        h = Harness(batch_listener, consume_timeout=0.2, consume_message_batch_max_size=batch_size)
+    n = 12 * batch_size  # twelve calls: about twice the timeout for the chunk
+    try:
+        h.start_chunk(n)
+        async with asyncio.timeout(10):
+            while not h.updates or h.updates[-1] < n:
+                await h.service.clean_expired()
+                await asyncio.sleep(0.01)
+            await h.service.wait_idle()
+    finally:
+        await h.service.aclose()
+    assert h.sent_back == []
+    assert seen == list(range(n))
+    assert h.updates[-1] == n and h.pq.msg_count == 0
+    assert h.stats.totals["T"].consumed == n
+    assert max(lag_ms) < 20, lag_ms  # each stamp is its own call's start
+
+
+async def test_answered_messages_of_a_slow_chunk_are_settled_not_sent_back() -> None:
+    """Messages a call answered stay cached until their chunk is settled. Once their stamps
+    are past the timeout, the cleaner settles them (acknowledged) and leaves the call in
+    progress alone, as it is inside its time."""
+    gate = asyncio.Event()
+    seen: list[int] = []
+
+    async def listener(msg: MessageExt) -> ConsumeResult:
+        seen.append(msg.queue_offset)
+        if msg.queue_offset < 2:
+            await asyncio.sleep(0.06)  # 0 and 1 take longer than the timeout together
+        else:
+            await gate.wait()
+        return ConsumeResult.SUCCESS
+
+    h = Harness(listener, consume_timeout=0.1)
+    try:
+        h.start_chunk(4)
+        async with asyncio.timeout(5):
+            while seen != [0, 1, 2]:
+                await asyncio.sleep(0.002)
+        await h.service.clean_expired()
+        assert h.sent_back == []
+        assert h.updates[-1] == 2  # 0 and 1 settled: the offset is the call in progress
+        gate.set()
+        async with asyncio.timeout(5):
+            while h.updates[-1] < 4:
+                await asyncio.sleep(0.005)
+    finally:
+        await h.service.aclose()
+    assert seen == [0, 1, 2, 3] and h.sent_back == []
+    assert h.updates[-1] == 4 and h.pq.msg_count == 0
