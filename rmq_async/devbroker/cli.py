@@ -11,6 +11,8 @@
 - ``down``   stops it and removes its run folder (store and logs).
 
 Logs go to stderr so that stdout can be used as ``eval "$(python -m rmq_async.devbroker up)"``.
+Exit statuses are those of ``rmq-async broker``: 2 for a usage error (found before anything
+starts), 1 for a failure while running (and for ``status`` when nothing runs).
 """
 
 from __future__ import annotations
@@ -198,6 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"fetch": cmd_fetch, "up": cmd_up, "status": cmd_status, "down": cmd_down}
     try:
         return handlers[args.command](args)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):  # an option value its checks refuse: a usage error
+            print(f"error: {exc.code}", file=sys.stderr)
+            return 2
+        raise
     except DevBrokerError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 1

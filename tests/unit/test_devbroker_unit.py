@@ -485,3 +485,32 @@ def test_acl_account_validation(ak: str, sk: str) -> None:
 
     with pytest.raises(ValueError):
         AclAccount(ak, sk)
+
+
+
+def test_module_cli_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m rmq_async.devbroker`` answers as ``rmq-async broker`` does: 2 for a usage
+    error found before anything starts."""
+    from rmq_async.devbroker import cli
+
+    monkeypatch.setattr(cli.structlog, "configure", lambda **kw: None)  # keep the suite's
+    monkeypatch.setattr(cli, "_load_state", lambda: None)
+    assert cli.main(["up", "--groups", "0"]) == 2
+    assert "--groups and --namesrvs must be >= 1" in capsys.readouterr().err
+    assert cli.main(["up", "--broker-config", "novalue"]) == 2
+    assert "expects key=value" in capsys.readouterr().err
+
+
+def test_module_cli_failures_exit_1(monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from rmq_async.devbroker import cli
+    from rmq_async.devbroker.errors import DevBrokerError
+
+    def fail(version: str) -> None:
+        raise DevBrokerError("Maven failed")
+
+    monkeypatch.setattr(cli.structlog, "configure", lambda **kw: None)
+    monkeypatch.setattr(cli, "ensure_jars_sync", fail)
+    assert cli.main(["fetch"]) == 1
+    assert "Maven failed" in capsys.readouterr().err
