@@ -29,6 +29,7 @@ from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import Credentials, InvalidOptionError, check_tls_options
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.errors import IllegalStateError, InvalidArgumentError
+from rmq_async.protocol.bodies import HeartbeatData, ProducerData
 from rmq_async.protocol.codes import (
     COMPRESSION_LZ4,
     COMPRESSION_ZLIB,
@@ -97,6 +98,9 @@ class ProducerOptions:
     route_refresh_interval: float = 30.0
     """How often the routes of the topics sent to are fetched again while the producer is
     started, as the consumer's option of this name (Java ``pollNameServerInterval``)."""
+    heartbeat_interval: float = 30.0
+    """How often a started producer tells the master brokers it knows its group (Java
+    ``heartbeatBrokerInterval``); a broker also gets one on each new connection."""
     compress_over: int = 4096
     compress_level: int = 5
     compress_type: str = "ZLIB"
@@ -118,6 +122,7 @@ class ProducerOptions:
         self.send_timeout = _positive_seconds("send_timeout", self.send_timeout)
         self.route_refresh_interval = _positive_seconds("route_refresh_interval",
                                                         self.route_refresh_interval)
+        self.heartbeat_interval = _positive_seconds("heartbeat_interval", self.heartbeat_interval)
         self.credentials = Credentials.coerce(self.credentials)
         check_tls_options(self.tls, self.tls_verify, self.tls_ca_file, self.ssl_context)
         ctype = self.compress_type.strip().upper() if isinstance(self.compress_type, str) else None
@@ -186,24 +191,35 @@ class Producer:
                              f"({self.options.send_timeout:.3f}s)")
         self._stopped = False
 
+    def heartbeat_data(self) -> HeartbeatData:
+        """The HEART_BEAT body this producer sends: its group."""
+        return HeartbeatData(client_id=self.client_id,
+                             producer_data_set=[ProducerData(group_name=self.group)])
+
     async def start(self) -> None:
         """Get ready to send: routes are fetched on the first send to each topic, and again
-        every ``route_refresh_interval`` until :meth:`stop`."""
+        every ``route_refresh_interval`` until :meth:`stop`; the master brokers hear of the
+        producer group on each new connection and every ``heartbeat_interval``."""
         if self._tasks is not None:
             return
         if self._stopped or self.instance.remoting.closed:
             raise IllegalStateError("the producer was stopped; create a new one to send again")
         self._tasks = TaskOwner(f"producer[{self.group}]")
+        self.instance.heartbeat_source = self.heartbeat_data  # a producer not started sends none
         self._tasks.spawn(self.instance.route_refresh_loop(self.options.route_refresh_interval),
                           name="route-refresh")
+        self._tasks.spawn(self.instance.heartbeat_loop(self.options.heartbeat_interval),
+                          name="heartbeat")
 
     async def stop(self) -> None:
-        """End the route refresh and close the connections to the name servers and brokers
-        (also those of sends made without :meth:`start`)."""
+        """End the route refresh and the heartbeats, tell the brokers the producer is gone
+        (UNREGISTER_CLIENT, when it was started) and close the connections to the name servers
+        and brokers (also those of sends made without :meth:`start`)."""
         self._stopped = True  # a start() while this stop() awaits must not start again
         tasks, self._tasks = self._tasks, None
         if tasks is not None:
             await tasks.aclose()
+            await self.instance.unregister(self.group, None)
         await self.instance.close()
 
     async def __aenter__(self) -> Producer:

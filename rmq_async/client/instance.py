@@ -284,7 +284,7 @@ class ClientInstance:
             return {}
         async with self._heartbeat_lock:
             data = self.heartbeat_source()
-            addrs = self.all_broker_addrs()
+            addrs = self._heartbeat_addrs(data)
             results = await asyncio.gather(
                 *(self.api.heartbeat(addr, data) for addr in addrs), return_exceptions=True
             )
@@ -300,6 +300,14 @@ class ClientInstance:
                     self.broker_versions[addr] = res
         self._heartbeat_round_done(status)
         return status
+
+    def _heartbeat_addrs(self, data: HeartbeatData) -> list[str]:
+        """Where a heartbeat goes: every known broker, or only the masters when it carries no
+        consumer (Java ``sendHeartbeatToAllBroker``: a producer writes to masters only)."""
+        if data.consumer_data_set:
+            return self.all_broker_addrs()
+        return sorted({a for entry in self.brokers.values()
+                       if (a := entry.master()) is not None})
 
     def _heartbeat_round_done(self, status: dict[str, bool]) -> None:
         reachable = any(status.values())
@@ -321,8 +329,8 @@ class ClientInstance:
         next periodic heartbeat, up to ``heartbeat_interval`` later."""
         if self.heartbeat_source is None or self.remoting.closed:
             return
-        if addr not in self.all_broker_addrs():
-            return  # a name server
+        if addr not in self._heartbeat_addrs(self.heartbeat_source()):
+            return  # a name server (or, for a producer, a slave)
         task = asyncio.get_running_loop().create_task(self._heartbeat_one(addr),
                                                       name=f"heartbeat-on-connect {addr}")
         self._connect_heartbeats.add(task)
@@ -361,9 +369,20 @@ class ClientInstance:
                           exc_info=exc)
 
     async def unregister(self, producer_group: str | None, consumer_group: str | None) -> None:
-        for addr in self.all_broker_addrs():
+        """UNREGISTER_CLIENT, at once, on every broker the heartbeats go to (a broker that is
+        down costs one request timeout, not one per broker as Java's loop does; a producer's
+        goes to the masters only, where Java would connect to each slave to say it); failures
+        are left alone."""
+        async def one(addr: str) -> None:
             with contextlib.suppress(MQClientError, RemotingError):
-                await self.api.unregister_client(addr, self.client_id, producer_group, consumer_group)
+                await self.api.unregister_client(addr, self.client_id, producer_group,
+                                                 consumer_group)
+
+        if self.heartbeat_source is not None:
+            addrs = self._heartbeat_addrs(self.heartbeat_source())
+        else:
+            addrs = self.all_broker_addrs()
+        await asyncio.gather(*(one(addr) for addr in addrs))
 
     async def close(self) -> None:
         for task in list(self._connect_heartbeats):

@@ -91,6 +91,26 @@ async def test_round_trip_python_and_java_producers(rocketmq, java_programs) -> 
         assert back.body == bytes((j * 31 + i) % 251 for j in range(int(size)))
 
 
+async def test_the_broker_knows_a_started_producer_until_it_stops(rocketmq) -> None:
+    """Java's admin client (``examineProducerConnectionInfo``, as ``mqadmin producerConnection``)
+    finds a started producer's client id under its group once it has sent (the heartbeat on
+    connecting), and none after ``stop()``."""
+    topic = unique("T_pc")
+    await rocketmq.create_topic(topic, queues=2)
+    group = unique("PG")
+    producer = Producer(group, rocketmq.namesrv_addr)
+    await producer.start()
+    try:
+        await producer.send(Message(topic, b"x"))
+        async with asyncio.timeout(10):
+            while not (seen := await rocketmq.admin_request("producers", group, topic))[1:]:
+                await asyncio.sleep(0.1)
+        assert seen == ["OK", producer.client_id]
+    finally:
+        await producer.stop()
+    assert await rocketmq.admin_request("producers", group, topic) == ["OK"]
+
+
 async def test_long_poll_wakes_on_message_and_times_out(rocketmq) -> None:
     topic = unique("T_lp")
     await rocketmq.create_topic(topic, queues=1)

@@ -462,7 +462,8 @@ class _HeartbeatApi:
         self.release = asyncio.Event()
 
     async def heartbeat(self, addr: str, data: Any, *, resend_on_go_away: bool = True) -> int:
-        self.versions.append(next(d.sub_version for d in data if d.topic == "orders"))
+        subs = data.consumer_data_set[0].subscription_data_set
+        self.versions.append(next(d.sub_version for d in subs if d.topic == "orders"))
         if len(self.versions) == 1:
             self.first_in_flight.set()
             await self.release.wait()
@@ -487,6 +488,7 @@ async def test_a_changed_allocation_announces_its_version_after_a_heartbeat_in_f
     from rmq_async.consumer.options import MessageModel
     from rmq_async.consumer.rebalance import Rebalancer
     from rmq_async.consumer.subscriptions import Subscription, Subscriptions
+    from rmq_async.protocol.bodies import ConsumerData, HeartbeatData
     from rmq_async.protocol.filter import build_subscription
 
     subs = Subscriptions("G", MessageModel.CLUSTERING)
@@ -496,8 +498,11 @@ async def test_a_changed_allocation_announces_its_version_after_a_heartbeat_in_f
     assert data is not None
     old = data.sub_version
 
-    instance = ClientInstance("127.0.0.1:9876", "client-1",
-                              heartbeat_source=subs.heartbeat_data_set)  # type: ignore[arg-type]
+    def heartbeat_data() -> HeartbeatData:
+        return HeartbeatData(client_id="client-1", consumer_data_set=[
+            ConsumerData("G", subscription_data_set=subs.heartbeat_data_set())])
+
+    instance = ClientInstance("127.0.0.1:9876", "client-1", heartbeat_source=heartbeat_data)
     instance.brokers["broker-a"] = _BrokerAddrs("DefaultCluster", {0: "127.0.0.1:10911"})
     api = _HeartbeatApi()
     instance.api = api  # type: ignore[assignment]

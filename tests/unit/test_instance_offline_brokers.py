@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 
 from rmq_async.client.errors import MQClientError
 from rmq_async.client.instance import ClientInstance
-from rmq_async.protocol.bodies import BrokerData, HeartbeatData, QueueData, TopicRouteData
+from rmq_async.protocol.bodies import BrokerData, ConsumerData, HeartbeatData, QueueData, TopicRouteData
 
 A0, A1 = "10.0.0.1:10911", "10.0.0.2:10911"  # broker-a: master, slave
 B0, B1 = "10.0.1.1:10911", "10.0.1.2:10911"  # broker-b: master, slave
@@ -54,7 +54,9 @@ class _FakeApi:
 
 def _instance() -> tuple[ClientInstance, _FakeApi]:
     inst = ClientInstance("127.0.0.1:9876", "127.0.0.1@test",
-                          heartbeat_source=lambda: HeartbeatData(client_id="127.0.0.1@test"))
+                          heartbeat_source=lambda: HeartbeatData(
+                              client_id="127.0.0.1@test",
+                              consumer_data_set=[ConsumerData(group_name="G")]))
     api = _FakeApi()
     inst.api = api  # type: ignore[assignment]
     return inst, api

@@ -422,7 +422,8 @@ async def test_routes_are_refreshed_while_started() -> None:
                         break
                     except RemotingConnectError:  # the old address, until the refresh
                         await asyncio.sleep(0.05)
-            assert result.broker_name == "broker-a" and len(new.received) == 1
+            assert result.broker_name == "broker-a"
+            assert new.codes().count(RequestCode.SEND_MESSAGE_V2) == 1
             refresh = [t for t in asyncio.all_tasks() if t.get_name() == "producer[PG]:route-refresh"]
             assert len(refresh) == 1
         finally:
@@ -462,3 +463,82 @@ def test_route_refresh_interval_option() -> None:
     assert p.options.route_refresh_interval == 5.0
     with pytest.raises(InvalidOptionError, match="route_refresh_interval"):
         Producer("PG", "127.0.0.1:1", route_refresh_interval=0)
+
+
+def _master_and_slave_route(cmd: RemotingCommand, master: str, slave: str) -> RemotingCommand:
+    from rmq_async.protocol.bodies import BrokerData, QueueData, TopicRouteData
+
+    route = TopicRouteData(queue_datas=[QueueData("broker-a", 2, 2, perm=6)],
+                           broker_datas=[BrokerData("DefaultCluster", "broker-a",
+                                                    {0: master, 1: slave})])
+    return cmd.response_to(ResponseCode.SUCCESS, body=route.to_json_bytes())
+
+
+async def test_a_started_producer_heartbeats_its_group_to_the_masters_and_unregisters() -> None:
+    """As Java's producer: its group goes to each master broker on connecting and every
+    ``heartbeat_interval`` (never to a slave: a producer has nothing to say to one), and
+    ``stop()`` ends the heartbeats and sends UNREGISTER_CLIENT for the group."""
+    import json
+
+    async def broker(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        if cmd.code == RequestCode.SEND_MESSAGE_V2:
+            return send_ok(cmd)
+        return cmd.response_to(ResponseCode.SUCCESS)
+
+    addrs: dict[str, str] = {}
+
+    async def namesrv(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        return _master_and_slave_route(cmd, addrs["master"], addrs["slave"])
+
+    async with FakeBroker(namesrv) as ns, FakeBroker(broker) as master, \
+            FakeBroker(broker) as slave:
+        addrs.update(master=master.addr, slave=slave.addr)
+        producer = Producer("PG", ns.addr, heartbeat_interval=0.05)
+        await producer.start()
+        try:
+            await producer.send(Message("T", b"x"))
+            async with asyncio.timeout(3):
+                while master.codes().count(RequestCode.HEART_BEAT) < 3:
+                    await asyncio.sleep(0.01)
+            beats = [c for _, c in master.received if c.code == RequestCode.HEART_BEAT]
+            body = json.loads(beats[0].body or b"")
+            assert body["clientID"] == producer.client_id
+            assert body["producerDataSet"] == [{"groupName": "PG"}]
+            assert body["consumerDataSet"] == []
+            task = [t for t in asyncio.all_tasks() if t.get_name() == "producer[PG]:heartbeat"]
+            assert len(task) == 1
+        finally:
+            await producer.stop()
+        assert task[0].done()
+        assert slave.received == []
+        gone = [c for _, c in master.received if c.code == RequestCode.UNREGISTER_CLIENT]
+        assert len(gone) == 1
+        assert (gone[0].ext_fields or {}).get("producerGroup") == "PG"
+        assert "consumerGroup" not in (gone[0].ext_fields or {})
+        assert master.codes()[-1] == RequestCode.UNREGISTER_CLIENT
+
+
+async def test_a_producer_not_started_sends_no_heartbeat() -> None:
+    async def broker(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        return send_ok(cmd)
+
+    where: dict[str, str] = {}
+
+    async def namesrv(cmd: RemotingCommand, conn: int) -> RemotingCommand:
+        return route_answer(cmd, where)
+
+    async with FakeBroker(namesrv) as ns, FakeBroker(broker) as b:
+        where["broker-a"] = b.addr
+        producer = Producer("PG", ns.addr)
+        try:
+            await producer.send(Message("T", b"x"))
+            await asyncio.sleep(0.05)
+        finally:
+            await producer.stop()
+        assert b.codes() == [RequestCode.SEND_MESSAGE_V2]
+
+
+def test_heartbeat_interval_option() -> None:
+    assert Producer("PG", "127.0.0.1:9876").options.heartbeat_interval == 30.0
+    with pytest.raises(InvalidOptionError):
+        Producer("PG", "127.0.0.1:9876", heartbeat_interval=0)

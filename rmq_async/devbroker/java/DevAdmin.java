@@ -17,6 +17,7 @@ import java.util.concurrent.Executors;
 
 import org.apache.rocketmq.acl.common.AclClientRPCHook;
 import org.apache.rocketmq.acl.common.SessionCredentials;
+import org.apache.rocketmq.client.exception.MQBrokerException;
 import org.apache.rocketmq.client.exception.MQClientException;
 import org.apache.rocketmq.common.TopicConfig;
 import org.apache.rocketmq.remoting.RPCHook;
@@ -39,6 +40,7 @@ import org.apache.rocketmq.tools.admin.DefaultMQAdminExt;
  *   route TOPIC                  "NOROUTE", or lines: brokerName TAB read TAB write TAB perm
  *   user ADDR NAME PASSWORD TYPE creates (or updates) an authentication user; TYPE Super|Normal
  *   acl ADDR SUBJECT RESOURCES ACTIONS DECISION   grants (comma-separated resources/actions)
+ *   producers GROUP TOPIC        lines: the client ids a broker of TOPIC has for producer GROUP
  *
  * Exits when its standard input ends.
  *
@@ -233,6 +235,16 @@ public class DevAdmin {
                 List<String> resources = java.util.Arrays.asList(w[3].split(","));
                 List<String> actions = java.util.Arrays.asList(w[4].split(","));
                 invoke("createAcl", w[1], w[2], resources, actions, null, w[5]);
+                return "OK";
+            }
+            case "producers": {
+                try {
+                    for (var c : admin.examineProducerConnectionInfo(w[1], w[2]).getConnectionSet()) {
+                        result.add(c.getClientId());
+                    }
+                } catch (MQBrokerException none) {
+                    // the broker answers an error when the group has no producer connected
+                }
                 return "OK";
             }
             default:
