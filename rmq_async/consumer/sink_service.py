@@ -162,12 +162,13 @@ class SinkConsumeService:
 
     # ------------------------------------------------------------------ offer / acknowledge
 
-    def _offer(self, sink: SparkSink, msgs: Chunk, pq: ProcessQueue, mq: MessageQueue) -> None:
+    def _offer(self, sink: SparkSink, msgs: Chunk, pq: ProcessQueue, mq: MessageQueue, *,
+               redelivered: bool = False) -> None:
         rt = self._rt
         if mq.topic != rt.retry_topic:
             self._tell_flow_limit(sink, mq.topic)
         try:
-            sink.offer(msgs, _ChunkAck(self, sink, msgs, pq, mq))
+            sink.offer(msgs, _ChunkAck(self, sink, msgs, pq, mq), redelivered=redelivered)
         except SinkClosedError:
             # Only while stopping: the messages stay cached, their offsets never move.
             log.warning("sink.offer_after_close", queue=str(mq), count=len(msgs))
@@ -256,7 +257,7 @@ class SinkConsumeService:
                     delay=SEND_BACK_FAILED_RETRY_DELAY)
         await asyncio.sleep(SEND_BACK_FAILED_RETRY_DELAY)
         if not pq.dropped and not rt.stopping:
-            self._offer(sink, not_sent, pq, mq)
+            self._offer(sink, not_sent, pq, mq, redelivered=True)
 
 
 class _ChunkAck:

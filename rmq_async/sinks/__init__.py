@@ -35,10 +35,13 @@ class TaskSpawner(Protocol):
 class MessageSink(Protocol):
     """What a consumer needs from a sink. Every method is called on the event loop."""
 
-    def offer(self, msgs: list[MessageExt] | StoredChunk, ack: AckCallback) -> None:
+    def offer(self, msgs: list[MessageExt] | StoredChunk, ack: AckCallback, *,
+              redelivered: bool = False) -> None:
         """Take a chunk: a pull's messages, or its records undecoded (a
         :class:`~rmq_async.protocol.stored.StoredChunk`, whose ``messages()`` decodes them);
-        ``ack`` is called once its fate is known."""
+        ``ack`` is called once its fate is known. ``redelivered`` marks messages offered
+        again after their write failed (and the broker did not take them back): they sit
+        below offsets of their queue offered since, maybe already stored."""
         ...
 
     def want_more(self) -> bool:

@@ -70,9 +70,11 @@ overwrite of exactly that range is idempotent as well and avoids the join of a M
             .option("replaceWhere", ranges).save("s3://bucket/rocketmq/orders"))
 
 (Ranges are contiguous when the consumer delivers every offset of a queue to the sink; tag
-filtering or messages handed back to the broker leave holes, which only makes the overwrite
-replace rows the same batch writes again.) Plain Parquet appends (:func:`parquet_writer`) are
-at-least-once; deduplicate on the key when reading (``dropDuplicates``).
+filtering or messages handed back to the broker leave holes, which no batch writes. Messages
+offered again after their batch failed, because the broker did not take them back, are
+written in a batch of their own, so that no batch's range spans rows another batch wrote.)
+Plain Parquet appends (:func:`parquet_writer`) are at-least-once; deduplicate on the key when
+reading (``dropDuplicates``).
 """
 
 from __future__ import annotations
@@ -171,7 +173,8 @@ class BatchInfo:
     queues: tuple[MessageQueue, ...]
     """Message queues present, in Java ``MessageQueue`` order."""
     offset_ranges: dict[MessageQueue, tuple[int, int]]
-    """Lowest and highest queue offset per queue."""
+    """Lowest and highest queue offset per queue. No other batch writes a row of a queue
+    inside its range: an overwrite of these ranges is idempotent."""
     row_count: int
     bytes: int
     """Sum of the body sizes."""
@@ -373,12 +376,15 @@ class SparkSink:
 
     # ------------------------------------------------------------------ consumer-facing
 
-    def offer(self, msgs: list[MessageExt] | StoredChunk, ack: AckCallback) -> None:
+    def offer(self, msgs: list[MessageExt] | StoredChunk, ack: AckCallback, *,
+              redelivered: bool = False) -> None:
         """Add a chunk to the open batch; ``ack`` is called once, after the batch's outcome.
 
         Never blocks and never refuses for lack of room: the consumer's flow control bounds
-        what it offers (see the class docstring). Raises :class:`SinkClosedError` after
-        :meth:`aclose`.
+        what it offers (see the class docstring). A ``redelivered`` chunk (offered again after
+        its batch failed) is written in a batch of its own: among newer rows of its queue, the
+        batch's offset range would span rows other batches wrote (see "Exactly-once into
+        Delta" above). Raises :class:`SinkClosedError` after :meth:`aclose`.
         """
         if self._closed:
             raise SinkClosedError("the Spark sink is closed")
@@ -386,7 +392,8 @@ class SparkSink:
         rows = len(msgs)
         batch = self._open
         if batch is not None and batch.rows and (
-            batch.rows + rows > self._eff_rows or batch.bytes + size > self._eff_bytes
+            redelivered
+            or batch.rows + rows > self._eff_rows or batch.bytes + size > self._eff_bytes
         ):
             # Closed before the chunk that would take it past a limit: a batch of at most
             # ``batch_rows`` rows is cut into the fewest Spark partitions (one per
@@ -403,7 +410,7 @@ class SparkSink:
         batch.bytes += size
         self._backlog_rows += rows
         self._backlog_bytes += size
-        if batch.rows >= self._eff_rows or batch.bytes >= self._eff_bytes:
+        if redelivered or batch.rows >= self._eff_rows or batch.bytes >= self._eff_bytes:
             self._close_open()
 
     def set_flow_limit(self, rows: int | None, bytes_: int | None = None) -> None:
@@ -776,14 +783,16 @@ class SparkSink:
         if self._value_arrow_type is not None:
             assert self._value_format is not None
             value_type = self._value_arrow_type
-            values = pa.chunked_array(
-                [
-                    decode_values(bodies[start : start + chunk_rows], self._value_format,
-                                  value_type)
-                    for start in range(0, len(bodies), chunk_rows)
-                ],
-                value_type,
-            )
+            # Sliced as the table's other columns are (the fewest even slices): Spark cuts
+            # its Arrow batches, one partition each, wherever any column's slice ends.
+            values_parts: list[pa.Array] = []
+            start = 0
+            for piece in table.column("body").chunks:
+                end = start + len(piece)
+                values_parts.append(decode_values(bodies[start:end], self._value_format,
+                                                  value_type))
+                start = end
+            values = pa.chunked_array(values_parts, value_type)
             table = table.append_column(pa.field("value", value_type, True), values)
         job.table = table
         job.info = _batch_info(job.batch, chunks, table.num_rows)

@@ -289,13 +289,16 @@ class FakeSink:
 
     def __init__(self) -> None:
         self.offers: list[tuple[list[MessageExt], Callable[[bool], None]]] = []
+        self.redelivered: list[bool] = []
         self.limits: list[tuple[int | None, int | None]] = []
         self.expedited = 0
         self.caught = 0
         self.more = True
 
-    def offer(self, batch: list[MessageExt], ack: Callable[[bool], None]) -> None:
+    def offer(self, batch: list[MessageExt], ack: Callable[[bool], None], *,
+              redelivered: bool = False) -> None:
         self.offers.append((batch, ack))
+        self.redelivered.append(redelivered)
 
     def set_flow_limit(self, rows: int | None, bytes_: int | None = None) -> None:
         self.limits.append((rows, bytes_))
@@ -476,11 +479,77 @@ async def test_failed_chunk_is_sent_back_and_what_the_broker_refused_is_offered_
     assert sorted(sent) == [0, 1, 2, 4, 6, 7]
     again, ack_again = sink.offers[1]
     assert [m.queue_offset for m in again] == [3, 5]
+    assert sink.redelivered == [False, True]
     # The offset stops at the first message still held: 3.
     assert side.offset_store.read_memory(mqs[0]) == 3
     ack_again(True)
     assert side.offset_store.read_memory(mqs[0]) == 8
     await side.rt.tasks.aclose()
+
+
+async def test_a_redelivered_chunk_is_written_in_a_batch_of_its_own() -> None:
+    """Rows offered again after a failed write sit below newer rows of their queue: in one
+    batch with them, the batch's offset range would span rows other batches wrote."""
+    write = Writes()
+    sink = sink_for(write, batch_rows=100, max_batch_latency=0.05)
+    owner = TaskOwner("sink")
+    await sink.start(owner)
+    try:
+        sink.offer(msgs(16, 4), ignore)
+        sink.offer(msgs(3, 1), ignore, redelivered=True)
+        sink.offer(msgs(20, 4), ignore)
+        await sink.flush()
+    finally:
+        await sink.aclose()
+        await owner.aclose()
+    assert write.rows == [4, 1, 4]
+
+
+async def test_an_overwrite_of_each_batchs_offset_ranges_keeps_every_row(
+        side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module docs' idempotent write (Delta ``replaceWhere`` over ``info.offset_ranges``),
+    on a dict: a failed batch whose message the broker did not take back is offered again
+    while newer rows of its queue wait in the open batch, and no written row is lost."""
+    monkeypatch.setattr(sink_service_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.05)
+    table: dict[int, bytes] = {}
+    calls = 0
+
+    def write(df: Any, info: BatchInfo) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("storage hiccup")
+        for _mq, (lo, hi) in info.offset_ranges.items():
+            for off in [o for o in table if lo <= o <= hi]:
+                del table[off]
+        for off, body in zip(df.column("queue_offset").to_pylist(),
+                             df.column("body").to_pylist(), strict=True):
+            table[off] = body
+
+    async def send_back(msg: MessageExt, delay_level: int) -> bool:
+        return msg.queue_offset != 3  # the broker does not take offset 3 back
+
+    monkeypatch.setattr(side.rt, "send_message_back", send_back)
+    sink = SparkSink(None, write, create_dataframe=lambda t: t, batch_rows=8,
+                     max_batch_latency=0.2, write_retries=0)
+    side.consumer.subscribe("orders", sink=sink)
+    mq = MessageQueue("orders", "broker-a", 0)
+    side.consumer.process_queues[mq] = ProcessQueue()
+    rebalanced(side, "orders")
+    await side.service.start_sinks()
+    try:
+        pull_stored(side, mq, stored(mq, 0, 8))   # batch 1 fails; all but 3 handed back
+        await asyncio.sleep(0.02)
+        pull_stored(side, mq, stored(mq, 8, 8))   # batch 2 is written
+        await asyncio.sleep(0.01)
+        pull_stored(side, mq, stored(mq, 16, 4))  # opens batch 3; 3 comes again meanwhile
+        async with asyncio.timeout(5):
+            while side.offset_store.read_memory(mq) != 20:
+                await asyncio.sleep(0.01)
+    finally:
+        await sink.aclose()
+        await side.rt.tasks.aclose()
+    assert sorted(table) == [3, *range(8, 20)]
 
 
 async def _offered(sink: FakeSink, n: int) -> None:
@@ -491,16 +560,17 @@ async def _offered(sink: FakeSink, n: int) -> None:
 # ---------------------------------------------------------------------------- stored chunks
 
 
-def stored(mq: MessageQueue, start: int, n: int, *, max_offset: int = -1) -> StoredChunk:
+def stored(mq: MessageQueue, start: int, n: int, *, max_offset: int = -1,
+           body: bytes = b"0123456789") -> StoredChunk:
     """A pull of ``mq`` kept undecoded, as the pull loop keeps a sink subscription's pulls."""
     data = b"".join(
         encode_stored_message(MessageExt(
-            topic=mq.topic, body=b"0123456789", queue_id=mq.queue_id, queue_offset=i,
+            topic=mq.topic, body=body, queue_id=mq.queue_id, queue_offset=i,
             properties={"UNIQ_KEY": f"K{i:08d}"}, born_host="127.0.0.1:1",
             store_host="127.0.0.1:10911"))
         for i in range(start, start + n))
     return StoredChunk(data, mq.topic, mq.broker_name, mq.queue_id, start, start + n - 1, n,
-                       10 * n, {"MAX_OFFSET": str(max_offset)}, max_offset)
+                       len(body) * n, {"MAX_OFFSET": str(max_offset)}, max_offset)
 
 
 def pull_stored(side: SinkSide, mq: MessageQueue, chunk: StoredChunk) -> None:
@@ -570,3 +640,31 @@ async def test_a_batch_of_stored_chunks_and_messages_converts_in_pull_order() ->
     assert writes.rows == [20]
     assert tables[0].column("queue_offset").to_pylist() == list(range(20))
     assert tables[0].column("msg_id").to_pylist() == [f"K{i:08d}" for i in range(20)]
+
+
+@pytest.mark.parametrize("path", ["messages", "stored"])
+def test_a_decoded_value_column_keeps_the_tables_even_slices(path: str) -> None:
+    """Spark makes one partition per Arrow slice, cut wherever any column's slice ends: the
+    ``value`` column decoded from msgpack bodies is sliced as the other columns are."""
+    import msgpack
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    from rmq_async.sinks.spark import _Batch, _Job
+
+    mq = MessageQueue("orders", "broker-a", 0)
+    sink = SparkSink(None, lambda df, info: None, create_dataframe=lambda t: t,
+                     value_format="msgpack",
+                     value_schema=StructType([StructField("id", LongType())]))
+    body = msgpack.packb({"id": 7})
+    batch = _Batch(1)
+    if path == "messages":
+        batch.chunks = [msgs(0, 25_000, body=body)]
+    else:
+        batch.chunks = [stored(mq, i, 32, body=body) for i in range(0, 25_024, 32)]
+    batch.rows = sum(len(c) for c in batch.chunks)
+    job = _Job(batch)
+    sink._convert(job)
+    assert job.table is not None
+    sizes = [b.num_rows for b in job.table.to_batches(max_chunksize=10_000)]
+    assert len(sizes) == 3 and max(sizes) - min(sizes) <= 32, sizes  # whole pulls of 32
+    assert job.table.column("value").to_pylist()[:2] == [{"id": 7}, {"id": 7}]
