@@ -166,7 +166,7 @@ class SinkConsumeService:
                redelivered: bool = False) -> None:
         rt = self._rt
         if mq.topic != rt.retry_topic:
-            self._tell_flow_limit(sink, mq.topic)
+            self._tell_flow_limit(sink)
         try:
             sink.offer(msgs, _ChunkAck(self, sink, msgs, pq, mq), redelivered=redelivered)
         except SinkClosedError:
@@ -188,22 +188,30 @@ class SinkConsumeService:
             log.warning("sink.failed_chunk_left_uncommitted", queue=str(mq), count=len(msgs),
                         first_offset=_first_offset(msgs))
 
-    def _tell_flow_limit(self, sink: SparkSink, topic: str) -> None:
-        """Report to ``sink`` what the flow control lets it hold for ``topic`` on this client.
+    def _tell_flow_limit(self, sink: SparkSink) -> None:
+        """Report to ``sink`` what the flow control lets it hold on this client: the sum over
+        the topics it is subscribed to (one sink may take several).
 
-        The topic's queues are those the rebalancer counted when it last changed the topic's
+        A topic's queues are those the rebalancer counted when it last changed the topic's
         allocation, with the per-queue thresholds it computed from them: no count per chunk.
         """
         rt = self._rt
-        queues = rt.thresholds.queues.get(topic, 0)
-        if queues == 0:
-            return
-        count = rt.thresholds.count_for(topic)
-        size_mib = rt.thresholds.size_mib_for(topic)
-        # A queue pulls while it caches at most `count` messages spanning at most `max_span`
-        # offsets, so each queue can always hold this many messages of the sink's batches.
-        per_queue = min(count, self._opts.consume_concurrently_max_span) + 1
-        sink.set_flow_limit(queues * per_queue, queues * size_mib * 1024 * 1024)
+        thresholds = rt.thresholds
+        max_span = self._opts.consume_concurrently_max_span
+        rows = size = 0
+        for topic, sub in rt.subscriptions.topics.items():
+            if sub.sink is not sink:
+                continue
+            queues = thresholds.queues.get(topic, 0)
+            if queues == 0:
+                continue
+            # A queue pulls while it caches at most `count` messages spanning at most
+            # `max_span` offsets, so each queue can always hold this many messages of the
+            # sink's batches.
+            rows += queues * (min(thresholds.count_for(topic), max_span) + 1)
+            size += queues * thresholds.size_mib_for(topic) * 1024 * 1024
+        if rows:
+            sink.set_flow_limit(rows, size)
 
     def _commit(self, msgs: Chunk, pq: ProcessQueue, mq: MessageQueue,
                 *, stored: bool = True) -> None:

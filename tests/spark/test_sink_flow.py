@@ -419,6 +419,21 @@ async def test_flow_limit_follows_a_queue_moving_between_topics(side: SinkSide) 
     assert sink.limits[-1] == (3 * 81, 3 * 100 * MiB)
 
 
+async def test_a_sink_of_two_topics_hears_the_room_of_both(side: SinkSide) -> None:
+    """One sink may take several topics: what it may hold is the sum over them, whichever
+    topic's chunk comes (before, each chunk set the limit from its own topic's queues, and a
+    chunk of the smaller topic cut the open batch)."""
+    sink, mqs = attach(side, queues=4)
+    side.consumer.subscribe("audit", sink=sink)  # type: ignore[arg-type]
+    audit = MessageQueue("audit", "broker-a", 0)
+    side.consumer.process_queues[audit] = ProcessQueue()
+    rebalanced(side, "audit")
+    pull(side, mqs[0], msgs(0, 32))
+    assert sink.limits[-1] == (5 * 81, 5 * 100 * MiB)
+    pull(side, audit, msgs(0, 8, topic="audit"))
+    assert sink.limits[-1] == (5 * 81, 5 * 100 * MiB)
+
+
 async def test_queue_over_its_threshold_expedites_the_sink(side: SinkSide) -> None:
     sink, mqs = attach(side, queues=2)
     pull(side, mqs[1], msgs(0, 64, queue_id=1))
