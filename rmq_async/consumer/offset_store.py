@@ -257,7 +257,12 @@ class LocalFileOffsetStore(_MemoryTable):
                 for mq, off in sorted(merged.items(), key=lambda kv: kv[0].java_sort_key())
             ]
             payload = json.dumps({"offsetTable": table}, separators=(",", ":")).encode("utf-8")
-            await anyio.to_thread.run_sync(self._write_file, payload)
+            try:
+                await anyio.to_thread.run_sync(self._write_file, payload)
+            except OSError as exc:  # as Java's store: logged, the next round tries again
+                log.warning("offset.file_write_failed", path=str(self.path),
+                            error=f"{type(exc).__name__}: {exc}")
+                return
             self._file = merged
             log.debug("offset.file_written", path=str(self.path), queues=len(merged))
 

@@ -121,8 +121,8 @@ class PullService:
         """
         req = self.requests.get(mq)
         task = self._owner.get(mq)
-        if req is None or task is None or task.done():
-            return
+        if req is None or task is None or task.done() or req.pq.dropped:
+            return  # a dropped queue's task only finishes forgetting it: not cut short
         task.cancel()
         self._owner.spawn(self._restart(task, req), name=f"pull:{mq}", key=mq)
 
@@ -407,8 +407,10 @@ class PullService:
             return opts.pull_interval, ahead
         if status in (PullStatus.NO_NEW_MSG, PullStatus.NO_MATCHED_MSG):
             req.next_offset = result.next_begin_offset
-            if req.pq.msg_count == 0 and opts.message_model == MessageModel.CLUSTERING:
-                # Nothing cached: the consume offset can follow the pull offset ("correctTagsOffset").
+            if req.pq.msg_count == 0:
+                # Nothing cached: the consume offset can follow the pull offset (Java
+                # "correctTagsOffset", in both message models: a broadcasting queue that got
+                # nothing keeps its place in the offsets file for the next start).
                 rt.offset_store.update(mq, req.next_offset, increase_only=True)
             return 0.0, None
         # OFFSET_ILLEGAL: the broker moved our offset (out of range, or an admin reset).
@@ -427,7 +429,12 @@ class PullService:
             store.freeze(mq, offset)
         else:
             store.update(mq, offset, increase_only=False)
-        await store.persist(mq)
+        try:
+            await store.persist(mq)
+        except Exception as exc:  # the queue is forgotten all the same (the next start or
+            # the periodic persist writes the offset); else nothing would pull it again
+            log.warning("pull.offset_fix_persist_failed", queue=str(mq), offset=offset,
+                        error=f"{type(exc).__name__}: {exc}")
         pq = rt.process_queues.get(mq)
         if pq is not None and pq.dropped:
             del rt.process_queues[mq]

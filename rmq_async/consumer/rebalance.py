@@ -117,6 +117,9 @@ class Rebalancer:
                 balanced = False
                 continue
             await self.apply_allocation(topic, allocated)
+            if {mq for mq, pq in rt.process_queues.items()
+                    if mq.topic == topic and not pq.dropped} != allocated:
+                balanced = False  # a queue not taken (its start offset unknown): retry soon
         # Queues of topics no longer subscribed are given up.
         await self.drop_unsubscribed(set(topics))
         self._last_round_balanced = balanced and not self._retry
@@ -160,6 +163,11 @@ class Rebalancer:
                 continue
             if mq not in allocated:
                 leaving.append((mq, "reassigned"))
+            elif pq.dropped and not self._pull.is_pulling(mq):
+                # Dropped but still here with no pull task (its forgetting was cut short):
+                # taken out, then back in below, as Java's pull-expiry does after a while.
+                log.warning("rebalance.dropped_queue_left_behind", queue=str(mq))
+                leaving.append((mq, "dropped"))
             elif pq.is_pull_expired(now, rt.options.pull_max_idle_time) and not pq.dropped:
                 log.warning("rebalance.queue_pull_expired", queue=str(mq))
                 leaving.append((mq, "pull_expired"))

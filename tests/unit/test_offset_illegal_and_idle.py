@@ -1,0 +1,236 @@
+"""The pull loop's offset corrections and the rebalance's self-healing, as Java 5.3.3 does them:
+an idle broadcasting queue keeps its place (``correctTagsOffset`` in both models), an
+OFFSET_ILLEGAL fix cut short by a pause or a failed offsets file does not strand its queue,
+and a queue whose start offset could not be read is retried at the short interval."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from structlog.testing import capture_logs
+
+from rmq_async.client.api import PullStatus
+from rmq_async.consumer.offset_store import LocalFileOffsetStore
+from rmq_async.consumer.options import ConsumerOptions
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.pull import PullService
+from rmq_async.consumer.rebalance import Rebalancer
+from rmq_async.consumer.runtime import ConsumerRuntime, PullThresholds
+from rmq_async.consumer.service import PullRequest
+from rmq_async.protocol.types import MessageQueue
+from tests.unit.test_pull_loop import MQ, Pending, router, runtime
+
+
+def _answer(status: PullStatus, next_offset: int) -> Pending:
+    return Pending(SimpleNamespace(
+        status=status, next_begin_offset=next_offset, min_offset=next_offset,
+        max_offset=next_offset + 100, suggest_which_broker_id=0, offset_delta=None, body=b""))
+
+
+def _ready_to_take_queues(rt: Any, start: int = 500) -> None:
+    """What ``apply_allocation`` needs of the runtime to take a queue."""
+    data = SimpleNamespace(tags_set=None, sub_version=0, expression_type="TAG")
+
+    async def compute_pull_from_where(mq: MessageQueue) -> int:
+        return start
+
+    async def send_heartbeats() -> None:
+        return None
+
+    rt.client_id = "me"
+    rt.compute_pull_from_where = compute_pull_from_where
+    rt.subscriptions.subscription_data = lambda t: data
+    rt.subscriptions.version_override = {}
+    rt.instance = SimpleNamespace(send_heartbeats=send_heartbeats)
+
+
+async def test_an_idle_broadcast_queue_keeps_its_place_in_the_offsets_file(
+        tmp_path: Path) -> None:
+    """A broadcasting queue taken at its max offset that gets nothing during a run: the offset
+    pulled to is stored and written, so the next start resumes there, not at the new max
+    (which would skip what was sent while the consumer was down)."""
+    opts = ConsumerOptions.from_kwargs("G", message_model="BROADCASTING")
+    store = LocalFileOffsetStore(tmp_path, "cid", "G")
+    await store.load()
+    pq = ProcessQueue()
+    rt = runtime(opts, pq)
+    rt.offset_store = store
+
+    class Pull(PullService):
+        async def _send(self, req: PullRequest, offset: int) -> Any:
+            await asyncio.sleep(0.01)  # a long poll that ends with nothing new
+            return _answer(PullStatus.NO_NEW_MSG, 100)
+
+    pull = Pull(rt, router([]), on_queue_forgotten=lambda: None)
+    pull.start_queue(PullRequest(MQ, pq, 100))
+    await asyncio.sleep(0.1)
+    await pull.aclose()
+    await store.persist_all({MQ}, oneway=False)  # as stop() does
+
+    again = LocalFileOffsetStore(tmp_path, "cid", "G")
+    await again.load()
+
+    async def max_offset(mq: MessageQueue) -> int:
+        return 150  # fifty messages sent while the consumer was down
+
+    rt2: Any = SimpleNamespace(offset_store=again, options=opts, _max_offset=max_offset)
+    assert await ConsumerRuntime.compute_pull_from_where(rt2, MQ) == 100
+
+
+class _SlowStore:
+    def __init__(self) -> None:
+        self.table: dict[MessageQueue, int] = {}
+        self.persisting = asyncio.Event()
+
+    def freeze(self, mq: MessageQueue, offset: int) -> None:
+        self.table[mq] = offset
+
+    def update(self, mq: MessageQueue, offset: int, *, increase_only: bool) -> None:
+        self.table[mq] = offset
+
+    async def persist(self, mq: MessageQueue) -> None:
+        self.persisting.set()
+        await asyncio.sleep(0.05)  # the UPDATE_CONSUMER_OFFSET round trip
+
+    def remove(self, mq: MessageQueue) -> None:
+        self.table.pop(mq, None)
+
+
+async def test_a_pause_during_an_offset_illegal_fix_does_not_strand_the_queue() -> None:
+    """pause()/resume() interrupt a queue's pull task; one that is persisting the corrected
+    offset of an OFFSET_ILLEGAL finishes forgetting the queue, and the rebalance takes it
+    again with a pull task."""
+    opts = ConsumerOptions.from_kwargs("G")
+    pq = ProcessQueue()
+    rt = runtime(opts, pq)
+    _ready_to_take_queues(rt)
+    rt.offset_store = store = _SlowStore()
+    woken: list[int] = []
+
+    class Pull(PullService):
+        async def _send(self, req: PullRequest, offset: int) -> Any:
+            return _answer(PullStatus.OFFSET_ILLEGAL, 500)
+
+    pull = Pull(rt, router([]), on_queue_forgotten=lambda: woken.append(1))
+    pull.start_queue(PullRequest(MQ, pq, 0))
+    try:
+        async with asyncio.timeout(5):
+            await store.persisting.wait()
+        pull.interrupt(MQ)  # pause() at this moment
+        async with asyncio.timeout(5):
+            while MQ in rt.process_queues:
+                await asyncio.sleep(0.01)
+        assert woken == [1] and store.table.get(MQ) is None
+        await Rebalancer(rt, pull, orderly=None).apply_allocation("T", {MQ})  # type: ignore[arg-type]
+        assert rt.process_queues[MQ] is not pq and pull.is_pulling(MQ)
+    finally:
+        await pull.aclose()
+
+
+async def test_an_offsets_file_error_during_an_offset_illegal_fix_does_not_strand_the_queue(
+        tmp_path: Path) -> None:
+    """Broadcasting, the offsets file cannot be written (here: its folder would have to be made
+    under a file): logged, as Java's store logs its IOException, and the queue is forgotten
+    and taken again."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    opts = ConsumerOptions.from_kwargs("G", message_model="BROADCASTING")
+    pq = ProcessQueue()
+    rt = runtime(opts, pq)
+    _ready_to_take_queues(rt)
+    rt.offset_store = LocalFileOffsetStore(blocker, "cid", "G")
+
+    class Pull(PullService):
+        async def _send(self, req: PullRequest, offset: int) -> Any:
+            return _answer(PullStatus.OFFSET_ILLEGAL, 500)
+
+    pull = Pull(rt, router([]), on_queue_forgotten=lambda: None)
+    with capture_logs() as logs:
+        pull.start_queue(PullRequest(MQ, pq, 0))
+        try:
+            async with asyncio.timeout(5):
+                while MQ in rt.process_queues:
+                    await asyncio.sleep(0.01)
+            await Rebalancer(rt, pull, orderly=None).apply_allocation("T", {MQ})  # type: ignore[arg-type]
+            assert rt.process_queues[MQ] is not pq and pull.is_pulling(MQ)
+        finally:
+            await pull.aclose()
+    assert any(e["event"] == "offset.file_write_failed" for e in logs), logs
+    assert not any(e["event"] == "task.crashed" for e in logs), logs
+
+
+async def test_a_dropped_queue_left_without_a_pull_task_is_taken_again() -> None:
+    """However a dropped queue came to stay in the table with no pull task, the next rebalance
+    round takes it out and back in (Java gets there through pull expiry)."""
+    opts = ConsumerOptions.from_kwargs("G")
+    pq = ProcessQueue()
+    pq.dropped = True
+    rt = runtime(opts, pq)
+    _ready_to_take_queues(rt, start=7)
+    rt.offset_store = _SlowStore()
+    pull = PullService(rt, router([]), on_queue_forgotten=lambda: None)
+
+    async def never(req: PullRequest, offset: int) -> Any:
+        return Pending()
+
+    pull._send = never  # type: ignore[method-assign]
+    try:
+        await Rebalancer(rt, pull, orderly=None).apply_allocation("T", {MQ})  # type: ignore[arg-type]
+        taken = rt.process_queues[MQ]
+        assert taken is not pq and not taken.dropped and pull.is_pulling(MQ)
+        assert pull.requests[MQ].next_offset == 7
+    finally:
+        await pull.aclose()
+
+
+async def test_a_queue_whose_start_offset_is_unknown_leaves_the_round_unbalanced() -> None:
+    """The round is balanced only when the working queues are the allocated ones (Java
+    ``rebalanceByTopic``): a queue not taken because its start offset could not be read is
+    tried again after the short interval, not after ``rebalance_interval``."""
+    mqs = [MessageQueue("T", "broker-a", i) for i in range(2)]
+    opts = ConsumerOptions.from_kwargs("G")
+
+    async def subscribe_queues(topic: str) -> list[MessageQueue]:
+        return mqs
+
+    async def find_any_broker(topic: str) -> str:
+        return "addr"
+
+    async def get_consumer_ids(addr: str, group: str) -> list[str]:
+        return ["me"]
+
+    async def compute_pull_from_where(mq: MessageQueue) -> int:
+        return -1 if mq.queue_id == 1 else 0  # the offset query of queue 1 timed out
+
+    async def send_heartbeats() -> None:
+        return None
+
+    data = SimpleNamespace(sub_version=0)
+    rt: Any = SimpleNamespace(
+        group="G", client_id="me", options=opts, stopping=False, process_queues={},
+        thresholds=PullThresholds(opts),
+        subscriptions=SimpleNamespace(subscribed_topics=lambda: ["T"], is_orderly=lambda t: False,
+                                      subscription_data=lambda t: data, version_override={}),
+        instance=SimpleNamespace(subscribe_queues=subscribe_queues, find_any_broker=find_any_broker,
+                                 api=SimpleNamespace(get_consumer_ids=get_consumer_ids),
+                                 send_heartbeats=send_heartbeats),
+        offset_store=SimpleNamespace(remove=lambda mq: None),
+        compute_pull_from_where=compute_pull_from_where)
+    started: list[MessageQueue] = []
+    pull: Any = SimpleNamespace(start_queue=lambda req: started.append(req.mq),
+                                is_pulling=lambda mq: mq in started)
+    rebalancer = Rebalancer(rt, pull, orderly=None)
+    await rebalancer.rebalance_once()
+    assert started == [mqs[0]]
+    assert rebalancer._last_round_balanced is False
+    compute_pull_from_where_ok = 0
+
+    async def now_known(mq: MessageQueue) -> int:
+        return compute_pull_from_where_ok
+
+    rt.compute_pull_from_where = now_known
+    await rebalancer.rebalance_once()
+    assert started == mqs and rebalancer._last_round_balanced is True
