@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import tempfile
@@ -92,6 +93,9 @@ class BrokerOffsetStore(_MemoryTable):
         # offset that replica already has, not one whose write went to another replica (the
         # slave that stood in for a master that is back).
         self._persisted: dict[MessageQueue, tuple[str, int]] = {}
+        # One write per queue at a time: a broker runs the requests of a connection side by
+        # side and may apply an older offset after a newer one sent while it was in flight.
+        self._writing: dict[MessageQueue, asyncio.Lock] = {}
 
     async def load(self) -> None:
         return None
@@ -128,18 +132,21 @@ class BrokerOffsetStore(_MemoryTable):
         await self._send(mq, offset, oneway=False)
 
     async def persist_all(self, mqs: set[MessageQueue], *, oneway: bool) -> None:
+        """Send the offsets of ``mqs``, every queue's at once: a broker that does not answer
+        costs a round one request timeout, not one per queue."""
+        sends = []
         for mq in list(self._table):
-            # Each queue's offset is read when its turn comes, not from a copy taken before
-            # the loop: the sends before it wait for the broker, and meanwhile the pull loop
-            # may have frozen the queue at the offset the broker corrected (OFFSET_ILLEGAL,
-            # an admin's reset) and persisted that, or given the queue up. An older value sent
-            # after that would undo the correction.
             offset = self._table.get(mq)
             if mq not in mqs or offset is None or offset < 0:
                 continue
             if oneway and self._persisted.get(mq) == (self._write_addr(mq), offset):
                 continue
-            await self._send(mq, offset, oneway=oneway)
+            # _send reads the queue's offset again once its broker's address is known: a
+            # route lookup may wait, and meanwhile the pull loop may have frozen the queue at
+            # the offset the broker corrected (OFFSET_ILLEGAL, an admin's reset) and persisted
+            # that, or given the queue up. An older value sent after that would undo it.
+            sends.append(self._send(mq, offset, oneway=oneway))
+        await asyncio.gather(*sends)
 
     async def _send(self, mq: MessageQueue, offset: int, *, oneway: bool) -> None:
         try:
@@ -147,16 +154,21 @@ class BrokerOffsetStore(_MemoryTable):
             # (a slave keeps the offset while its master is down).
             addr, _ = await self._instance.find_broker_in_subscribe(
                 mq.broker_name, MASTER_ID, topic=mq.topic)
-            # Finding the address may have waited for a route: send what the queue has now.
-            latest = self._table.get(mq)
-            if latest is None:
-                # Given up meanwhile; giving it up persisted its latest offset. An older one
-                # sent now would move the broker back under the queue's next owner.
-                return
-            if latest >= 0:
-                offset = latest
-            await self._instance.api.update_consumer_offset(addr, self._group, mq, offset,
-                                                            oneway=oneway)
+            lock = self._writing.get(mq)
+            if lock is None:
+                lock = self._writing[mq] = asyncio.Lock()
+            async with lock:
+                # Finding the address, or the queue's write before, may have waited: send
+                # what the queue has now.
+                latest = self._table.get(mq)
+                if latest is None:
+                    # Given up meanwhile; giving it up persisted its latest offset. An older
+                    # one sent now would move the broker back under the queue's next owner.
+                    return
+                if latest >= 0:
+                    offset = latest
+                await self._instance.api.update_consumer_offset(addr, self._group, mq, offset,
+                                                                oneway=oneway)
         except (MQClientError, RemotingError, ProtocolError) as exc:
             log.warning("offset.persist_failed", queue=str(mq), offset=offset, error=str(exc))
             return
@@ -173,6 +185,9 @@ class BrokerOffsetStore(_MemoryTable):
     def remove(self, mq: MessageQueue) -> None:
         super().remove(mq)
         self._persisted.pop(mq, None)
+        lock = self._writing.get(mq)
+        if lock is not None and not lock.locked():
+            del self._writing[mq]
 
 
 class LocalFileOffsetStore(_MemoryTable):

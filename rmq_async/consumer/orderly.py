@@ -398,6 +398,24 @@ class OrderlyConsumeService:
         except (MQClientError, RemotingError, ProtocolError) as exc:
             log.warning("orderly.unlock_failed", queue=str(mq), error=str(exc))
 
+    async def unlock_all(self, mqs: list[MessageQueue]) -> None:
+        """Give the locks of ``mqs`` back: one request per broker, all at once (Java
+        ``unlockAll`` on shutdown, one broker after the other)."""
+        rt = self._rt
+        by_broker: dict[str, list[MessageQueue]] = {}
+        for mq in mqs:
+            by_broker.setdefault(mq.broker_name, []).append(mq)
+
+        async def one(broker: str, queues: list[MessageQueue]) -> None:
+            try:
+                addr = await rt.instance.find_broker_master(broker, queues[0].topic)
+                await rt.instance.api.unlock_batch_mq(addr, rt.group, rt.client_id, queues)
+            except (MQClientError, RemotingError, ProtocolError) as exc:
+                log.warning("orderly.unlock_failed", broker=broker,
+                            queues=[str(mq) for mq in queues], error=str(exc))
+
+        await asyncio.gather(*(one(b, q) for b, q in by_broker.items()))
+
     async def _lock_renewal_loop(self) -> None:
         while True:
             await asyncio.sleep(self._opts.rebalance_lock_interval)

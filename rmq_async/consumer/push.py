@@ -444,7 +444,9 @@ class PushConsumer:
         seconds, a float or a ``timedelta``) and their acknowledgements are committed. The
         ``on_revoked`` listeners, then the ``on_shutdown`` hooks, run in what is left of
         ``timeout`` (each group at least a second, or ``timeout`` when shorter); a hook over
-        time is cancelled and not waited for. Offsets are persisted, the client is
+        time is cancelled and not waited for. Offsets are persisted and orderly queues
+        unlocked, each in what is left of ``timeout`` as well (at least a second: a broker
+        that stopped answering does not hold ``stop()`` up longer), the client is
         unregistered from the brokers and the connections are closed. Afterwards no task of
         this consumer is left running, but for a hook that ignored its cancellation.
         """
@@ -464,23 +466,37 @@ class PushConsumer:
                 log.warning("consumer.stop_timeout", group=self.group, timeout=timeout)
             await self.consume_service.aclose()
             await self.orderly_service.aclose()
-            async with self._persist_lock:  # no persist round left half sent
+            # A periodic persist round still sending ends first (an older offset of it that
+            # the broker applied after the final one would move the queue back), as long as
+            # the timeout lasts; one still going then is cancelled with the other tasks.
+            locked = await _acquire_by(self._persist_lock, _stage_deadline(stop_by, timeout))
+            try:
                 await owner.aclose()  # the sinks' tasks and the sink send-backs among them
+            finally:
+                if locked:
+                    self._persist_lock.release()
             self.errors.owner = None
             await self.sink_service.aclose()
             # 3. the rebalance listeners hear that every queue is given up, then what was
             # acknowledged is persisted and the queues are forgotten
             await self.hooks.fire_revoked(self.group, set(self.process_queues),
-                                          deadline=_hooks_deadline(stop_by, timeout))
+                                          deadline=_stage_deadline(stop_by, timeout))
             try:
-                await self.offset_store.persist_all(set(self.process_queues), oneway=False)
+                async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):
+                    await self.offset_store.persist_all(set(self.process_queues), oneway=False)
+            except TimeoutError:
+                log.warning("consumer.persist_on_stop_timeout", group=self.group)
             except Exception as exc:
                 log.warning("consumer.persist_on_stop_failed", error=str(exc))
-            await self._unlock_all_on_stop()
+            try:
+                async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):
+                    await self._unlock_all_on_stop()
+            except TimeoutError:
+                log.warning("consumer.unlock_on_stop_timeout", group=self.group)
             for pq in self.process_queues.values():
                 pq.dropped = True
             self.process_queues.clear()
-            await self.hooks.run_shutdown(self.group, deadline=_hooks_deadline(stop_by, timeout))
+            await self.hooks.run_shutdown(self.group, deadline=_stage_deadline(stop_by, timeout))
             # 4. leave the group and close the connections
             await self.instance.unregister(None, self.group)
             await self.instance.close()
@@ -493,9 +509,9 @@ class PushConsumer:
         """Orderly consumers give their broker locks back."""
         if self.options.message_model != MessageModel.CLUSTERING:
             return
-        for mq in list(self.process_queues):
-            if self.is_orderly(mq.topic):
-                await self.orderly_service.unlock(mq)
+        orderly = [mq for mq in self.process_queues if self.is_orderly(mq.topic)]
+        if orderly:
+            await self.orderly_service.unlock_all(orderly)
 
     async def _persist_loop(self) -> None:
         # Each round waits for the broker's answers (Java sends them oneway). A oneway update
@@ -683,11 +699,22 @@ __all__ = ["RETRY_GROUP_TOPIC_PREFIX", "PushConsumer", "Subscription", "MQBroker
 
 #: The least time stop() gives the on_revoked hooks, and then the on_shutdown hooks, however
 #: long the drain took (capped by stop()'s timeout).
-HOOKS_MIN_SECONDS = 1.0
+STAGE_MIN_SECONDS = 1.0
 
 
-def _hooks_deadline(stop_by: float, timeout: float) -> float:
-    """When a group of hooks run by ``stop()`` must be done (event loop time): what is left of
-    its timeout, at least :data:`HOOKS_MIN_SECONDS` (or the timeout when that is shorter)."""
+async def _acquire_by(lock: asyncio.Lock, deadline: float) -> bool:
+    """Acquire ``lock`` unless ``deadline`` (event loop time) passes first."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            await lock.acquire()
+    except TimeoutError:
+        return False
+    return True
+
+
+def _stage_deadline(stop_by: float, timeout: float) -> float:
+    """When a stage of ``stop()`` that talks to brokers or runs hooks must be done (event loop
+    time): what is left of its timeout, at least :data:`STAGE_MIN_SECONDS` (or the timeout
+    when that is shorter)."""
     now = asyncio.get_running_loop().time()
-    return max(stop_by, now + min(HOOKS_MIN_SECONDS, timeout))
+    return max(stop_by, now + min(STAGE_MIN_SECONDS, timeout))

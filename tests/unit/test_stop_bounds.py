@@ -1,0 +1,104 @@
+"""``stop(timeout)`` stays near its timeout when a broker stops answering: the periodic offset
+round under way, the final offsets and the orderly unlocks are each bounded by what is left
+of it (at least a second each), and the queues' offsets go out side by side."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from rmq_async.client.instance import ClientInstance
+from rmq_async.consumer.offset_store import BrokerOffsetStore
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.push import PushConsumer
+from rmq_async.consumer.runtime import ConsumerRuntime
+from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.protocol.types import MessageQueue
+
+
+class _HungApi:
+    """A broker that takes every request and answers none."""
+
+    def __init__(self) -> None:
+        self.updates = 0
+        self.unlocks = 0
+
+    async def update_consumer_offset(self, *a: Any, **kw: Any) -> None:
+        self.updates += 1
+        await asyncio.Event().wait()
+
+    async def unlock_batch_mq(self, *a: Any, **kw: Any) -> None:
+        self.unlocks += 1
+        await asyncio.Event().wait()
+
+
+class _Instance:
+    def __init__(self) -> None:
+        self.api = _HungApi()
+        self.brokers: dict[str, Any] = {}
+
+    async def find_broker_in_subscribe(self, *a: Any, **kw: Any) -> tuple[str, int]:
+        return "10.0.0.1:10911", 0
+
+    async def find_broker_master(self, *a: Any, **kw: Any) -> str:
+        return "10.0.0.1:10911"
+
+    async def unregister(self, *a: Any) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class _Idle:
+    in_order = False
+
+    async def wait_idle(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("orderly", [False, True])
+async def test_stop_is_bounded_when_the_broker_answers_no_offset_update(orderly: bool) -> None:
+    c = PushConsumer("G", "127.0.0.1:9876", persist_offset_interval=0.05)
+    c.subscribe("T", listener=lambda m: None, orderly=orderly)
+    inst = _Instance()
+    c.instance = cast(ClientInstance, inst)
+    c.offset_store = BrokerOffsetStore(cast(ClientInstance, inst), "G")
+    for i in range(16):
+        mq = MessageQueue("T", f"broker-{'ab'[i % 2]}", i)
+        c.process_queues[mq] = ProcessQueue()
+        c.offset_store.update(mq, 100, increase_only=False)
+    c._owner = TaskOwner("consumer[G]")
+    c._rt = cast(ConsumerRuntime, SimpleNamespace(stopping=False))
+    c.pull_service = cast(Any, _Idle())
+    c.consume_service = c.sink_service = cast(Any, _Idle())
+    if orderly:
+        from rmq_async.consumer.orderly import OrderlyConsumeService
+        c.orderly_service = OrderlyConsumeService.__new__(OrderlyConsumeService)
+        c.orderly_service._rt = cast(Any, SimpleNamespace(instance=inst, group="G",
+                                                          client_id="cid"))
+        c.orderly_service.wait_idle = _Idle().wait_idle  # type: ignore[method-assign]
+        c.orderly_service.aclose = _Idle().aclose  # type: ignore[method-assign]
+    else:
+        c.orderly_service = cast(Any, _Idle())
+    c._started = True
+    c._owner.spawn(c._persist_loop(), name="persist-offsets")
+    async with asyncio.timeout(5):
+        while inst.api.updates < 16:  # a periodic round is under way, every queue at once
+            await asyncio.sleep(0.01)
+    began = time.monotonic()
+    async with asyncio.timeout(10):
+        await c.stop(timeout=1.0)
+    took = time.monotonic() - began
+    # Waiting for the round: the timeout; the final offsets: a second; the unlocks: a second.
+    assert took < 1.0 + 1.0 + 1.0 + 1.5, took
+    assert inst.api.updates == 32  # the final round sent every queue's offset too
+    if orderly:
+        assert inst.api.unlocks == 2  # one request per broker, side by side
