@@ -168,7 +168,11 @@ class SinkConsumeService:
         if mq.topic != rt.retry_topic:
             self._tell_flow_limit(sink)
         try:
-            sink.offer(msgs, _ChunkAck(self, sink, msgs, pq, mq), redelivered=redelivered)
+            ack = _ChunkAck(self, sink, msgs, pq, mq)
+            if redelivered:
+                sink.offer(msgs, ack, redelivered=True)
+            else:  # the form every sink takes (the flag is newer)
+                sink.offer(msgs, ack)
         except SinkClosedError:
             # Only while stopping: the messages stay cached, their offsets never move.
             log.warning("sink.offer_after_close", queue=str(mq), count=len(msgs))

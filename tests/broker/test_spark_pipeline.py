@@ -227,9 +227,9 @@ async def test_100k_mixed_messages_land_in_parquet_exactly(
     kinds: collections.Counter[str] = collections.Counter()
     offer = sink.offer
 
-    def counted(chunk: Any, ack: Any) -> None:
+    def counted(chunk: Any, ack: Any, **kw: Any) -> None:
         kinds[type(chunk).__name__] += 1
-        offer(chunk, ack)
+        offer(chunk, ack, **kw)
 
     sink.offer = counted  # type: ignore[method-assign]
     seconds = await consume_until(consumer, sink, len(msgs), 240)
