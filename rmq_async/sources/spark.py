@@ -87,7 +87,11 @@ Options (names are case-insensitive)
     queue: ``{"orders": {"broker-a:0": 1200, "broker-a:1": -2}}`` with ``-2`` for earliest and
     ``-1`` for latest; queues left out start at earliest. Batch default: ``earliest``. In a
     stream it applies only to a new query (a restarted one continues from its checkpoint);
-    queues that appear later are read from their first offset.
+    queues that appear later are read from their first offset. A stream's ``latest`` is where
+    the queues are when its first micro-batch is planned: the checkpoint keeps the start
+    offset ``{"@latest": true}`` and batch 0's end carries the offsets it resolved to (under
+    ``"@start"``), so Spark's repeated questions about the start, and a restart before batch
+    0 was committed, all plan the same range.
 ``startingTimestamp``
     The same as a timestamp in ``startingOffsets`` (the Kafka source's name).
 ``endingOffsets`` / ``endingTimestamp`` (batch only)
@@ -340,6 +344,18 @@ class RocketMQBatchReader(DataSourceReader):
         return _read_partition(self.opts, partition)
 
 
+#: The start offset of a stream that starts at "latest" (a marker, resolved by batch 0's plan).
+LATEST_MARK = "@latest"
+#: In batch 0's end offsets: the queues' offsets its plan started from.
+LATEST_START_KEY = "@start"
+
+
+def _offsets(data: dict[str, Any]) -> dict[MessageQueue, int]:
+    """The queue offsets of a stream offset, without the markers (keys from ``@``, which no
+    topic name has)."""
+    return offsets_from_json({k: v for k, v in data.items() if not k.startswith("@")})
+
+
 class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """A stream: offsets ``{topic: {"broker:queue": offset}}`` in Spark's checkpoint.
 
@@ -376,6 +392,15 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {mq: high for mq, (_, high) in bounds.items()}
 
     def initialOffset(self) -> dict[str, Any]:
+        # Spark asks for a new query's start more than once (to plan batch 0's end, then to
+        # run it, and again after a restart before batch 0 was committed), and the answers
+        # must agree. "latest" would move between the calls, so it is answered by a marker;
+        # the first latestOffset resolves it and carries the queues' offsets in batch 0's end
+        # (under LATEST_START_KEY), where partitions() reads batch 0's start from.
+        if self.opts.starting.kind == "latest":
+            log.info("spark_source.initial_offsets", offsets="latest")
+            return {LATEST_MARK: True}
+
         async def work(client: ClientInstance) -> dict[MessageQueue, int]:
             bounds = await _bounds(client, self.opts)
             return await resolve_offsets(client, self.opts.starting, bounds, default=EARLIEST)
@@ -392,15 +417,18 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target = self._run(self._latest)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        begin = offsets_from_json(start)
+        live = self._run(self._latest)
+        resolved = start.get(LATEST_MARK) is True
+        # Batch 0 of a query that starts at "latest" starts where the queues are now.
+        begin = dict(live) if resolved else _offsets(start)
         # Spark tells a source about a committed batch (commit) only when it plans the next
         # one with new data; ``start`` here is always the end of the last committed batch, so
         # the group also catches up when the stream has (and on the last round of availableNow).
         self._commit_to_group(begin)
-        latest = dict(self._target) if self._target is not None else self._run(self._latest)
+        latest = dict(live)
         # A queue never goes backwards, and one that left the route keeps its offset.
         for mq, off in begin.items():
-            high = latest.get(mq, off)
+            high = live.get(mq, off)
             if high < off and self._went_down.get(mq) != off:
                 # Its max went below what was read (the topic deleted and created again, a
                 # store wiped): what it holds now below ``off`` would never be read. Raised,
@@ -409,19 +437,34 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 report_data_loss(self.opts, mq, high, off,
                                  f"the queue's max offset went down from {off} to {high}")
             latest[mq] = max(off, high)
+        if self._target is not None:
+            # availableNow: no further than what the queues held when it was asked for (the
+            # check above is against their live offsets: a start read after that moment may
+            # lie above the target without anything having gone down).
+            latest = {mq: max(begin.get(mq, -1), min(high, self._target.get(mq, high)))
+                      for mq, high in latest.items()
+                      if mq in self._target or mq in begin}
         if isinstance(limit, ReadMaxRows):
             # A queue new to the query is read from its first offset (see partitions): its
             # share of the limit starts there, not at 0, where nothing is left to read.
             fill = {mq: begin.get(mq, self._lows.get(mq, 0)) for mq in latest}
             latest = limit_offsets(fill, latest, limit.max_rows)
-        return offsets_to_json(latest)
+        end: dict[str, Any] = dict(offsets_to_json(latest))
+        if resolved:
+            end[LATEST_START_KEY] = offsets_to_json(begin)
+        return end
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
         return None
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        begin = offsets_from_json(start)
-        finish = offsets_from_json(end)
+        finish = _offsets(end)
+        if start.get(LATEST_MARK) is True:
+            # Batch 0 of a query started at "latest": from where its end was planned.
+            carried = end.get(LATEST_START_KEY)
+            begin = offsets_from_json(carried) if carried is not None else dict(finish)
+        else:
+            begin = _offsets(start)
         fresh = set(finish) - set(begin)
         parts = _ranges(begin, finish, fresh=fresh)
         log.info("spark_source.planned", kind="micro_batch", partitions=len(parts),
@@ -432,7 +475,7 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return _read_partition(self.opts, partition)
 
     def commit(self, end: dict[str, Any]) -> None:
-        self._commit_to_group(offsets_from_json(end))
+        self._commit_to_group(_offsets(end))
 
     def _commit_to_group(self, offsets: dict[MessageQueue, int]) -> None:
         """Write ``offsets`` to ``commitToGroup``, each queue on its own.

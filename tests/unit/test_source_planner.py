@@ -65,3 +65,88 @@ def test_a_queue_whose_max_went_down_is_data_loss(monkeypatch: pytest.MonkeyPatc
         end = lenient.latestOffset(offsets_to_json({A: 1000}), ReadAllAvailable())
         assert offsets_from_json(end) == {A: 1000}
     assert lenient._went_down == {A: 1000}
+
+
+class _Growing:
+    """Queue A holds 100 messages at first and 10 more each time the source looks."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.high = 100
+
+        async def bounds(client: Any, opts: SourceOptions) -> dict[MessageQueue, tuple[int, int]]:
+            now = self.high
+            self.high += 10
+            return {A: (0, now)}
+
+        monkeypatch.setattr(spark_source, "_bounds", bounds)
+
+
+def _stream(**extra: str) -> spark_source.RocketMQStreamReader:
+    opts = SourceOptions.parse({"namesrv": "127.0.0.1:9876", "topics": "t", **extra},
+                               streaming=True)
+    r = spark_source.RocketMQStreamReader(opts)
+    r._run = lambda work: asyncio.run(work(None))  # type: ignore[method-assign]
+    return r
+
+
+def _planned(parts: Any) -> list[int]:
+    return sorted(o for p in parts for o in range(p.start, p.end))
+
+
+def test_a_stream_from_latest_reads_batch_zero_from_where_its_end_was_planned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spark asks a new query's ``initialOffset()`` once to plan batch 0's end and again to run
+    it: "latest" resolved twice moved between the calls, and what was stored in between was
+    never read (batch 1 starts at batch 0's end)."""
+    _Growing(monkeypatch)
+    r = _stream()  # startingOffsets: latest, the stream's default
+    limit = ReadAllAvailable()
+    start0 = r.initialOffset()
+    end0 = r.latestOffset(start0, limit)
+    plan0 = r.partitions(r.initialOffset(), end0)  # runBatch asks again
+    end1 = r.latestOffset(end0, limit)
+    plan1 = r.partitions(end0, end1)
+    assert r.initialOffset() == start0  # the same answer every time
+    first = offsets_from_json(end0[spark_source.LATEST_START_KEY])[A]
+    last = offsets_from_json({k: v for k, v in end1.items() if not k.startswith("@")})[A]
+    assert first == 100 and _planned(plan0) + _planned(plan1) == list(range(first, last))
+
+
+def test_a_restart_before_batch_zero_was_committed_plans_it_again_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offset log holds batch 0's end, the commit log nothing: the restarted query asks
+    the new reader's ``initialOffset()`` for batch 0's start, and gets the same plan (before,
+    "latest" resolved again gave a start past batch 0's end, and batch 1 began there)."""
+    _Growing(monkeypatch)
+    r = _stream()
+    end0 = r.latestOffset(r.initialOffset(), ReadAllAvailable())
+    plan0 = r.partitions(r.initialOffset(), end0)
+    r.stop()
+    again = _stream()  # the queue has grown meanwhile: batch 0 still ends where it did
+    assert again.partitions(again.initialOffset(), end0) == plan0
+    end1 = again.latestOffset(end0, ReadAllAvailable())
+    assert _planned(again.partitions(end0, end1)) == list(range(100, 110))
+
+
+def test_available_now_from_latest_on_a_live_topic_is_no_data_loss(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prepareForTriggerAvailableNow`` runs before ``initialOffset``: a message stored in
+    between puts the start above the target, which is not a queue going down."""
+    high = {"now": 100}
+
+    async def bounds(client: Any, opts: SourceOptions) -> dict[MessageQueue, tuple[int, int]]:
+        return {A: (0, high["now"])}
+
+    monkeypatch.setattr(spark_source, "_bounds", bounds)
+    r = _stream(startingOffsets='{"t": {"broker-a:0": 101}}')
+    r.prepareForTriggerAvailableNow()  # target: 100
+    high["now"] = 101
+    end = r.latestOffset(r.initialOffset(), ReadAllAvailable())
+    assert offsets_from_json(end) == {A: 101}  # nothing to read, and no DataLossError
+    high["now"] = 130  # messages after the target are not this run's
+    latest = _stream()
+    latest.prepareForTriggerAvailableNow()  # target: 130
+    high["now"] = 140
+    end = latest.latestOffset(latest.initialOffset(), ReadAllAvailable())
+    assert offsets_from_json(end[spark_source.LATEST_START_KEY]) == {A: 140}
+    assert spark_source._offsets(end) == {A: 140}

@@ -129,7 +129,7 @@ def test_without_a_known_route_the_error_still_surfaces(
         setup: tuple[ScriptedNamesrv, ScriptedBrokers, ClientInstance]) -> None:
     namesrv, _, client = setup
     namesrv.routes["t"] = route()
-    r = stream(client, topics="t,u")
+    r = stream(client, topics="t,u", startingOffsets="earliest")
     try:
         with pytest.raises(SourceError, match="'u' has no route on the name server"):
             r.initialOffset()
