@@ -75,7 +75,10 @@ class ConsumeRequest:
     started_ms: int = 0
     """When the chunk's first call started (wall-clock ms)."""
     call_started_ms: int = 0
-    """When its current call started: the ``CONSUME_START_TIME`` of the unanswered messages."""
+    """The ``CONSUME_START_TIME`` of its unanswered messages: the chunk's start, or when the
+    cleaner last saw it answer more (its call in progress started before that)."""
+    seen_done: int = 0
+    """``done`` as the cleaner saw it last."""
     done: int = 0
     """Leading messages handed to the listener and answered (acknowledged or in ``failed``)."""
     failed: list[tuple[MessageExt, int]] = field(default_factory=list)
@@ -208,16 +211,12 @@ class ConcurrentConsumeService:
         sub = rt.subscriptions.topics.get(topic)
         adapter = sub.adapter_for(msgs[0]) if sub is not None else None
         middlewares = rt.subscriptions.middlewares
-        # Every message carries the start of its own call (Java stamps a call's messages as
-        # it starts). The chunk is stamped once here; before a later call, the messages not
-        # yet answered are stamped again when the clock has moved on a millisecond, so those
-        # of the current call and those still waiting for one carry its start (the cleaner
-        # sends back what waits behind a call stuck past the timeout, as Java's other
-        # threads would have consumed it).
-        clock = time.time
-        started_ms = int(clock() * 1000)
+        # The chunk is stamped once here. Its calls are not: the cleaner, which looks every
+        # consume_timeout, stamps the unanswered messages of a chunk that answered more
+        # since its last look, so only a call that made no progress for a whole interval is
+        # taken for stuck (no clock read per call on this path).
+        started_ms = int(time.time() * 1000)
         put_each(msgs, {PROPERTY_CONSUME_START_TIME: str(started_ms)})
-        next_ms = (started_ms + 1) / 1000
         n = len(msgs)
         size = self._opts.consume_message_batch_max_size
         req.started_ms = req.call_started_ms = started_ms
@@ -253,8 +252,6 @@ class ConcurrentConsumeService:
                     done += 1
                     req.done = done
                     continue
-                if calls and clock() >= next_ms:
-                    next_ms = self._restamp(req, msgs, done)
                 calls += 1
                 if fast is not None:
                     try:
@@ -300,8 +297,6 @@ class ConcurrentConsumeService:
                         req.done = done
                         continue
                     batch = cached
-                if calls and clock() >= next_ms:
-                    next_ms = self._restamp(req, msgs, done)
                 calls += 1
                 if direct is not None:
                     # The handler takes no context, so nothing can set an ack index or a
@@ -333,14 +328,6 @@ class ConcurrentConsumeService:
         elapsed = time.monotonic() - started
         pq.last_consume_timestamp = time.monotonic()
         await self._settle(req, msgs[:done] if done < n else msgs, failed, elapsed, calls)
-
-    @staticmethod
-    def _restamp(req: ConsumeRequest, msgs: list[MessageExt], done: int) -> float:
-        """Stamp the chunk's unanswered messages with now; the time of the next restamp."""
-        now_ms = int(time.time() * 1000)
-        put_each(msgs[done:], {PROPERTY_CONSUME_START_TIME: str(now_ms)})
-        req.call_started_ms = now_ms
-        return (now_ms + 1) / 1000
 
     async def _settle(self, req: ConsumeRequest, handled: list[MessageExt],
                       failed: list[tuple[MessageExt, int]], elapsed: float, calls: int) -> None:
@@ -401,8 +388,11 @@ class ConcurrentConsumeService:
     async def clean_expired(self) -> None:
         """Send back cached messages whose consumption started longer than consume_timeout ago.
 
-        Each message carries the start of its call (the unanswered ones of a chunk that of
-        its current call). A chunk running longer than the timeout has its messages answered
+        The messages of a chunk carry its start, and those unanswered are stamped again
+        each time this finds that the chunk answered more since its last look, so a message
+        expires only when its call (or the call it waits behind) made no progress for a whole
+        interval, as in Java, where each call is stamped and the cleaner looks every
+        ``consume_timeout``. A chunk running longer than the timeout has its messages answered
         so far removed first (they are acknowledged; only the settlement at the end of the
         chunk was missing), so that only a call stuck past the timeout and the messages
         behind it in its chunk, which no listener saw, go back to the broker, as in Java.
@@ -418,6 +408,14 @@ class ConcurrentConsumeService:
         for req in list(self._inflight):
             pq = req.pq
             done = req.done
+            if done != req.seen_done:
+                # It answered more since the last look: its call in progress started after
+                # that, so its unanswered messages are stamped now; a call that answers
+                # nothing until the next look has run a whole interval.
+                req.seen_done = done
+                if done < len(req.msgs):
+                    put_each(req.msgs[done:], {PROPERTY_CONSUME_START_TIME: str(now_ms)})
+                    req.call_started_ms = now_ms
             if pq.dropped or done <= req.settled or now_ms - req.started_ms <= timeout_ms:
                 continue
             failed_ids = {id(m) for m, _ in req.failed} | {id(m) for m, _ in req.dead}

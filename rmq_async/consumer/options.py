@@ -460,8 +460,8 @@ class ConsumerOptions:
     """-1: 16 for concurrent listeners, unlimited for orderly ones."""
     consume_timeout: float = 900.0
     """Seconds: a cached message whose consumption started longer ago is sent back for retry
-    (Java ``consumeTimeout``, 15 minutes). The clock starts with each listener call, as in
-    Java (see the delivery guide)."""
+    (Java ``consumeTimeout``, 15 minutes): a call that made no progress for that long, as a
+    cleaner that looks every ``consume_timeout`` sees it (see the delivery guide)."""
     suspend_current_queue_time: float = 1.0
     """Orderly: seconds to pause before a failed batch is retried (Java
     ``suspendCurrentQueueTimeMillis``, 1000 ms)."""
