@@ -285,6 +285,8 @@ class ClientInstance:
         async with self._heartbeat_lock:
             data = self.heartbeat_source()
             addrs = self._heartbeat_addrs(data)
+            if not addrs and not data.consumer_data_set:
+                return {}  # a producer that knows no broker yet (before its first send)
             results = await asyncio.gather(
                 *(self.api.heartbeat(addr, data) for addr in addrs), return_exceptions=True
             )

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from typing import TYPE_CHECKING
 
 import structlog
@@ -169,7 +170,7 @@ class SinkConsumeService:
             self._tell_flow_limit(sink)
         try:
             ack = _ChunkAck(self, sink, msgs, pq, mq)
-            if redelivered:
+            if redelivered and _takes_redelivered(sink):
                 sink.offer(msgs, ack, redelivered=True)
             else:  # the form every sink takes (the flag is newer)
                 sink.offer(msgs, ack)
@@ -292,6 +293,17 @@ class _ChunkAck:
 
     def __call__(self, ok: bool) -> None:
         self._service._acked(ok, self._sink, self._msgs, self._pq, self._mq)
+
+
+def _takes_redelivered(sink: object) -> bool:
+    """Does ``sink.offer`` take the ``redelivered`` flag (a sink, or a wrapper of its offer,
+    written before the flag takes two arguments)?"""
+    try:
+        params = inspect.signature(sink.offer).parameters  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        return False
+    return "redelivered" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _first_offset(chunk: Chunk) -> int:

@@ -72,7 +72,8 @@ overwrite of exactly that range is idempotent as well and avoids the join of a M
 (Ranges are contiguous when the consumer delivers every offset of a queue to the sink; tag
 filtering or messages handed back to the broker leave holes, which no batch writes. Messages
 offered again after their batch failed, because the broker did not take them back, are
-written in a batch of their own, so that no batch's range spans rows another batch wrote.)
+written in batches of their own, one chunk per queue, so that no batch's range spans rows
+another batch wrote.)
 Plain Parquet appends (:func:`parquet_writer`) are at-least-once; deduplicate on the key when
 reading (``dropDuplicates``).
 """
@@ -209,6 +210,7 @@ class _Batch:
         "done",
         "opened_at",
         "opened_mono",
+        "redelivered",
         "rows",
         "urgent",
     )
@@ -223,6 +225,8 @@ class _Batch:
         self.opened_mono = time.monotonic()
         self.closed_at = 0.0
         self.urgent = False
+        #: Queues of a batch of redelivered chunks (None: a batch of chunks in pull order).
+        self.redelivered: set[tuple[str, str, int]] | None = None
         self.done = asyncio.Event()
 
 
@@ -382,17 +386,23 @@ class SparkSink:
 
         Never blocks and never refuses for lack of room: the consumer's flow control bounds
         what it offers (see the class docstring). A ``redelivered`` chunk (offered again after
-        its batch failed) is written in a batch of its own: among newer rows of its queue, the
-        batch's offset range would span rows other batches wrote (see "Exactly-once into
-        Delta" above). Raises :class:`SinkClosedError` after :meth:`aclose`.
+        its batch failed) is not written with chunks in pull order, nor with another of its
+        queue: among newer rows of its queue, the batch's offset range would span rows other
+        batches wrote (see "Exactly-once into Delta" above); redelivered chunks of different
+        queues share batches. Raises :class:`SinkClosedError` after :meth:`aclose`.
         """
         if self._closed:
             raise SinkClosedError("the Spark sink is closed")
         size = msgs.size if isinstance(msgs, StoredChunk) else sum(len(m.body) for m in msgs)
         rows = len(msgs)
         batch = self._open
+        queue = _chunk_queue(msgs) if redelivered else None
         if batch is not None and batch.rows and (
-            redelivered
+            # Redelivered chunks share a batch only with redelivered chunks of other queues:
+            # each lies within the range of the one batch that failed with it, which nothing
+            # wrote; two of a queue could be of two failed batches around a written one.
+            (batch.redelivered is not None) != redelivered
+            or (batch.redelivered is not None and queue in batch.redelivered)
             or batch.rows + rows > self._eff_rows or batch.bytes + size > self._eff_bytes
         ):
             # Closed before the chunk that would take it past a limit: a batch of at most
@@ -403,14 +413,18 @@ class SparkSink:
         if batch is None:
             batch = self._open = _Batch(self._next_id)
             self._next_id += 1
+            if redelivered:
+                batch.redelivered = set()
             self._wakeup.set()  # the writer starts the latency clock of this batch
+        if queue is not None and batch.redelivered is not None:
+            batch.redelivered.add(queue)
         batch.chunks.append(msgs)
         batch.acks.append(ack)
         batch.rows += rows
         batch.bytes += size
         self._backlog_rows += rows
         self._backlog_bytes += size
-        if redelivered or batch.rows >= self._eff_rows or batch.bytes >= self._eff_bytes:
+        if batch.rows >= self._eff_rows or batch.bytes >= self._eff_bytes:
             self._close_open()
 
     def set_flow_limit(self, rows: int | None, bytes_: int | None = None) -> None:
@@ -863,6 +877,14 @@ async def _run_in_thread(func: Callable[[_Job], None], job: _Job) -> None:
             inner.exception()  # retrieved: the outcome is recorded in job.written
         raise cancelled
     inner.result()
+
+
+def _chunk_queue(chunk: list[MessageExt] | StoredChunk) -> tuple[str, str, int]:
+    """The queue a chunk (one pull's, or part of one) was read from."""
+    if isinstance(chunk, StoredChunk):
+        return (chunk.topic, chunk.broker_name, chunk.queue_id)
+    first = chunk[0]
+    return (first.topic, first.broker_name, first.queue_id)
 
 
 def _batch_info(batch: _Batch, chunks: Sequence[Sequence[MessageExt] | StoredChunk],

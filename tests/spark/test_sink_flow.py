@@ -520,6 +520,25 @@ async def test_a_redelivered_chunk_is_written_in_a_batch_of_its_own() -> None:
     assert write.rows == [4, 1, 4]
 
 
+async def test_redelivered_chunks_of_other_queues_share_a_batch() -> None:
+    """A failed batch offered again chunk by chunk (broadcasting, or a broker that took
+    nothing back) is not one write per pull: chunks of different queues share a batch, two of
+    one queue do not (they could be of two failed batches around a written one)."""
+    write = Writes()
+    sink = sink_for(write, batch_rows=1000, max_batch_latency=0.05)
+    owner = TaskOwner("sink")
+    await sink.start(owner)
+    try:
+        for q in range(8):
+            sink.offer(msgs(0, 50, queue_id=q), ignore, redelivered=True)
+        sink.offer(msgs(100, 50, queue_id=0), ignore, redelivered=True)  # queue 0 again
+        await sink.flush()
+    finally:
+        await sink.aclose()
+        await owner.aclose()
+    assert write.rows == [400, 50]
+
+
 async def test_an_overwrite_of_each_batchs_offset_ranges_keeps_every_row(
         side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
     """The module docs' idempotent write (Delta ``replaceWhere`` over ``info.offset_ranges``),
@@ -565,6 +584,36 @@ async def test_an_overwrite_of_each_batchs_offset_ranges_keeps_every_row(
         await sink.aclose()
         await side.rt.tasks.aclose()
     assert sorted(table) == [3, *range(8, 20)]
+
+
+async def test_a_sink_whose_offer_takes_two_arguments_gets_its_chunk_again(
+        side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sink (or a wrapper of its offer) from before the ``redelivered`` flag: the chunk the
+    broker did not take back is offered again in the two-argument form, not lost to a
+    TypeError that would leave it cached and its queue's offset stuck below it."""
+
+    class TwoArgSink(FakeSink):
+        def offer(self, batch: list[MessageExt],  # type: ignore[override]
+                  ack: Callable[[bool], None]) -> None:
+            self.offers.append((batch, ack))
+
+    sink = TwoArgSink()
+    side.consumer.subscribe("orders", sink=sink)  # type: ignore[arg-type]
+    mq = MessageQueue("orders", "broker-a", 0)
+    side.consumer.process_queues[mq] = ProcessQueue()
+    rebalanced(side, "orders")
+    monkeypatch.setattr(sink_service_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
+
+    async def refuse(msg: MessageExt, delay_level: int) -> bool:
+        return False
+
+    monkeypatch.setattr(side.rt, "send_message_back", refuse)
+    pull(side, mq, msgs(0, 8))
+    sink.offers[0][1](False)
+    await asyncio.wait_for(_offered(sink, 2), 5)
+    sink.offers[1][1](True)
+    assert side.offset_store.read_memory(mq) == 8
+    await side.rt.tasks.aclose()
 
 
 async def _offered(sink: FakeSink, n: int) -> None:

@@ -518,6 +518,17 @@ async def test_a_started_producer_heartbeats_its_group_to_the_masters_and_unregi
         assert master.codes()[-1] == RequestCode.UNREGISTER_CLIENT
 
 
+async def test_a_started_producer_that_knows_no_broker_yet_warns_of_nothing() -> None:
+    producer = Producer("PG", "127.0.0.1:9876", heartbeat_interval=0.01)
+    with capture_logs() as logs:
+        await producer.start()
+        try:
+            await asyncio.sleep(0.05)  # a few heartbeat rounds, with no broker known
+        finally:
+            await producer.stop()
+    assert [e for e in logs if e["log_level"] == "warning"] == []
+
+
 async def test_a_producer_not_started_sends_no_heartbeat() -> None:
     async def broker(cmd: RemotingCommand, conn: int) -> RemotingCommand:
         return send_ok(cmd)
