@@ -431,8 +431,9 @@ class PullService:
             store.update(mq, offset, increase_only=False)
         try:
             await store.persist(mq)
-        except Exception as exc:  # the queue is forgotten all the same (the next start or
-            # the periodic persist writes the offset); else nothing would pull it again
+        except Exception as exc:  # the queue is forgotten all the same, else nothing would
+            # pull it again; taken again, it starts from the stored offset (as in Java, where
+            # a failed persist is logged and the queue removed)
             log.warning("pull.offset_fix_persist_failed", queue=str(mq), offset=offset,
                         error=f"{type(exc).__name__}: {exc}")
         pq = rt.process_queues.get(mq)

@@ -162,6 +162,38 @@ async def test_an_offsets_file_error_during_an_offset_illegal_fix_does_not_stran
     assert not any(e["event"] == "task.crashed" for e in logs), logs
 
 
+async def test_a_failed_persist_of_an_offset_illegal_fix_still_forgets_the_queue() -> None:
+    """Whatever the store's persist raises, the queue is forgotten and the rebalance woken
+    (the pull task does not crash with the queue still in the table)."""
+    opts = ConsumerOptions.from_kwargs("G")
+    pq = ProcessQueue()
+    rt = runtime(opts, pq)
+
+    class FailingStore(_SlowStore):
+        async def persist(self, mq: MessageQueue) -> None:
+            raise RuntimeError("the broker's answer made no sense")
+
+    rt.offset_store = FailingStore()
+    woken: list[int] = []
+
+    class Pull(PullService):
+        async def _send(self, req: PullRequest, offset: int) -> Any:
+            return _answer(PullStatus.OFFSET_ILLEGAL, 500)
+
+    pull = Pull(rt, router([]), on_queue_forgotten=lambda: woken.append(1))
+    with capture_logs() as logs:
+        pull.start_queue(PullRequest(MQ, pq, 0))
+        try:
+            async with asyncio.timeout(5):
+                while MQ in rt.process_queues:
+                    await asyncio.sleep(0.01)
+        finally:
+            await pull.aclose()
+    assert woken == [1]
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+        "pull.offset_illegal", "pull.offset_fix_persist_failed"]
+
+
 async def test_a_dropped_queue_left_without_a_pull_task_is_taken_again() -> None:
     """However a dropped queue came to stay in the table with no pull task, the next rebalance
     round takes it out and back in (Java gets there through pull expiry)."""
