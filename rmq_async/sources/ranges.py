@@ -72,6 +72,8 @@ log = structlog.get_logger(__name__)
 
 #: In a JSON position, the queue's first offset (as in Spark's Kafka source).
 EARLIEST = -2
+#: The longest ``apiTimeout`` taken: a read must end even when a broker stops answering.
+MAX_API_TIMEOUT = 3600.0
 #: In a JSON position, the queue's max offset: where the next message will be written.
 LATEST = -1
 
@@ -289,6 +291,10 @@ class SourceOptions:
                 raise SourceError("endingOffsets=earliest reads nothing in a batch query")
             if "maxmessagespertrigger" in opts:
                 raise SourceError("maxMessagesPerTrigger is for streaming reads only")
+            if starting.kind == "offsets" and LATEST in starting.offsets.values():
+                raise SourceError("startingOffsets: -1 (latest) reads nothing in a batch query")
+            if ending.kind == "offsets" and EARLIEST in ending.offsets.values():
+                raise SourceError("endingOffsets: -2 (earliest) reads nothing in a batch query")
         access_key = opts.get("accesskey")
         secret_key = opts.get("secretkey")
         if bool(access_key) != bool(secret_key):
@@ -297,6 +303,9 @@ class SourceOptions:
             api_timeout = float(opts.get("apitimeout", "10"))
         except ValueError:
             raise SourceError(f"apiTimeout: expected seconds, got {opts['apitimeout']!r}")
+        if not 0 < api_timeout <= MAX_API_TIMEOUT:  # also refuses nan (and inf)
+            raise SourceError(f"apiTimeout: expected seconds above 0 and at most "
+                              f"{MAX_API_TIMEOUT:g}, got {opts['apitimeout']!r}")
         tags = opts.get("tags")
         sql = opts.get("sql")
         try:
@@ -391,8 +400,24 @@ async def matching_topics(client: ClientInstance, pattern: str) -> list[str]:
             raise broker_error(resp.code, resp.remark, addr=addr,
                                request="GET_ALL_TOPIC_LIST_FROM_NAMESERVER")
         names = json.loads(resp.body or b"{}").get("topicList") or []
-        return sorted(t for t in names if isinstance(t, str) and regex.fullmatch(t))
+        return sorted(t for t in names
+                      if isinstance(t, str) and regex.fullmatch(t) and not _internal_topic(t))
     raise MQClientError("no name server answered the topic list: " + "; ".join(errors))
+
+
+#: Topics of the broker itself (Java ``TopicValidator``'s system topics), never matched by a
+#: ``topicPattern``: they hold delayed, half-committed or trace messages, not the application's.
+SYSTEM_TOPICS = frozenset({
+    "TBW102", "SCHEDULE_TOPIC_XXXX", "BenchmarkTest", "RMQ_SYS_TRANS_HALF_TOPIC",
+    "RMQ_SYS_TRACE_TOPIC", "RMQ_SYS_TRANS_OP_HALF_TOPIC", "TRANS_CHECK_MAX_TIME_TOPIC",
+    "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT", "CHECKPOINT_TOPIC",
+})
+
+
+def _internal_topic(name: str) -> bool:
+    """A system topic, or a group's retry / dead-letter topic (``%RETRY%``, ``%DLQ%``, any
+    ``%``-prefixed one: copies of messages, or none of the application's)."""
+    return name in SYSTEM_TOPICS or name.startswith(("rmq_sys_", "%"))
 
 
 async def source_topics(client: ClientInstance, opts: SourceOptions) -> list[str]:

@@ -76,7 +76,9 @@ Options (names are case-insensitive)
 ``topics`` or ``topicPattern`` (one of them is required)
     One or more topics, comma separated; or a regular expression that whole topic names match
     (the name servers' topic list, read again at every micro-batch: matching topics created
-    later are read from their first offset).
+    later are read from their first offset). A pattern never matches the broker's system
+    topics (``SCHEDULE_TOPIC_XXXX``, ``RMQ_SYS_*``, ``rmq_sys_*``, ...) nor retry and
+    dead-letter topics (``%RETRY%...``, ``%DLQ%...``); name one in ``topics`` to read it.
 ``tags`` / ``sql``
     A tag expression (``"created || paid"``) or an SQL92 expression (the broker needs
     ``enablePropertyFilter=true``) that the broker filters on; not both.
@@ -331,6 +333,12 @@ class RocketMQBatchReader(DataSourceReader):
         bounds = await _bounds(client, opts)
         start = await resolve_offsets(client, opts.starting, bounds, default=EARLIEST)
         end = await resolve_offsets(client, opts.ending, bounds, default=-1)
+        past = sorted(mq for mq in end if start.get(mq, 0) > end[mq])
+        if past:
+            # Nothing to read is not what such options mean (the Kafka source fails too).
+            raise SourceError("the start is past the end for "
+                              + ", ".join(f"{mq.topic} {queue_key(mq)} ({start[mq]} > {end[mq]})"
+                                          for mq in past))
         parts = _ranges(start, end)
         log.info("spark_source.planned", kind="batch", topics=sorted({mq.topic for mq in bounds}),
                  queues=len(bounds), partitions=len(parts),

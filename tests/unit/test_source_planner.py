@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -16,6 +17,7 @@ from rmq_async.protocol.types import MessageQueue
 from rmq_async.sources import spark as spark_source
 from rmq_async.sources.ranges import (
     DataLossError,
+    SourceError,
     SourceOptions,
     offsets_from_json,
     offsets_to_json,
@@ -150,3 +152,65 @@ def test_available_now_from_latest_on_a_live_topic_is_no_data_loss(
     end = latest.latestOffset(latest.initialOffset(), ReadAllAvailable())
     assert offsets_from_json(end[spark_source.LATEST_START_KEY]) == {A: 140}
     assert spark_source._offsets(end) == {A: 140}
+
+
+def _batch_plan(monkeypatch: pytest.MonkeyPatch, **opts: str) -> Any:
+    async def bounds(client: Any, o: SourceOptions) -> dict[MessageQueue, tuple[int, int]]:
+        return {A: (0, 1000)}
+
+    monkeypatch.setattr(spark_source, "_bounds", bounds)
+    r = spark_source.RocketMQBatchReader(SourceOptions.parse(
+        {"namesrv": "127.0.0.1:9876", "topics": "t", **opts}, streaming=False))
+    return asyncio.run(r._plan(None))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("start,end,error", [
+    ("500", "100", "the start is past the end for t broker-a:0 \\(500 > 100\\)"),
+    ("-1", "1000", "-1 \\(latest\\) reads nothing in a batch query"),
+    ("0", "-2", "-2 \\(earliest\\) reads nothing in a batch query"),
+])
+def test_a_batch_read_whose_start_is_past_its_end_is_refused(
+        monkeypatch: pytest.MonkeyPatch, start: str, end: str, error: str) -> None:
+    """As the Kafka source, and as the string forms ``latest`` / ``earliest`` are: not an
+    empty result that says nothing."""
+    with pytest.raises(SourceError, match=error):
+        _batch_plan(monkeypatch, startingOffsets=json.dumps({"t": {"broker-a:0": int(start)}}),
+                    endingOffsets=json.dumps({"t": {"broker-a:0": int(end)}}))
+    parts = _batch_plan(monkeypatch, startingOffsets='{"t": {"broker-a:0": 100}}',
+                        endingOffsets='{"t": {"broker-a:0": 100}}')
+    assert parts == []  # an empty range given as such is fine
+
+
+@pytest.mark.parametrize("value", ["inf", "1e999", "nan", "0", "-3", "3601"])
+def test_api_timeout_must_be_a_finite_positive_bound(value: str) -> None:
+    """A read ends even when a broker stops answering: no infinite or NaN timeout."""
+    with pytest.raises(SourceError, match="apiTimeout"):
+        SourceOptions.parse({"namesrv": "127.0.0.1:9876", "topics": "t", "apiTimeout": value},
+                            streaming=True)
+    assert SourceOptions.parse({"namesrv": "127.0.0.1:9876", "topics": "t",
+                                "apiTimeout": "2.5"}, streaming=True).api_timeout == 2.5
+
+
+async def test_a_topic_pattern_never_matches_system_retry_or_dead_letter_topics() -> None:
+    from rmq_async.protocol.codes import RequestCode, ResponseCode
+    from rmq_async.sources.ranges import open_client, source_topics
+    from tests.fake_broker import FakeBroker
+
+    listed = ["orders", "orders-eu", "%RETRY%orders-etl", "%DLQ%orders-etl",
+              "RMQ_SYS_TRANS_HALF_TOPIC", "SCHEDULE_TOPIC_XXXX", "rmq_sys_wheel_timer", "TBW102"]
+
+    async def answer(cmd: Any, number: int) -> Any:
+        if cmd.code == RequestCode.GET_ALL_TOPIC_LIST_FROM_NAMESERVER:
+            return cmd.response_to(ResponseCode.SUCCESS,
+                                   body=json.dumps({"topicList": listed}).encode())
+        return cmd.response_to(ResponseCode.SYSTEM_ERROR)
+
+    async with FakeBroker(answer) as namesrv:
+        for pattern in (".*orders.*", ".*"):
+            opts = SourceOptions.parse({"namesrv": namesrv.addr, "topicPattern": pattern},
+                                       streaming=True)
+            client = open_client(opts, "plan")
+            try:
+                assert await source_topics(client, opts) == ["orders", "orders-eu"], pattern
+            finally:
+                await client.close()
