@@ -646,7 +646,13 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
     moved = 0  # OFFSET_ILLEGAL answers in a row for an offset the queue has (see below)
     try:
         while offset < end:
-            while len(inflight) < depth and planned < end:
+            if len(chunk) >= rows_per_chunk and not inflight:
+                # Handed on with no pull in flight: the caller may hold the chunk for long
+                # without running the event loop (Spark converting and shipping it), and an
+                # answer left unread meanwhile would count as timed out.
+                yield chunk
+                chunk = []
+            while len(inflight) < depth and planned < end and len(chunk) < rows_per_chunk:
                 want = min(opts.pull_batch_size, end - planned)
                 inflight.append(await send(planned, want))
                 planned += want
@@ -683,9 +689,6 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
                 elif offset > at + want:
                     drop_inflight()
                     planned = offset
-                if len(chunk) >= rows_per_chunk:
-                    yield chunk
-                    chunk = []
                 continue
             # Anything but FOUND: settle this offset alone, then plan again from where it ends.
             drop_inflight()

@@ -222,3 +222,77 @@ async def test_entries_removed_from_the_commit_log_are_data_loss_without_a_filte
     tagged = FakeQueue(0, 100, tags={i: "a" for i in range(50, 100)})
     got = [o for c in await read(tagged, options(tags="a"), 0, 100) for o in c]
     assert got == list(range(50, 100))
+
+
+class _ThreadedQueueBroker:
+    """Name server and broker-a for topic t (offsets 0..63, 64 KiB bodies) on an event loop of
+    a thread of its own, so the reader under test can stop its own loop between chunks as
+    Spark does."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    def _run(self) -> None:
+        from tests.fake_broker import FakeBroker
+
+        asyncio.set_event_loop(self.loop)
+        self.broker = FakeBroker(self._answer)
+        self.loop.run_until_complete(self.broker.__aenter__())
+        self.addr = self.broker.addr
+        self.ready.set()
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.broker.aclose(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    async def _answer(self, cmd: Any, number: int) -> Any:
+        from rmq_async.protocol.codes import RequestCode, ResponseCode
+        from rmq_async.protocol.message import encode_stored_message
+        from tests.fake_broker import route_answer
+
+        ext = cmd.ext_fields or {}
+        if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
+            return route_answer(cmd, {"broker-a": self.addr}, queues=1)
+        if cmd.code == RequestCode.PULL_MESSAGE:
+            at, want = int(ext["queueOffset"]), int(ext["maxMsgNums"])
+            await asyncio.sleep(0.02)
+            offs = range(at, min(64, at + want))
+            body = b"".join(encode_stored_message(MessageExt(
+                "t", b"x" * 65536, queue_id=0, queue_offset=o, born_host="127.0.0.1:1",
+                store_host="127.0.0.1:2")) for o in offs)
+            return cmd.response_to(ResponseCode.SUCCESS, body=body, ext_fields={
+                "minOffset": "0", "maxOffset": "64", "suggestWhichBrokerId": "0",
+                "nextBeginOffset": str(offs[-1] + 1)})
+        return cmd.response_to(ResponseCode.SUCCESS)
+
+
+def test_an_executor_that_holds_a_chunk_longer_than_the_timeout_reads_on() -> None:
+    """Spark holds each chunk (converting and shipping it) without running the reader's event
+    loop. Pulls left in flight across that pause saw their deadline pass before their answers
+    were read: a RemotingTimeout, though the broker had answered at once. A chunk is handed
+    on with no pull in flight now."""
+    import time
+
+    pytest.importorskip("pyspark")
+    from rmq_async.sources import spark as spark_source
+
+    broker = _ThreadedQueueBroker()
+    try:
+        opts = SourceOptions.parse({"namesrv": broker.addr, "topics": "t", "apiTimeout": "0.3",
+                                    "pullBatchSize": "8", "chunkRows": "8"}, streaming=False)
+        rows = 0
+        part = spark_source.QueueRange("t", "broker-a", 0, 0, 64)
+        for batch in spark_source._read_partition(opts, part):
+            rows += batch.num_rows
+            time.sleep(0.5)  # Spark writing the batch on; the reader's loop does not run
+        assert rows == 64
+    finally:
+        broker.stop()
