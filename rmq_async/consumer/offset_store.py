@@ -95,6 +95,9 @@ class BrokerOffsetStore(_MemoryTable):
         self._persisted: dict[MessageQueue, tuple[str, int]] = {}
         # One write per queue at a time: a broker runs the requests of a connection side by
         # side and may apply an older offset after a newer one sent while it was in flight.
+        # The exception is stop() giving up on a round that waits for a stalled broker: the
+        # cancelled write is still at the broker when the final one goes, and should the
+        # broker apply it last, the queue's messages after it are consumed again (none lost).
         self._writing: dict[MessageQueue, asyncio.Lock] = {}
 
     async def load(self) -> None:
