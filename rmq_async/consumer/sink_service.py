@@ -178,8 +178,27 @@ class SinkConsumeService:
             # Only while stopping: the messages stay cached, their offsets never move.
             log.warning("sink.offer_after_close", queue=str(mq), count=len(msgs))
             return
+        except Exception as exc:
+            # A bug in the sink must not end the pull loop that offered (its queue would not
+            # be pulled until its pull expiry): the chunk stays cached and is offered again
+            # after a pause, as a concurrent worker resubmits a chunk it failed to settle.
+            log.error("sink.offer_failed", queue=str(mq), count=len(msgs),
+                      first_offset=_first_offset(msgs), error=f"{type(exc).__name__}: {exc}",
+                      exc_info=exc)
+            try:
+                rt.tasks.spawn(self._offer_later(sink, msgs, pq, mq, redelivered),
+                               name="sink-offer-again")
+            except RuntimeError:  # the consumer is stopping: nothing commits, all comes again
+                pass
+            return
         if rt.thresholds.queue_blocked(mq.topic, pq):
             sink.expedite()
+
+    async def _offer_later(self, sink: SparkSink, msgs: Chunk, pq: ProcessQueue,
+                           mq: MessageQueue, redelivered: bool) -> None:
+        await asyncio.sleep(SEND_BACK_FAILED_RETRY_DELAY)
+        if not pq.dropped and not self._rt.stopping:
+            self._offer(sink, msgs, pq, mq, redelivered=redelivered)
 
     def _acked(self, ok: bool, sink: SparkSink, msgs: Chunk, pq: ProcessQueue,
                mq: MessageQueue) -> None:

@@ -616,6 +616,38 @@ async def test_a_sink_whose_offer_takes_two_arguments_gets_its_chunk_again(
     await side.rt.tasks.aclose()
 
 
+async def test_a_sink_whose_offer_raises_gets_the_chunk_again_and_the_pull_goes_on(
+        side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in a sink's offer is logged and the chunk offered again after a pause; the pull
+    loop that offered it is not ended by it."""
+
+    class FlakySink(FakeSink):
+        failures = 1
+
+        def offer(self, batch: list[MessageExt], ack: Callable[[bool], None], *,
+                  redelivered: bool = False) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise KeyError("a bug in the sink")
+            super().offer(batch, ack, redelivered=redelivered)
+
+    sink = FlakySink()
+    side.consumer.subscribe("orders", sink=sink)  # type: ignore[arg-type]
+    mq = MessageQueue("orders", "broker-a", 0)
+    side.consumer.process_queues[mq] = ProcessQueue()
+    rebalanced(side, "orders")
+    monkeypatch.setattr(sink_service_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        pull(side, mq, msgs(0, 8))  # returns: the error does not reach the pull loop
+        await asyncio.wait_for(_offered(sink, 1), 5)
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["sink.offer_failed"]
+    sink.offers[0][1](True)
+    assert side.offset_store.read_memory(mq) == 8
+    await side.rt.tasks.aclose()
+
+
 async def _offered(sink: FakeSink, n: int) -> None:
     while len(sink.offers) < n:
         await asyncio.sleep(0.005)
