@@ -162,7 +162,11 @@ class ConcurrentConsumeService:
                             delay: float) -> None:
         await asyncio.sleep(delay)
         if not pq.dropped:
-            self.submit(msgs, pq, mq)
+            # Not what the expired-message cleaner sent back meanwhile: it comes again
+            # through the retry topic.
+            msgs = [m for m in msgs if pq.contains(m)]
+            if msgs:
+                self.submit(msgs, pq, mq)
 
     async def wait_idle(self) -> None:
         """Stop starting listener calls and wait until none is running.
@@ -421,6 +425,16 @@ class ConcurrentConsumeService:
             failed_ids = {id(m) for m, _ in req.failed} | {id(m) for m, _ in req.dead}
             acked = [m for m in req.msgs[req.settled:done] if id(m) not in failed_ids]
             req.settled = done
+            # What the calls answered as failed or poison goes where its answer sends it now
+            # (with its delay level, or to the dead-letter queue), not back with the expired
+            # ones below (at level 3) because its stamp is old; the chunk's settlement skips
+            # what is no longer cached.
+            for m, level in list(req.failed):
+                if pq.contains(m) and await rt.send_message_back(m, level):
+                    acked.append(m)
+            for m, reason in list(req.dead):
+                if pq.contains(m) and await send_to_dlq(rt, m, reason):
+                    acked.append(m)
             if acked:
                 offset = pq.remove_messages(acked)
                 if offset >= 0 and not pq.dropped:

@@ -423,3 +423,78 @@ async def test_answered_messages_of_a_slow_chunk_are_settled_not_sent_back() -> 
         await h.service.aclose()
     assert seen == [0, 1, 2, 3] and h.sent_back == []
     assert h.updates[-1] == 4 and h.pq.msg_count == 0
+
+
+@pytest.mark.parametrize("kind", ["dead", "level"])
+async def test_what_a_call_of_a_long_chunk_failed_goes_where_its_answer_sends_it(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message answered as poison or with a delay level, in a chunk still running when the
+    cleaner looks, keeps an older stamp than the chunk's unanswered ones: it goes to the
+    dead-letter queue or back with its level, not back at level 3 with the expired ones."""
+    import time
+
+    from rmq_async.consumer import consume as consume_module
+    from rmq_async.consumer.results import DeadLetter
+
+    timeout = 0.3
+    dlq: list[int] = []
+
+    async def to_dlq(rt: Any, m: MessageExt, reason: str) -> bool:
+        dlq.append(m.queue_offset)
+        return True
+
+    monkeypatch.setattr(consume_module, "send_to_dlq", to_dlq)
+    t0 = time.monotonic()
+    failed: list[int] = []
+
+    async def listener(msg: MessageExt, ctx: ConsumeContext) -> ConsumeResult:
+        await asyncio.sleep(0.03)  # each call well inside the timeout
+        if not failed and time.monotonic() - t0 > timeout + 0.12:
+            failed.append(msg.queue_offset)  # answered after the cleaner's first look
+            if kind == "dead":
+                raise DeadLetter("poison")
+            ctx.delay_level_when_next_consume = 7
+            return ConsumeResult.RECONSUME_LATER
+        return ConsumeResult.SUCCESS
+
+    h = Harness(listener, consume_timeout=timeout)
+    n = 22  # about 0.7 s of calls: the cleaner looks at about 0.3 s and 0.6 s
+    try:
+        h.start_chunk(n)
+        async with asyncio.timeout(10):
+            while not h.updates or h.updates[-1] < n:
+                await asyncio.sleep(0.01)
+            await h.service.wait_idle()
+    finally:
+        await h.service.aclose()
+    assert len(failed) == 1
+    if kind == "dead":
+        assert dlq == failed and h.sent_back == []
+    else:
+        assert h.sent_back == [(failed[0], 7)] and dlq == []
+
+
+async def test_a_message_resubmitted_after_the_cleaner_sent_it_back_is_not_consumed_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed message whose send-back failed waits five seconds to be consumed again here;
+    the cleaner may send it back meanwhile (its stamp is old), and then it comes through the
+    retry topic only."""
+    from rmq_async.consumer import consume as consume_module
+
+    monkeypatch.setattr(consume_module, "SEND_BACK_FAILED_RETRY_DELAY", 1.0)
+    calls: list[int] = []
+
+    async def listener(msg: MessageExt) -> ConsumeResult:
+        calls.append(msg.queue_offset)
+        return ConsumeResult.RECONSUME_LATER if msg.queue_offset == 0 else ConsumeResult.SUCCESS
+
+    h = Harness(listener, consume_timeout=0.3)
+    h.send_back_ok = False  # the chunk's own send-back of 0 fails: consumed again after 1 s
+    try:
+        h.start_chunk(2)
+        await asyncio.sleep(0.1)
+        h.send_back_ok = True  # the broker takes it when the cleaner sends it back
+        await asyncio.sleep(1.3)
+    finally:
+        await h.service.aclose()
+    assert h.sent_back == [(0, 3)] and calls == [0, 1]
