@@ -89,8 +89,8 @@ Options (names are case-insensitive)
     queue: ``{"orders": {"broker-a:0": 1200, "broker-a:1": -2}}`` with ``-2`` for earliest and
     ``-1`` for latest; queues left out start at earliest. Batch default: ``earliest``. In a
     stream it applies only to a new query (a restarted one continues from its checkpoint);
-    queues that appear later are read from their first offset. A stream's ``latest`` is where
-    the queues are when its first micro-batch is planned: the checkpoint keeps the start
+    queues that appear later are read from their first offset. A stream's ``latest`` (and a
+    JSON ``-1``) is where the queues are when its first micro-batch is planned: the checkpoint keeps the start
     offset ``{"@latest": true}`` and batch 0's end carries the offsets it resolved to (under
     ``"@start"``), so Spark's repeated questions about the start, and a restart before batch
     0 was committed, all plan the same range.
@@ -162,6 +162,7 @@ from rmq_async.sinks._arrow import ARROW_SCHEMA, messages_to_arrow
 from rmq_async.sinks.spark import SPARK_SCHEMA
 from rmq_async.sources.ranges import (
     EARLIEST,
+    LATEST,
     DataLossError,
     SourceError,
     SourceOptions,
@@ -405,7 +406,9 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # must agree. "latest" would move between the calls, so it is answered by a marker;
         # the first latestOffset resolves it and carries the queues' offsets in batch 0's end
         # (under LATEST_START_KEY), where partitions() reads batch 0's start from.
-        if self.opts.starting.kind == "latest":
+        starting = self.opts.starting
+        if starting.kind == "latest" or (starting.kind == "offsets"
+                                         and LATEST in starting.offsets.values()):
             log.info("spark_source.initial_offsets", offsets="latest")
             return {LATEST_MARK: True}
 
@@ -425,10 +428,22 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target = self._run(self._latest)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        live = self._run(self._latest)
         resolved = start.get(LATEST_MARK) is True
-        # Batch 0 of a query that starts at "latest" starts where the queues are now.
-        begin = dict(live) if resolved else _offsets(start)
+        if resolved:
+            # Batch 0 of a query that starts at "latest" (or a JSON -1) starts where the
+            # queues are now.
+            async def work(client: ClientInstance) -> tuple[dict[MessageQueue, int],
+                                                            dict[MessageQueue, int]]:
+                bounds = await _bounds(client, self.opts)
+                self._lows = {mq: low for mq, (low, _) in bounds.items()}
+                first = await resolve_offsets(client, self.opts.starting, bounds,
+                                              default=EARLIEST)
+                return {mq: high for mq, (_, high) in bounds.items()}, first
+
+            live, begin = self._run(work)
+        else:
+            live = self._run(self._latest)
+            begin = _offsets(start)
         # Spark tells a source about a committed batch (commit) only when it plans the next
         # one with new data; ``start`` here is always the end of the last committed batch, so
         # the group also catches up when the stream has (and on the last round of availableNow).
@@ -449,7 +464,9 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # availableNow: no further than what the queues held when it was asked for (the
             # check above is against their live offsets: a start read after that moment may
             # lie above the target without anything having gone down).
-            latest = {mq: max(begin.get(mq, -1), min(high, self._target.get(mq, high)))
+            # A queue the target does not know (it came after) stays where it starts.
+            latest = {mq: max(begin.get(mq, -1),
+                              min(high, self._target.get(mq, begin.get(mq, high))))
                       for mq, high in latest.items()
                       if mq in self._target or mq in begin}
         if isinstance(limit, ReadMaxRows):

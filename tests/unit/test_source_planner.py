@@ -214,3 +214,46 @@ async def test_a_topic_pattern_never_matches_system_retry_or_dead_letter_topics(
                 assert await source_topics(client, opts) == ["orders", "orders-eu"], pattern
             finally:
                 await client.close()
+
+
+def test_a_json_latest_start_is_planned_from_one_answer_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``{"t": {"broker-a:0": -1}}`` moves between Spark's calls as ``latest`` does."""
+    _Growing(monkeypatch)
+    r = _stream(startingOffsets='{"t": {"broker-a:0": -1}}')
+    limit = ReadAllAvailable()
+    start0 = r.initialOffset()
+    end0 = r.latestOffset(start0, limit)
+    plan0 = r.partitions(r.initialOffset(), end0)
+    end1 = r.latestOffset(end0, limit)
+    plan1 = r.partitions(end0, end1)
+    first = offsets_from_json(end0[spark_source.LATEST_START_KEY])[A]
+    last = spark_source._offsets(end1)[A]
+    assert r.initialOffset() == start0
+    assert _planned(plan0) + _planned(plan1) == list(range(first, last))
+
+
+def test_available_now_keeps_a_queue_the_target_does_not_know_where_it_starts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue that appears after ``prepareForTriggerAvailableNow`` is not read on and on while
+    producers write to it: the run ends."""
+    b = MessageQueue("t", "broker-b", 0)
+    state: dict[str, int | None] = {"b": None}
+
+    async def bounds(client: Any, opts: SourceOptions) -> dict[MessageQueue, tuple[int, int]]:
+        out = {A: (0, 100)}
+        if state["b"] is not None:
+            out[b] = (0, state["b"])
+        return out
+
+    monkeypatch.setattr(spark_source, "_bounds", bounds)
+    r = _stream()
+    r.prepareForTriggerAvailableNow()  # the target knows A only
+    state["b"] = 50
+    limit = ReadAllAvailable()
+    start = r.latestOffset(r.initialOffset(), limit)
+    ends = []
+    for _ in range(3):
+        state["b"] = (state["b"] or 0) + 1000  # producers keep writing to B
+        start = r.latestOffset(start, limit)
+        ends.append(spark_source._offsets(start).get(b))
+    assert ends == [50, 50, 50]
