@@ -135,21 +135,33 @@ class BrokerOffsetStore(_MemoryTable):
         await self._send(mq, offset, oneway=False)
 
     async def persist_all(self, mqs: set[MessageQueue], *, oneway: bool) -> None:
-        """Send the offsets of ``mqs``, every queue's at once: a broker that does not answer
-        costs a round one request timeout, not one per queue."""
-        sends = []
+        """Send the offsets of ``mqs``: the topics of each broker side by side, the queues of
+        one topic on one broker one after the other.
+
+        Not every queue at once: a 5.3.3 broker keeps a group's offsets of a topic in a map it
+        creates on the first write without a lock (``ConsumerOffsetManager.commitOffset``),
+        and of two first writes that meet there one is lost.
+        """
+        runs: dict[tuple[str, str], list[MessageQueue]] = {}
         for mq in list(self._table):
-            offset = self._table.get(mq)
-            if mq not in mqs or offset is None or offset < 0:
-                continue
-            if oneway and self._persisted.get(mq) == (self._write_addr(mq), offset):
-                continue
-            # _send reads the queue's offset again once its broker's address is known: a
-            # route lookup may wait, and meanwhile the pull loop may have frozen the queue at
-            # the offset the broker corrected (OFFSET_ILLEGAL, an admin's reset) and persisted
-            # that, or given the queue up. An older value sent after that would undo it.
-            sends.append(self._send(mq, offset, oneway=oneway))
-        await asyncio.gather(*sends)
+            if mq in mqs:
+                runs.setdefault((mq.broker_name, mq.topic), []).append(mq)
+
+        async def run(queues: list[MessageQueue]) -> None:
+            for mq in queues:
+                # Each queue's offset is read when its turn comes (and again by _send once its
+                # broker's address is known): meanwhile the pull loop may have frozen the queue
+                # at the offset the broker corrected (OFFSET_ILLEGAL, an admin's reset) and
+                # persisted that, or given the queue up. An older value sent after that would
+                # undo it.
+                offset = self._table.get(mq)
+                if offset is None or offset < 0:
+                    continue
+                if oneway and self._persisted.get(mq) == (self._write_addr(mq), offset):
+                    continue
+                await self._send(mq, offset, oneway=oneway)
+
+        await asyncio.gather(*(run(queues) for queues in runs.values()))
 
     async def _send(self, mq: MessageQueue, offset: int, *, oneway: bool) -> None:
         try:

@@ -174,3 +174,28 @@ def test_latest_offset_goes_on_when_the_group_cannot_be_written(
     assert end == offsets_to_json({A: 50, B: 60})
     assert r._group_offsets == {B: 6}
     assert failures(logs) == {"broker-a:0": 5}
+
+
+def test_one_topics_queues_on_one_broker_are_written_one_after_the_other(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 5.3.3 broker loses one of two first writes of a group's topic that meet (its offset
+    map is made without a lock): a topic's queues on one broker go one after the other, other
+    brokers side by side."""
+    cluster = Cluster()
+    in_flight: dict[str, int] = {}
+    most: dict[str, int] = {}
+    written = cluster.update_consumer_offset
+
+    async def slow_write(addr: str, group: str, mq: MessageQueue, offset: int,
+                         *, oneway: bool = True) -> None:
+        in_flight[addr] = in_flight.get(addr, 0) + 1
+        most[addr] = max(most.get(addr, 0), in_flight[addr])
+        await asyncio.sleep(0.01)
+        in_flight[addr] -= 1
+        await written(addr, group, mq, offset, oneway=oneway)
+
+    cluster.update_consumer_offset = slow_write  # type: ignore[method-assign]
+    r = reader(monkeypatch, cluster)
+    commit(r, {A: 5, A1: 6, B: 7})
+    assert sorted((mq, off) for _, _, mq, off in cluster.writes) == [(A, 5), (A1, 6), (B, 7)]
+    assert most == {ADDRS["broker-a"]: 1, ADDRS["broker-b"]: 1}

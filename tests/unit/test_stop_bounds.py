@@ -91,7 +91,7 @@ async def test_stop_is_bounded_when_the_broker_answers_no_offset_update(orderly:
     c._started = True
     c._owner.spawn(c._persist_loop(), name="persist-offsets")
     async with asyncio.timeout(5):
-        while inst.api.updates < 16:  # a periodic round is under way, every queue at once
+        while inst.api.updates < 2:  # a periodic round is under way on both brokers
             await asyncio.sleep(0.01)
     began = time.monotonic()
     async with asyncio.timeout(10):
@@ -99,6 +99,6 @@ async def test_stop_is_bounded_when_the_broker_answers_no_offset_update(orderly:
     took = time.monotonic() - began
     # Waiting for the round: the timeout; the final offsets: a second; the unlocks: a second.
     assert took < 1.0 + 1.0 + 1.0 + 1.5, took
-    assert inst.api.updates == 32  # the final round sent every queue's offset too
+    assert inst.api.updates == 4  # the final round's first write on each broker too
     if orderly:
         assert inst.api.unlocks == 2  # one request per broker, side by side
