@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import tempfile
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -82,6 +83,27 @@ class _MemoryTable:
         return dict(self._table)
 
 
+async def write_topic_by_topic(queues: Iterable[MessageQueue],
+                               broker: Callable[[MessageQueue], str],
+                               write: Callable[[MessageQueue], Awaitable[None]]) -> None:
+    """``write`` each queue's offset: the queues of one topic on one ``broker`` one after the
+    other, other topics and brokers side by side.
+
+    Not every queue at once: a 5.3.3 broker keeps a group's offsets of a topic in a map it
+    creates on the first write without a lock (``ConsumerOffsetManager.commitOffset``), and of
+    two first writes that meet there one is lost.
+    """
+    runs: dict[tuple[str, str], list[MessageQueue]] = {}
+    for mq in queues:
+        runs.setdefault((broker(mq), mq.topic), []).append(mq)
+
+    async def run(run_queues: list[MessageQueue]) -> None:
+        for mq in run_queues:
+            await write(mq)
+
+    await asyncio.gather(*(run(run_queues) for run_queues in runs.values()))
+
+
 class BrokerOffsetStore(_MemoryTable):
     """Offsets kept in memory and persisted to the queue's master broker (Java RemoteBrokerOffsetStore)."""
 
@@ -135,33 +157,23 @@ class BrokerOffsetStore(_MemoryTable):
         await self._send(mq, offset, oneway=False)
 
     async def persist_all(self, mqs: set[MessageQueue], *, oneway: bool) -> None:
-        """Send the offsets of ``mqs``: the topics of each broker side by side, the queues of
-        one topic on one broker one after the other.
+        """Send the offsets of ``mqs``, a topic's queues on one broker one after the other
+        (see :func:`write_topic_by_topic`), the rest side by side."""
+        async def one(mq: MessageQueue) -> None:
+            # Each queue's offset is read when its turn comes (and again by _send once its
+            # broker's address is known): meanwhile the pull loop may have frozen the queue
+            # at the offset the broker corrected (OFFSET_ILLEGAL, an admin's reset) and
+            # persisted that, or given the queue up. An older value sent after that would
+            # undo it.
+            offset = self._table.get(mq)
+            if offset is None or offset < 0:
+                return
+            if oneway and self._persisted.get(mq) == (self._write_addr(mq), offset):
+                return
+            await self._send(mq, offset, oneway=oneway)
 
-        Not every queue at once: a 5.3.3 broker keeps a group's offsets of a topic in a map it
-        creates on the first write without a lock (``ConsumerOffsetManager.commitOffset``),
-        and of two first writes that meet there one is lost.
-        """
-        runs: dict[tuple[str, str], list[MessageQueue]] = {}
-        for mq in list(self._table):
-            if mq in mqs:
-                runs.setdefault((mq.broker_name, mq.topic), []).append(mq)
-
-        async def run(queues: list[MessageQueue]) -> None:
-            for mq in queues:
-                # Each queue's offset is read when its turn comes (and again by _send once its
-                # broker's address is known): meanwhile the pull loop may have frozen the queue
-                # at the offset the broker corrected (OFFSET_ILLEGAL, an admin's reset) and
-                # persisted that, or given the queue up. An older value sent after that would
-                # undo it.
-                offset = self._table.get(mq)
-                if offset is None or offset < 0:
-                    continue
-                if oneway and self._persisted.get(mq) == (self._write_addr(mq), offset):
-                    continue
-                await self._send(mq, offset, oneway=oneway)
-
-        await asyncio.gather(*(run(queues) for queues in runs.values()))
+        await write_topic_by_topic([mq for mq in self._table if mq in mqs],
+                                   lambda mq: mq.broker_name, one)
 
     async def _send(self, mq: MessageQueue, offset: int, *, oneway: bool) -> None:
         try:

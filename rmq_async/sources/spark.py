@@ -157,6 +157,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from rmq_async.client.instance import ClientInstance
+from rmq_async.consumer.offset_store import write_topic_by_topic
 from rmq_async.protocol.types import MessageExt, MessageQueue
 from rmq_async.sinks._arrow import ARROW_SCHEMA, messages_to_arrow
 from rmq_async.sinks.spark import SPARK_SCHEMA
@@ -542,18 +543,8 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if unannounced:
                 self._group_announced |= await announce_group(
                     self.opts, group, unannounced, {mq.topic for mq in offsets})
-            # One topic's queues on one broker one after the other: a 5.3.3 broker loses one
-            # of two first writes of a group's topic that meet (its offset map is created
-            # without a lock); other topics and brokers side by side.
-            runs: dict[tuple[str, str], list[MessageQueue]] = {}
-            for mq, addr in addrs.items():
-                runs.setdefault((addr, mq.topic), []).append(mq)
-
-            async def run(addr: str, queues: list[MessageQueue]) -> None:
-                for mq in queues:
-                    await write(mq, addr)
-
-            await asyncio.gather(*(run(addr, queues) for (addr, _), queues in runs.items()))
+            await write_topic_by_topic(addrs, addrs.__getitem__,
+                                       lambda mq: write(mq, addrs[mq]))
 
         try:
             self._run(work)
