@@ -391,30 +391,27 @@ class OrderlyConsumeService:
                     held.locked = False
 
     async def unlock(self, mq: MessageQueue, *, oneway: bool = False) -> None:
-        rt = self._rt
-        try:
-            addr = await rt.instance.find_broker_master(mq.broker_name, mq.topic)
-            await rt.instance.api.unlock_batch_mq(addr, rt.group, rt.client_id, [mq], oneway=oneway)
-        except (MQClientError, RemotingError, ProtocolError) as exc:
-            log.warning("orderly.unlock_failed", queue=str(mq), error=str(exc))
+        await self._unlock_on(mq.broker_name, [mq], oneway=oneway)
 
     async def unlock_all(self, mqs: list[MessageQueue]) -> None:
         """Give the locks of ``mqs`` back: one request per broker, all at once (Java
         ``unlockAll`` on shutdown, one broker after the other)."""
-        rt = self._rt
         by_broker: dict[str, list[MessageQueue]] = {}
         for mq in mqs:
             by_broker.setdefault(mq.broker_name, []).append(mq)
+        await asyncio.gather(*(self._unlock_on(b, q) for b, q in by_broker.items()))
 
-        async def one(broker: str, queues: list[MessageQueue]) -> None:
-            try:
-                addr = await rt.instance.find_broker_master(broker, queues[0].topic)
-                await rt.instance.api.unlock_batch_mq(addr, rt.group, rt.client_id, queues)
-            except (MQClientError, RemotingError, ProtocolError) as exc:
-                log.warning("orderly.unlock_failed", broker=broker,
-                            queues=[str(mq) for mq in queues], error=str(exc))
-
-        await asyncio.gather(*(one(b, q) for b, q in by_broker.items()))
+    async def _unlock_on(self, broker: str, mqs: list[MessageQueue], *,
+                         oneway: bool = False) -> None:
+        """UNLOCK_BATCH_MQ of ``mqs`` (all of ``broker``) on its master; failures are logged."""
+        rt = self._rt
+        try:
+            addr = await rt.instance.find_broker_master(broker, mqs[0].topic)
+            await rt.instance.api.unlock_batch_mq(addr, rt.group, rt.client_id, mqs,
+                                                  oneway=oneway)
+        except (MQClientError, RemotingError, ProtocolError) as exc:
+            log.warning("orderly.unlock_failed", broker=broker,
+                        queues=[str(mq) for mq in mqs], error=str(exc))
 
     async def _lock_renewal_loop(self) -> None:
         while True:
