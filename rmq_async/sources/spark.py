@@ -90,10 +90,10 @@ Options (names are case-insensitive)
     ``-1`` for latest; queues left out start at earliest. Batch default: ``earliest``. In a
     stream it applies only to a new query (a restarted one continues from its checkpoint);
     queues that appear later are read from their first offset. A stream's ``latest`` (and a
-    JSON ``-1``) is where the queues are when its first micro-batch is planned: the checkpoint keeps the start
-    offset ``{"@latest": true}`` and batch 0's end carries the offsets it resolved to (under
-    ``"@start"``), so Spark's repeated questions about the start, and a restart before batch
-    0 was committed, all plan the same range.
+    JSON ``-1``) is where the queues are when its first micro-batch is planned: the
+    checkpoint keeps the start offset ``{"@latest": true}`` and batch 0's end carries the
+    offsets it resolved to (under ``"@start"``), so Spark's repeated questions about the
+    start, and a restart before batch 0 was committed, all plan the same range.
 ``startingTimestamp``
     The same as a timestamp in ``startingOffsets`` (the Kafka source's name).
 ``endingOffsets`` / ``endingTimestamp`` (batch only)
@@ -396,10 +396,13 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         client = self._client
         return self._runner.run(work(client))
 
-    async def _latest(self, client: ClientInstance) -> dict[MessageQueue, int]:
+    async def _live_bounds(self, client: ClientInstance) -> dict[MessageQueue, tuple[int, int]]:
         bounds = await _bounds(client, self.opts)
         self._lows = {mq: low for mq, (low, _) in bounds.items()}
-        return {mq: high for mq, (_, high) in bounds.items()}
+        return bounds
+
+    async def _latest(self, client: ClientInstance) -> dict[MessageQueue, int]:
+        return {mq: high for mq, (_, high) in (await self._live_bounds(client)).items()}
 
     def initialOffset(self) -> dict[str, Any]:
         # Spark asks for a new query's start more than once (to plan batch 0's end, then to
@@ -435,8 +438,7 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # queues are now.
             async def work(client: ClientInstance) -> tuple[dict[MessageQueue, int],
                                                             dict[MessageQueue, int]]:
-                bounds = await _bounds(client, self.opts)
-                self._lows = {mq: low for mq, (low, _) in bounds.items()}
+                bounds = await self._live_bounds(client)
                 first = await resolve_offsets(client, self.opts.starting, bounds,
                                               default=EARLIEST)
                 return {mq: high for mq, (_, high) in bounds.items()}, first
