@@ -343,8 +343,9 @@ def side() -> Iterator[SinkSide]:
     yield SinkSide()
 
 
-def attach(side: SinkSide, queues: int = 4) -> tuple[FakeSink, dict[int, MessageQueue]]:
-    sink = FakeSink()
+def attach(side: SinkSide, queues: int = 4,
+           sink: FakeSink | None = None) -> tuple[FakeSink, dict[int, MessageQueue]]:
+    sink = sink if sink is not None else FakeSink()
     side.consumer.subscribe("orders", sink=sink)  # type: ignore[arg-type]
     mqs = {}
     for q in range(queues):
@@ -597,11 +598,8 @@ async def test_a_sink_whose_offer_takes_two_arguments_gets_its_chunk_again(
                   ack: Callable[[bool], None]) -> None:
             self.offers.append((batch, ack))
 
-    sink = TwoArgSink()
-    side.consumer.subscribe("orders", sink=sink)  # type: ignore[arg-type]
-    mq = MessageQueue("orders", "broker-a", 0)
-    side.consumer.process_queues[mq] = ProcessQueue()
-    rebalanced(side, "orders")
+    sink, mqs = attach(side, queues=1, sink=TwoArgSink())
+    mq = mqs[0]
     monkeypatch.setattr(sink_service_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
 
     async def refuse(msg: MessageExt, delay_level: int) -> bool:
@@ -631,11 +629,8 @@ async def test_a_sink_whose_offer_raises_gets_the_chunk_again_and_the_pull_goes_
                 raise KeyError("a bug in the sink")
             super().offer(batch, ack, redelivered=redelivered)
 
-    sink = FlakySink()
-    side.consumer.subscribe("orders", sink=sink)  # type: ignore[arg-type]
-    mq = MessageQueue("orders", "broker-a", 0)
-    side.consumer.process_queues[mq] = ProcessQueue()
-    rebalanced(side, "orders")
+    sink, mqs = attach(side, queues=1, sink=FlakySink())
+    mq = mqs[0]
     monkeypatch.setattr(sink_service_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
     from structlog.testing import capture_logs
 

@@ -80,6 +80,13 @@ async def test_an_idle_broadcast_queue_keeps_its_place_in_the_offsets_file(
     assert await ConsumerRuntime.compute_pull_from_where(rt2, MQ) == 100
 
 
+class _IllegalOffsetPull(PullService):
+    """A pull service whose every pull is answered OFFSET_ILLEGAL, next offset 500."""
+
+    async def _send(self, req: PullRequest, offset: int) -> Any:
+        return _answer(PullStatus.OFFSET_ILLEGAL, 500)
+
+
 class _SlowStore:
     def __init__(self) -> None:
         self.table: dict[MessageQueue, int] = {}
@@ -110,11 +117,7 @@ async def test_a_pause_during_an_offset_illegal_fix_does_not_strand_the_queue() 
     rt.offset_store = store = _SlowStore()
     woken: list[int] = []
 
-    class Pull(PullService):
-        async def _send(self, req: PullRequest, offset: int) -> Any:
-            return _answer(PullStatus.OFFSET_ILLEGAL, 500)
-
-    pull = Pull(rt, router([]), on_queue_forgotten=lambda: woken.append(1))
+    pull = _IllegalOffsetPull(rt, router([]), on_queue_forgotten=lambda: woken.append(1))
     pull.start_queue(PullRequest(MQ, pq, 0))
     try:
         async with asyncio.timeout(5):
@@ -143,11 +146,7 @@ async def test_an_offsets_file_error_during_an_offset_illegal_fix_does_not_stran
     _ready_to_take_queues(rt)
     rt.offset_store = LocalFileOffsetStore(blocker, "cid", "G")
 
-    class Pull(PullService):
-        async def _send(self, req: PullRequest, offset: int) -> Any:
-            return _answer(PullStatus.OFFSET_ILLEGAL, 500)
-
-    pull = Pull(rt, router([]), on_queue_forgotten=lambda: None)
+    pull = _IllegalOffsetPull(rt, router([]), on_queue_forgotten=lambda: None)
     with capture_logs() as logs:
         pull.start_queue(PullRequest(MQ, pq, 0))
         try:
@@ -176,11 +175,7 @@ async def test_a_failed_persist_of_an_offset_illegal_fix_still_forgets_the_queue
     rt.offset_store = FailingStore()
     woken: list[int] = []
 
-    class Pull(PullService):
-        async def _send(self, req: PullRequest, offset: int) -> Any:
-            return _answer(PullStatus.OFFSET_ILLEGAL, 500)
-
-    pull = Pull(rt, router([]), on_queue_forgotten=lambda: woken.append(1))
+    pull = _IllegalOffsetPull(rt, router([]), on_queue_forgotten=lambda: woken.append(1))
     with capture_logs() as logs:
         pull.start_queue(PullRequest(MQ, pq, 0))
         try:
