@@ -51,6 +51,7 @@ __all__ = [
     "LATEST",
     "DataLossError",
     "announce_group",
+    "first_stored_since",
     "Position",
     "SourceError",
     "SourceOptions",
@@ -480,24 +481,94 @@ async def queue_bounds(client: ClientInstance,
     return dict(zip(queues, bounds, strict=True))
 
 
+async def first_stored_since(client: ClientInstance, mq: MessageQueue, timestamp_ms: int,
+                             low: int, high: int, *, group: str = DEFAULT_GROUP,
+                             timeout: float = 10.0) -> int:
+    """The offset of the first message of ``mq`` stored at or after ``timestamp_ms``.
+
+    ``high`` (the queue's max offset) when every message in ``[low, high)`` was stored before
+    it. The broker's SEARCH_OFFSET_BY_TIMESTAMP answer is the starting point. A 5.x broker
+    answers exactly that; a 4.x broker answers the stored message *nearest* to the time,
+    which can be the one before it, any one of several stored in the same millisecond (a
+    batch shares its store time), or the last message when the time is after all of them.
+    So the answer is checked against the store times of the messages around it (one pull of
+    two messages when it is right) and moved to the first one at or after the time by a
+    galloping search of single-message pulls. Store times only grow along a queue.
+    """
+    if low >= high:
+        return high  # nothing stored
+    addr = await client.find_broker_master(mq.broker_name, mq.topic)
+    api = client.api
+    sub = build_subscription(mq.topic, "*", sub_version=0)
+
+    async def stamps(at: int, n: int) -> dict[int, int]:
+        result = await api.pull_message(addr, group=group, mq=mq, queue_offset=at,
+                                        max_msg_nums=n, suspend_timeout=0.0, timeout=timeout,
+                                        subscription=sub)
+        if result.status is not PullStatus.FOUND:
+            return {}
+        return {m.queue_offset: m.store_timestamp for m in result.decode()}
+
+    async def since(at: int) -> bool | None:
+        """Is the message at ``at`` stored at or after the time (None: the broker has none)?"""
+        if at >= high:
+            return True
+        got = await stamps(at, 1)
+        if not got:
+            return None
+        return got[min(got)] >= timestamp_ms
+
+    async def first_since(before: int, since_at: int) -> int:
+        """The first offset in ``(before, since_at]`` stored at or after the time, given
+        ``before`` is not and ``since_at`` is (or is ``high``)."""
+        while since_at - before > 1:
+            mid = (before + since_at) // 2
+            if await since(mid):
+                since_at = mid
+            else:
+                before = mid
+        return since_at
+
+    found = min(max(await api.search_offset(addr, mq, timestamp_ms), low), high)
+    around = await stamps(found - 1, 2) if found > low else await stamps(found, 1)
+    if found < high and found in around and around[found] < timestamp_ms:
+        # Stored before the time: the first one at or after it lies above.
+        step, before = 1, found
+        while True:
+            probe = min(before + step, high)
+            if probe == high or await since(probe):
+                return await first_since(before, probe)
+            before, step = probe, step * 2
+    if found > low and around.get(found - 1, -1) >= timestamp_ms:
+        # The message before it was stored at or after the time too: the first lies below.
+        step, since_at = 1, found - 1
+        while since_at > low:
+            probe = max(since_at - step, low)
+            if await since(probe) is False:
+                return await first_since(probe, since_at)
+            since_at, step = probe, step * 2
+        return low
+    return found
+
+
 async def resolve_offsets(client: ClientInstance, position: Position,
                           bounds: Mapping[MessageQueue, tuple[int, int]], *,
-                          default: int) -> dict[MessageQueue, int]:
+                          default: int, group: str = DEFAULT_GROUP,
+                          timeout: float = 10.0) -> dict[MessageQueue, int]:
     """One offset per queue of ``bounds`` for ``position``.
 
     ``default`` (:data:`EARLIEST` or :data:`LATEST`) is used for queues a JSON position leaves
     out. An offset beyond the queue's max is lowered to the max; an offset below its min is
-    kept (the read reports the loss).
+    kept (the read reports the loss). A timestamp resolves to the first message stored at or
+    after it (:func:`first_stored_since`, with pulls as ``group``).
     """
-    async def search(mq: MessageQueue, timestamp_ms: int) -> int:
-        addr = await client.find_broker_master(mq.broker_name, mq.topic)
-        return await client.api.search_offset(addr, mq, timestamp_ms)
-
     out: dict[MessageQueue, int] = {}
     if position.kind == "timestamp":
         assert position.timestamp_ms is not None
         stamp = position.timestamp_ms
-        found = await asyncio.gather(*(search(mq, stamp) for mq in bounds))
+        found = await asyncio.gather(*(
+            first_stored_since(client, mq, stamp, low, high, group=group, timeout=timeout)
+            for mq, (low, high) in bounds.items()))
         out = dict(zip(bounds, found, strict=True))
     else:
         for mq, (low, high) in bounds.items():

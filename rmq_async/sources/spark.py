@@ -84,8 +84,9 @@ Options (names are case-insensitive)
     ``enablePropertyFilter=true``) that the broker filters on; not both.
 ``startingOffsets``
     ``earliest``, ``latest`` (streams only, their default), a timestamp (epoch milliseconds or
-    ISO-8601, e.g. ``2026-11-23T16:00:00Z``: per queue, the broker's answer to
-    SEARCH_OFFSET_BY_TIMESTAMP, the first message stored at or after that time), or JSON per
+    ISO-8601, e.g. ``2026-11-23T16:00:00Z``: per queue, the first message stored at or after
+    that time; the broker's SEARCH_OFFSET_BY_TIMESTAMP answer, checked with a pull, and
+    corrected on a 4.x broker, which answers the nearest message), or JSON per
     queue: ``{"orders": {"broker-a:0": 1200, "broker-a:1": -2}}`` with ``-2`` for earliest and
     ``-1`` for latest; queues left out start at earliest. Batch default: ``earliest``. In a
     stream it applies only to a new query (a restarted one continues from its checkpoint);
@@ -333,8 +334,10 @@ class RocketMQBatchReader(DataSourceReader):
         opts = self.opts
         assert opts.ending is not None
         bounds = await _bounds(client, opts)
-        start = await resolve_offsets(client, opts.starting, bounds, default=EARLIEST)
-        end = await resolve_offsets(client, opts.ending, bounds, default=-1)
+        start = await resolve_offsets(client, opts.starting, bounds, default=EARLIEST,
+                                      group=opts.group, timeout=opts.api_timeout)
+        end = await resolve_offsets(client, opts.ending, bounds, default=-1,
+                                    group=opts.group, timeout=opts.api_timeout)
         past = sorted(mq for mq in end if start.get(mq, 0) > end[mq])
         if past:
             # Nothing to read is not what such options mean (the Kafka source fails too).
@@ -418,7 +421,8 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
         async def work(client: ClientInstance) -> dict[MessageQueue, int]:
             bounds = await _bounds(client, self.opts)
-            return await resolve_offsets(client, self.opts.starting, bounds, default=EARLIEST)
+            return await resolve_offsets(client, self.opts.starting, bounds, default=EARLIEST,
+                                         group=self.opts.group, timeout=self.opts.api_timeout)
 
         offsets = self._run(work)
         log.info("spark_source.initial_offsets", offsets=offsets_to_json(offsets))

@@ -2,12 +2,14 @@
 
 Each scenario is a small version of a full-suite test (hundreds of messages, seconds each) and
 runs on every version of ``RMQ_COMPAT_VERSIONS`` (see conftest.py): delivery and commit, retry
-and DLQ, tags, orderly, broadcasting, reset offset by time, ACL.
+and DLQ, tags, orderly, broadcasting, reset offset by time, the Spark source's timestamp
+positions, ACL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import time
 from collections.abc import Callable
@@ -27,6 +29,7 @@ from rmq_async.consumer.options import Credentials
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.protocol.filter import java_string_hash
 from rmq_async.protocol.types import MessageQueue
+from rmq_async.sources.ranges import EARLIEST, Position, SourceOptions, open_client, resolve_offsets
 from tests.compat.conftest import ACL_ACCOUNT
 from tests.helpers import AdminClient, produce, simple_messages, unique, wait_until
 
@@ -294,6 +297,45 @@ async def test_reset_offset_by_time(compat_broker: LocalRocketMQ) -> None:
     for body, n in seen.items():
         per_batch[body[:2]].add(n)
     assert dict(per_batch) == {b"a_": {1}, b"b_": {2}}
+
+
+async def test_a_timestamp_position_is_the_first_message_stored_since(
+        compat_broker: LocalRocketMQ) -> None:
+    """The Spark source's startingTimestamp / endingTimestamp: the first message stored at or
+    after the time, whatever the broker's SEARCH_OFFSET_BY_TIMESTAMP answers (4.x: the nearest
+    message)."""
+    ns = compat_broker.namesrv_addr
+    topic = unique("T_cmp_time")
+    await compat_broker.create_topic(topic, queues=1)
+    for prefix, batch in (("a_", 1), ("b_", 20), ("c_", 1)):
+        # a: one message per send; b: one batch, which the broker stores in one millisecond
+        await produce(ns, topic, simple_messages(topic, 20, size=20, prefix=prefix),
+                      batch=batch, concurrency=1)
+        await asyncio.sleep(0.2)
+    opts = SourceOptions.parse({"namesrv": ns, "topics": topic}, streaming=False)
+    client = open_client(opts, "test")
+    try:
+        async with AdminClient(ns) as admin:
+            stored = sorted(await admin.read_all(topic), key=lambda m: m.queue_offset)
+            (mq,) = await admin.queues(topic)
+        assert [m.queue_offset for m in stored] == list(range(60))
+        times = [m.store_timestamp for m in stored]
+        addr = await client.find_broker_master(mq.broker_name, topic)
+        cases = {"inside the batch": times[30], "just after a": times[19] + 1,
+                 "just before c": times[40] - 1, "the first c": times[40],
+                 "before all": times[0] - 1000, "after all": times[-1] + 1000}
+        answers = {}
+        for name, stamp in cases.items():
+            expected = bisect.bisect_left(times, stamp)
+            answers[name] = await client.api.search_offset(addr, mq, stamp)
+            got = await resolve_offsets(client, Position("timestamp", timestamp_ms=stamp),
+                                        {mq: (0, 60)}, default=EARLIEST, group=unique("G_time"))
+            assert got == {mq: expected}, (name, stamp, answers[name], times)
+    finally:
+        await client.close()
+    if compat_broker.version.startswith("4."):
+        # What the correction is for: a 4.x broker answers the nearest message.
+        assert answers["just after a"] == 19 and answers["after all"] == 59, answers
 
 
 async def _signed_produce(rmq: LocalRocketMQ, topic: str, n: int) -> None:
