@@ -481,6 +481,11 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # share of the limit starts there, not at 0, where nothing is left to read.
             fill = {mq: begin.get(mq, self._lows.get(mq, 0)) for mq in latest}
             latest = limit_offsets(fill, latest, limit.max_rows)
+        if not resolved and latest == begin:
+            # Nothing new: the very offset Spark gave, so that it finds no new data. Batch 0's
+            # end of a "latest" start carries LATEST_START_KEY, and the same offsets without
+            # it would differ as text and run an empty micro-batch.
+            return start
         end: dict[str, Any] = dict(offsets_to_json(latest))
         if resolved:
             end[LATEST_START_KEY] = offsets_to_json(begin)

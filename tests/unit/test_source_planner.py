@@ -114,6 +114,27 @@ def test_a_stream_from_latest_reads_batch_zero_from_where_its_end_was_planned(
     assert first == 100 and _planned(plan0) + _planned(plan1) == list(range(first, last))
 
 
+def test_no_new_data_after_a_latest_start_is_the_same_offset_as_text(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spark finds new data when the end it is given differs from the start as JSON text:
+    batch 0's end carries ``"@start"``, and batch 1's end with the same queue offsets but
+    without it ran an empty micro-batch."""
+    async def bounds(client: Any, opts: SourceOptions) -> dict[MessageQueue, tuple[int, int]]:
+        return {A: (0, 100), B: (0, 50)}
+
+    monkeypatch.setattr(spark_source, "_bounds", bounds)
+    r = _stream()
+    end0 = r.latestOffset(r.initialOffset(), ReadAllAvailable())
+    assert spark_source.LATEST_START_KEY in end0
+    end1 = r.latestOffset(json.loads(json.dumps(end0)), ReadAllAvailable())
+    assert json.dumps(end1) == json.dumps(end0)
+    # And a stream from plain offsets: nothing new is the start again, something new is not.
+    end2 = r.latestOffset(offsets_to_json({A: 100, B: 50}), ReadAllAvailable())
+    assert json.dumps(end2) == json.dumps(offsets_to_json({A: 100, B: 50}))
+    assert offsets_from_json(r.latestOffset(offsets_to_json({A: 90, B: 50}),
+                                            ReadAllAvailable())) == {A: 100, B: 50}
+
+
 def test_a_restart_before_batch_zero_was_committed_plans_it_again_the_same(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The offset log holds batch 0's end, the commit log nothing: the restarted query asks
