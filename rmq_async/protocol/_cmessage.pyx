@@ -30,6 +30,7 @@ from cpython.bytes cimport (
 from cpython.dict cimport PyDict_Copy, PyDict_Update
 from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsLongLong
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
 from cpython.unicode cimport (
     PyUnicode_DATA,
@@ -393,14 +394,15 @@ cdef _unwrap_batch(object outer, list out):
 
 def stamp_delivered(list msgs not None, str broker_name not None, dict values not None):
     """Compiled ``_stamp_delivered``: the same, writing the slots directly."""
-    cdef Py_ssize_t i, n = PyList_GET_SIZE(msgs)
+    cdef Py_ssize_t i = 0
     cdef object msg
-    for i in range(n):
+    while i < PyList_GET_SIZE(msgs):  # read each time: other types run code of their own
         msg = <object> PyList_GET_ITEM(msgs, i)
         if type(msg) is _message_type:
             _put(msg, S_BROKER_NAME, broker_name)
         else:
             msg.broker_name = broker_name
+        i += 1
     _put_each(msgs, values)
 
 
@@ -414,10 +416,13 @@ cdef _put_each(list msgs, dict values):
     # messages that shared a pending dict, not a copy per message (each one an allocation
     # that also counts towards the next garbage collection). Pending dicts may be shared, so
     # they are replaced, never changed in place.
-    cdef Py_ssize_t i, n = PyList_GET_SIZE(msgs)
+    cdef Py_ssize_t i = -1
     cdef object msg, props, pending, merged
     cdef object fresh = None, last_old = None, last_new = None
-    for i in range(n):
+    while True:
+        i += 1
+        if i >= PyList_GET_SIZE(msgs):  # read each time: other types run code of their own
+            break
         msg = <object> PyList_GET_ITEM(msgs, i)
         if type(msg) is not _message_type:
             msg.put_properties(values)
@@ -815,30 +820,15 @@ cdef int _str_pair(object name, object value, list refs, Entry *out) except -1:
     return 0
 
 
-cdef int _set_pairs(dict pairs, Py_ssize_t first, Entries *entries, list refs) except -1:
-    # ``dict.update`` of the entries from ``first`` on with ``pairs``: a name already there takes
-    # the new value in its place, a new name goes last.
-    cdef Py_ssize_t i
-    cdef Entry pair
-    cdef bint found
-    for name, value in pairs.items():
-        _str_pair(name, value, refs, &pair)
-        found = False
-        for i in range(first, entries.size):
-            if _span_is(entries.items[i].name, pair.name.p, pair.name.n):
-                entries.items[i].value = pair.value
-                found = True
-                break
-        if not found and _entries_push(entries, pair.name.p, pair.name.n, pair.value.p,
-                                       pair.value.n) < 0:
-            raise MemoryError()
-    return 0
-
-
 cdef int _put_dict(dict props, Row *row, Entries *entries, list refs) except -1:
-    # The row's pairs are those of ``props``, appended to the entries.
+    # The row's pairs are those of ``props``, appended to the entries. A dict's names are
+    # unique, so none is looked up (a record may carry thousands of pairs).
+    cdef Entry pair
     row.first_entry = entries.size
-    _set_pairs(props, row.first_entry, entries, refs)
+    for name, value in props.items():
+        _str_pair(name, value, refs, &pair)
+        if _entries_push(entries, pair.name.p, pair.name.n, pair.value.p, pair.value.n) < 0:
+            raise MemoryError()
     row.n_entries = entries.size - row.first_entry
     row.props_state = PROPS_READY
     return 0
@@ -948,15 +938,19 @@ cdef inline char *_buf(bytearray b) noexcept:
     return PyByteArray_AS_STRING(b)
 
 
-cdef char *_writable(object buf) except NULL:
+cdef char *_writable(object buf, Py_ssize_t size) except NULL:
     # The memory of a writable buffer the caller's allocator returned (kept alive by ``buf``).
     cdef Py_buffer view
     cdef char *p
+    cdef Py_ssize_t length
     PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
     p = <char *> view.buf
+    length = view.len
     PyBuffer_Release(&view)
     if p == NULL:
         raise MemoryError("the allocator returned a buffer without memory")
+    if length < size:
+        raise ValueError(f"the allocator returned {length} bytes for {size}")
     return p
 
 
@@ -1088,7 +1082,7 @@ cdef object _columns(Row *rows, Py_ssize_t n, Entries *e_in, object alloc):
     c_keys_off, c_tok_off, c_tok = <int32_t *> _buf(keys_off), <int32_t *> _buf(tok_off), \
         _buf(tok_data)
     c_body_off = <int32_t *> _buf(body_off)
-    c_body = _buf(body_data) if type(body_data) is bytearray else _writable(body_data)
+    c_body = _buf(body_data) if type(body_data) is bytearray else _writable(body_data, z.body)
     c_props_off = <int32_t *> _buf(props_off)
     c_names_off, c_names = <int32_t *> _buf(names_off), _buf(names_data)
     c_values_off, c_values = <int32_t *> _buf(values_off), _buf(values_data)
@@ -1188,7 +1182,10 @@ def message_columns(list msgs not None):
     as (map offsets, name offsets, name data, value offsets, value data); plus the counts
     ``rows``, ``key_tokens``, ``entries`` and ``tags_null``.
     """
-    cdef Py_ssize_t n = PyList_GET_SIZE(msgs), r, i, t
+    # A snapshot: the rows point into the messages' values, and the list may change (another
+    # thread) while the rows are split without the GIL.
+    cdef tuple items = tuple(msgs)
+    cdef Py_ssize_t n = len(items), r, i, t
     cdef Row *rows = NULL
     cdef Entries entries, pend
     cdef list refs = []
@@ -1204,10 +1201,10 @@ def message_columns(list msgs not None):
     try:
         try:
             for r in range(n):
-                _read_row(msgs[r], &rows[r], refs)
+                _read_row(items[r], &rows[r], refs)
                 if rows[r].props_state == PROPS_RAW_PENDING:
                     # The messages of one pull share their pending dict: its pairs are read once.
-                    pending = _get(msgs[r], S_PROPS_PENDING)
+                    pending = _get(items[r], S_PROPS_PENDING)
                     if pending is not last_pending:
                         _pending_entries(<dict> pending, &pend, refs, &rows[r])
                         last_pending = pending
@@ -1222,7 +1219,7 @@ def message_columns(list msgs not None):
         try:
             for r in range(n):
                 if rows[r].props_state == PROPS_FROM_DICT:
-                    _pairs_from_dict(msgs[r], &rows[r], &entries, refs)
+                    _pairs_from_dict(items[r], &rows[r], &entries, refs)
         except (TypeError, UnicodeError):
             return None
         return _columns(rows, n, &entries, None)
@@ -1309,8 +1306,9 @@ def scan_records(bytes data not None, bytes topic not None):
 
 cdef int _read_records(bytes data, object broker, object pending, Row *rows, Py_ssize_t start,
                        Py_ssize_t limit, list refs) except -1:
-    # Fills rows[start:] from the records of ``data`` (checked by ``scan_records``); returns
-    # how many, or raises ValueError when they would not fit.
+    # Fills rows[start:] from the records of ``data`` (accepted by ``scan_records``); returns
+    # how many, or raises ValueError when they would not fit or a record is not well formed
+    # (its lengths are checked again here, as the caller's word is all this has).
     cdef const unsigned char *buf = <const unsigned char *> PyBytes_AS_STRING(data)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(data), pos = 0, p, r = start
     cdef int32_t total, magic, body_len, topic_len
@@ -1324,9 +1322,14 @@ cdef int _read_records(bytes data, object broker, object pending, Row *rows, Py_
     while pos < n:
         if r >= limit:
             raise ValueError("more records than counted")
+        if n - pos < MIN_RECORD:
+            raise ValueError("truncated record")
         row = &rows[r]
         total = _i32(buf + pos)
         magic = _i32(buf + pos + 4)
+        if total < MIN_RECORD or total > n - pos or (magic != MAGIC_V1 and magic != MAGIC_V2) \
+                or _i32(buf + pos + 36) & (BORNHOST_V6 | STOREHOST_V6 | COMPRESSED | UNWRAP_BOTH):
+            raise ValueError("not a record scan_records accepts")
         row.queue_id = _i32(buf + pos + 12)
         row.queue_offset = _i64(buf + pos + 20)
         row.oid_offset = _i64(buf + pos + 28)
@@ -1337,6 +1340,8 @@ cdef int _read_records(bytes data, object broker, object pending, Row *rows, Py_
         row.reconsume = _i32(buf + pos + 72)
         body_len = _i32(buf + pos + 84)
         p = pos + 88
+        if body_len < 0 or body_len > pos + total - p - (3 if magic == MAGIC_V1 else 4):
+            raise ValueError("a body length past its record")
         row.body.p = <const char *> buf + p
         row.body.n = body_len
         p += body_len
@@ -1346,9 +1351,13 @@ cdef int _read_records(bytes data, object broker, object pending, Row *rows, Py_
         else:
             topic_len = _i16(buf + p)
             p += 2
+        if topic_len < 0 or topic_len > pos + total - p - 2:
+            raise ValueError("a topic length past its record")
         row.topic.p = <const char *> buf + p
         row.topic.n = topic_len
         p += topic_len + 2
+        if _i16(buf + p - 2) != pos + total - p:
+            raise ValueError("a properties length other than its record's rest")
         row.props.p = <const char *> buf + p
         row.props.n = pos + total - p
         row.props_state = state
@@ -1383,7 +1392,10 @@ def record_columns(list chunks not None, Py_ssize_t rows_total, alloc=None):
     cdef Row *rows = NULL
     cdef Entries entries, pend
     cdef list refs = []
+    cdef list pendings = []
     cdef int failed = 0
+    if n < 0 or <size_t> n > (<size_t> PY_SSIZE_T_MAX) // sizeof(Row):
+        return None
     entries.items = pend.items = NULL
     entries.size = pend.size = 0
     entries.cap = pend.cap = 0
@@ -1393,12 +1405,13 @@ def record_columns(list chunks not None, Py_ssize_t rows_total, alloc=None):
     try:
         starts = []
         try:
-            for item in chunks:
+            for item in tuple(chunks):
                 data, broker, pending = item
                 if not (PyBytes_CheckExact(data) and PyUnicode_CheckExact(broker)
                         and (pending is None or type(pending) is dict)):
                     return None
                 starts.append(k)
+                pendings.append(pending)
                 start = k
                 k += _read_records(data, broker, pending, rows, k, n, refs)
                 if pending is not None and k > start:
@@ -1421,7 +1434,7 @@ def record_columns(list chunks not None, Py_ssize_t rows_total, alloc=None):
                 while c + 1 < len(starts) and r >= starts[c + 1]:
                     c += 1
                 if rows[r].props_state == PROPS_FROM_DICT:
-                    pending = chunks[c][2]
+                    pending = pendings[c]
                     props = _parse_text(PyUnicode_DecodeUTF8(rows[r].props.p, rows[r].props.n,
                                                              b"replace"))
                     if pending is not None:
@@ -1525,6 +1538,8 @@ cdef Py_ssize_t _json_number(const unsigned char *p, Py_ssize_t i, Py_ssize_t n,
         i += 1
     if i == start or (p[start] == 48 and i - start > 1):
         return -1  # no digits, or a leading zero (not JSON)
+    if i - start > 4300:
+        return -1  # json.loads refuses it (Python's limit on int digits)
     if i < n and (p[i] == 46 or p[i] == 101 or p[i] == 69):  # . e E
         return -1
     value[0] = -v if negative else v
