@@ -435,7 +435,9 @@ class ConsumerOptions:
     consume_from_where: ConsumeFromWhere = ConsumeFromWhere.LAST_OFFSET
     consume_timestamp: datetime = field(default_factory=_default_consume_timestamp)
     """Where CONSUME_FROM_TIMESTAMP starts. A naive ``datetime`` is local time (as Java reads its
-    string); Java's ``"yyyyMMddHHmmss"`` string is accepted and converted. Default: 30 min ago."""
+    string); Java's ``"yyyyMMddHHmmss"`` string is accepted and converted. Default: 30 min ago.
+    The start is the broker's SEARCH_OFFSET_BY_TIMESTAMP answer, as in Java: on 5.x the first
+    message stored at or after the time, on 4.x the message stored nearest to it."""
     allocate_strategy: AllocateStrategy = field(default_factory=AllocateAveragely)
 
     # -- pulling
