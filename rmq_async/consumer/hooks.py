@@ -63,6 +63,12 @@ class RebalanceListener(Protocol):
     def on_revoked(self, queues: frozenset[MessageQueue]) -> Any: ...
 
 
+def _cancelling() -> bool:
+    """Is the running task being cancelled (rather than a hook raising CancelledError)?"""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
@@ -119,6 +125,14 @@ class RebalanceHooks:
             try:
                 if not await self._within(deadline, group, which, hook, queues):
                     continue
+            except asyncio.CancelledError as exc:
+                if _cancelling():
+                    raise
+                # The listener's own (it awaited a task it had cancelled, say): a failure of
+                # the listener like any other, not the end of the rebalance or of stop().
+                log.error("consumer.rebalance_listener_failed", group=group, hook=which,
+                          listener=_name(hook), queues=sorted(str(q) for q in queues),
+                          error="CancelledError raised by the listener", exc_info=exc)
             except Exception as exc:  # a listener never breaks the rebalance
                 log.error("consumer.rebalance_listener_failed", group=group, hook=which,
                           listener=_name(hook), queues=sorted(str(q) for q in queues),
@@ -139,6 +153,11 @@ class RebalanceHooks:
         for hook in list(self.shutdown):
             try:
                 await self._within(deadline, group, "shutdown", hook)
+            except asyncio.CancelledError as exc:
+                if _cancelling():
+                    raise
+                log.error("consumer.shutdown_hook_failed", group=group, hook=_name(hook),
+                          error="CancelledError raised by the hook", exc_info=exc)
             except Exception as exc:
                 log.error("consumer.shutdown_hook_failed", group=group, hook=_name(hook),
                           error=f"{type(exc).__name__}: {exc}", exc_info=exc)

@@ -85,6 +85,48 @@ async def test_failing_rebalance_listener_is_logged_and_the_next_still_runs() ->
     assert failed[0]["queues"] == [str(Q0)] and "listener bug" in failed[0]["error"]
 
 
+@pytest.mark.parametrize("with_deadline", [False, True])  # a rebalance round; stop()
+async def test_a_listener_raising_cancelled_error_is_a_failed_listener(
+        with_deadline: bool) -> None:
+    """A listener that awaits a task it cancelled raises CancelledError of its own: it left
+    the hook runner, which ended the rebalance loop for good or cut stop() short before the
+    offsets were persisted. The running task is not being cancelled, so it is the listener's
+    failure; a real cancellation of the runner still propagates."""
+    hooks = RebalanceHooks()
+    ran: list[str] = []
+
+    async def careless(queues: frozenset[MessageQueue]) -> None:
+        worker = asyncio.get_running_loop().create_task(asyncio.sleep(10))
+        await asyncio.sleep(0)
+        worker.cancel()
+        ran.append("careless")
+        await worker
+
+    async def after(queues: frozenset[MessageQueue]) -> None:
+        ran.append("after")
+
+    hooks.revoked += [careless, after]
+    hooks.shutdown.append(lambda: careless(frozenset()))
+    deadline = asyncio.get_running_loop().time() + 5 if with_deadline else None
+    with capture_logs() as logs:
+        await hooks.fire_revoked("g", [Q0], deadline=deadline)
+        await hooks.run_shutdown("g", deadline=deadline)
+    assert ran == ["careless", "after", "careless"]
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == [
+        "consumer.rebalance_listener_failed", "consumer.shutdown_hook_failed"]
+
+    async def slow(queues: frozenset[MessageQueue]) -> None:
+        await asyncio.sleep(10)
+
+    hooks.revoked[:] = [slow]
+    runner = asyncio.get_running_loop().create_task(
+        hooks.fire_revoked("g", [Q0], deadline=deadline))
+    await asyncio.sleep(0.05)
+    runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+
+
 async def test_startup_failure_propagates_shutdown_failure_is_logged() -> None:
     hooks = RebalanceHooks()
     order: list[str] = []
