@@ -105,10 +105,12 @@ class TracingMiddleware:
         return attrs
 
     async def __call__(self, call: ConsumeCall, call_next: CallNext) -> None:
-        parent: Context | None = None
+        # A message without a producer's trace context starts a trace of its own: not a child
+        # of whatever span was current when the consumer's tasks were started.
+        parent: Context = Context()
         links: list[Link] = []
         if len(call.messages) == 1:
-            parent = _producer_context(call.messages[0].properties)
+            parent = _producer_context(call.messages[0].properties) or parent
         else:
             for m in call.messages[:MAX_LINKS]:
                 produced = _producer_context(m.properties)

@@ -379,6 +379,37 @@ async def test_a_call_that_left_dead_letters_is_an_error_span() -> None:
     assert dict(span.attributes or {})["error.type"] == "DeadLetter"
 
 
+async def test_a_message_without_trace_context_starts_a_trace_of_its_own() -> None:
+    """The consumer's tasks are started in whatever context ``start()`` ran in: a span current
+    then (an app's startup span) became the parent of every later consume span without a
+    producer's context, one message or a batch."""
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+
+    mw, exporter = _tracing()
+    app = TracerProvider().get_tracer("app")
+    with app.start_as_current_span("app startup") as startup:
+        started_in = otel_context.get_current()  # what the worker tasks copy at start()
+
+    async def call_next(call: Any) -> None:
+        pass
+
+    async def worker() -> None:
+        await mw(_call("G", "orders", Q0, [MessageExt(topic="orders", body=b"x")]), call_next)
+        batch = [MessageExt(topic="orders", body=b"x", queue_offset=i) for i in range(2)]
+        await mw(_call("G", "orders", Q0, batch), call_next)
+
+    token = otel_context.attach(started_in)
+    try:
+        await asyncio.get_running_loop().create_task(worker())
+    finally:
+        otel_context.detach(token)
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 2 and trace.get_current_span().is_recording() is False
+    assert all(s.parent is None for s in spans)
+    assert all(s.context.trace_id != startup.get_span_context().trace_id for s in spans)
+
+
 async def test_the_producers_trace_context_is_the_parent_or_a_link() -> None:
     """A message carrying W3C trace context (as an instrumented producer writes it into the
     properties) is processed in a child span of the producer's; a batch links to each."""
