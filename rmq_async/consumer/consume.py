@@ -345,13 +345,16 @@ class ConcurrentConsumeService:
             # The cleaner already sent back what it found expired: not twice.
             failed = [(m, level) for m, level in failed if pq.contains(m)]
             dead = [(m, reason) for m, reason in dead if pq.contains(m)]
-        rt.stats.record_consume(handled[0].topic if handled else req.mq.topic,
-                               len(handled) - n_failed - req.skipped, n_failed, elapsed,
-                               calls=calls)
+        topic = handled[0].topic if handled else req.mq.topic
         if pq.dropped:
-            # Rebalance took the queue away meanwhile: this result commits nothing.
+            # Rebalance took the queue away meanwhile: this result commits nothing, and its
+            # messages come again, so only the calls' time is recorded (Java: the consume RT,
+            # no OK or failed counts).
+            rt.stats.record_consume(topic, 0, 0, elapsed, calls=calls)
             log.debug("consume.result_for_dropped_queue", queue=str(req.mq), count=len(handled))
             return
+        rt.stats.record_consume(topic, len(handled) - n_failed - req.skipped, n_failed, elapsed,
+                                calls=calls)
         to_remove = handled
         if failed or dead:
             if self._opts.message_model == MessageModel.BROADCASTING:

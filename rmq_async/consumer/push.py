@@ -573,7 +573,9 @@ class PushConsumer:
         For each topic: ``pullRT`` / ``consumeRT`` (average milliseconds per pull / listener
         call over the last minute), ``pullTPS`` / ``consumeOKTPS`` / ``consumeFailedTPS``
         (messages per second over the last minute) and ``consumeFailedMsgs`` (failed messages
-        in the last hour) — the figures ``mqadmin consumerStatus`` shows — and ``errors``:
+        in the last hour) — the figures ``mqadmin consumerStatus`` shows (a retried message's
+        consume figures count under its own topic, where Java's count under
+        ``%RETRY%<group>``) — and ``errors``:
         the :class:`~rmq_async.consumer.events.ConsumerError` events reported for the topic
         since the consumer was created, by kind.
         """

@@ -241,13 +241,14 @@ class SinkConsumeService:
                 *, stored: bool = True) -> None:
         """``msgs`` are stored (or handed back): forget them, move the in-memory offset."""
         rt = self._rt
+        if pq.dropped:
+            # Rebalance took the queue away meanwhile: this result commits nothing (and its
+            # messages come again: not counted).
+            return
         if stored:
             topic = (mq.topic if isinstance(msgs, StoredChunk)
                      else rt.subscriptions.origin_topic(mq.topic, msgs))
-            rt.stats.record_consume(topic, len(msgs), 0, 0.0)
-        if pq.dropped:
-            # Rebalance took the queue away meanwhile: this result commits nothing.
-            return
+            rt.stats.record_consume(topic, len(msgs), 0, 0.0, calls=0)
         offset = (pq.remove_chunk(msgs) if isinstance(msgs, StoredChunk)
                   else pq.remove_messages(msgs))
         if offset >= 0 and not pq.dropped:
@@ -257,10 +258,10 @@ class SinkConsumeService:
                       mq: MessageQueue) -> None:
         """A chunk the sink could not write: hand it back to the broker, or offer it again."""
         rt = self._rt
+        if pq.dropped:
+            return  # its messages come again: not counted
         if isinstance(chunk, StoredChunk):
-            rt.stats.record_consume(mq.topic, 0, chunk.count, 0.0)
-            if pq.dropped:
-                return
+            rt.stats.record_consume(mq.topic, 0, chunk.count, 0.0, calls=0)
             # Its messages are handed back (and acknowledged) one by one from now on.
             msgs = chunk.messages()
             if not pq.unpack_chunk(chunk, msgs):
@@ -268,7 +269,7 @@ class SinkConsumeService:
         else:
             msgs = chunk
             rt.stats.record_consume(rt.subscriptions.origin_topic(mq.topic, msgs), 0, len(msgs),
-                                    0.0)
+                                    0.0, calls=0)
         if pq.dropped or not msgs:
             return
         not_sent = msgs

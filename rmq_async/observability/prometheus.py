@@ -31,7 +31,9 @@ Metrics (name, type, labels, meaning; per-queue labels are ``group``, ``topic``,
 ``rocketmq_consumer_messages_pulled_total`` (counter; group, topic)
     Messages found by pulls.
 ``rocketmq_consumer_consume_duration_seconds`` (histogram; group, topic)
-    Time of one listener call (sink writes are batched and not timed).
+    Time of the listener calls: the calls on one pulled chunk are timed together (one clock
+    read per chunk, not per call) and observed at their mean, so ``_sum`` and ``_count`` are
+    exact and the buckets hold per-chunk means (sink writes are batched and not timed).
 ``rocketmq_consumer_pull_duration_seconds`` (histogram; group, topic)
     Round trip of a pull that found messages.
 ``rocketmq_consumer_lag_messages`` (gauge; per queue)
@@ -47,8 +49,13 @@ Metrics (name, type, labels, meaning; per-queue labels are ``group``, ``topic``,
 ``rocketmq_consumer_healthy`` (gauge; group)
     1 while :meth:`PushConsumer.is_healthy`, else 0.
 
-Topics are the subscribed topics; retried messages count under their original topic, messages
-of the group's retry topic that were not reset to one under ``%RETRY%<group>``. The lag
+Topics are the subscribed topics. What happens to a message (consumed, failed, retried,
+dead-lettered, consume time) counts under its own topic, a retried one too (messages of the
+group's retry topic that could not be reset to one count under ``%RETRY%<group>``); what a
+pull finds counts under the pulled queue's topic, so a retry topic's pulls (whose messages may
+belong to several topics) count under ``%RETRY%<group>``. Java's consumer statistics count
+both under the queue's topic. A result that arrives after a rebalance took its queue away
+counts its time only: its messages come again. The lag
 gauges follow :meth:`PushConsumer.lag`, refreshed every ``persist_offset_interval``; a queue
 whose group has no committed offset yet has no lag sample.
 
@@ -147,7 +154,8 @@ class _Families:
         self.retried = counter("messages_retried", "Failed messages handed back for a retry.")
         self.dlq = counter("messages_dlq", "Failed messages handed back to the dead-letter queue.")
         self.pulled = counter("messages_pulled", "Messages found by pulls.")
-        self.consume_seconds = hist("consume_duration_seconds", "Time of one listener call.")
+        self.consume_seconds = hist("consume_duration_seconds",
+                                    "Time of the listener calls (per-chunk means).")
         self.pull_seconds = hist("pull_duration_seconds",
                                  "Round trip of a pull that found messages.")
         self.lag = gauge("lag_messages", "Broker max offset minus committed offset.",

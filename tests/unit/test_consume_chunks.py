@@ -105,6 +105,34 @@ async def test_one_removal_offset_update_and_stats_update_per_chunk() -> None:
     assert snap["consumeOKTPS"] > 0 and snap["consumeFailedTPS"] == 0
 
 
+@pytest.mark.parametrize("fail", [False, True])
+async def test_a_result_for_a_dropped_queue_counts_its_time_only(fail: bool) -> None:
+    """A rebalance gave the queue away during the calls: nothing is committed or sent back and
+    the messages come again, so they are neither consumed nor failed yet (Java records the
+    consume RT and skips processConsumeResult, which counts OK and failed)."""
+    h: Harness
+
+    async def listener(msg: MessageExt) -> None:
+        h.pq.dropped = True
+        if fail:
+            raise RuntimeError("fails")
+
+    h = Harness(listener)
+    try:
+        h.start_chunk(5)
+        async with asyncio.timeout(5):
+            while h.service.queued or h.recorded == 0:
+                await asyncio.sleep(0.005)
+            await h.service.wait_idle()
+    finally:
+        await h.service.aclose()
+    totals = h.stats.totals["T"]
+    assert (h.updates, h.sent_back, totals.consumed, totals.failed) == ([], [], 0, 0)
+    assert totals.consume_seconds.count == 1  # the one call made
+    snap = h.stats.snapshot("T")
+    assert snap["consumeOKTPS"] == snap["consumeFailedTPS"] == 0
+
+
 async def test_failures_and_ack_index_per_call_then_one_settlement() -> None:
     async def listener(msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeResult:
         first = msgs[0].queue_offset
