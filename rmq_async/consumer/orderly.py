@@ -235,9 +235,19 @@ class OrderlyConsumeService:
                 # Java: COMMIT and ROLLBACK mean nothing with auto-commit on; it acknowledges.
                 log.warning("orderly.result_ignored_with_auto_commit", queue=str(mq),
                             result=result.value, offsets=[m.queue_offset for m in part])
-            if dead and not await self._dead_letter(dead):
-                stop, failing = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT, part
-                break
+            if dead:
+                unsent = await self._dead_letter(dead)
+                if unsent:
+                    # The call is tried again in place, without those already in the DLQ
+                    # (sent and counted once; a ROLLBACK must not hand them out again).
+                    keep = {id(m) for m in unsent}
+                    sent = [m for m, _ in dead if id(m) not in keep]
+                    pq.forget_taken(sent)
+                    failed += len(sent)
+                    gone = {id(m) for m in sent}
+                    stop = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
+                    failing = [m for m in part if id(m) not in gone]
+                    break
             ok += len(part) - len(dead)
             failed += len(dead)
             last = part[-1].queue_offset
@@ -290,17 +300,18 @@ class OrderlyConsumeService:
         self.submit_later(pq, mq, self._suspend_time(ctx))
         return False
 
-    async def _dead_letter(self, dead: list[tuple[MessageExt, str]]) -> bool:
-        """Send poison messages to the DLQ (broadcasting: log and drop); False on failure."""
+    async def _dead_letter(self, dead: list[tuple[MessageExt, str]]) -> list[MessageExt]:
+        """Send poison messages to the DLQ (broadcasting: log and drop); the ones that could
+        not be sent (the first failure and those after it), none when all went."""
         if self._opts.message_model == MessageModel.BROADCASTING:
             for m, reason in dead:
                 log.warning("orderly.broadcast_dead_letter_dropped", msg_id=m.msg_id,
                             offset=m.queue_offset, reason=reason)
-            return True
-        for m, reason in dead:
+            return []
+        for i, (m, reason) in enumerate(dead):
             if not await send_to_dlq(self._rt, m, reason):
-                return False
-        return True
+                return [m for m, _ in dead[i:]]
+        return []
 
     def _suspend_time(self, ctx: ConsumeContext) -> float:
         seconds = ctx.suspend_current_queue_time

@@ -181,6 +181,50 @@ async def test_dead_lettered_messages_count_as_failed_not_consumed() -> None:
     assert (totals.consumed, totals.failed) == (2, 1)  # as the concurrent service counts
 
 
+async def test_a_dead_letter_send_that_fails_midway_does_not_send_the_others_again() -> None:
+    """Two poison messages in one call; the DLQ send of the second fails once. The call is
+    tried again in place, without the first, which is in the dead-letter queue already (it
+    was produced there twice and counted three times for two messages)."""
+    from rmq_async.client.errors import MQClientError
+
+    sent: list[int] = []
+    failures = {1}
+    calls: list[list[int]] = []
+
+    async def handler(msgs: list[MessageExt]) -> None:
+        calls.append([m.queue_offset for m in msgs])
+        raise DeadLetter("poison")
+
+    async def send_message(addr: str, mq: MessageQueue, **kw: Any) -> None:
+        offset = int(kw["body"][1:])
+        if offset in failures:
+            failures.discard(offset)
+            raise MQClientError("broker busy")
+        sent.append(offset)
+
+    async def master(*args: Any) -> str:
+        return "127.0.0.1:10911"
+
+    async def no_send_back(msg: MessageExt, level: int) -> bool:
+        return False
+
+    h = _Harness(handler, batch=True, batch_size=2)
+    h.rt.instance = SimpleNamespace(find_broker_master=master,
+                                    api=SimpleNamespace(send_message=send_message))
+    h.rt.send_message_back = no_send_back
+    h.service.start()
+    try:
+        h.put(range(0, 2))
+        await h.until(lambda: h.offsets.updates[-1:] == [2])
+    finally:
+        await h.service.aclose()
+    assert sent == [0, 1] and calls == [[0, 1], [1]]
+    totals = h.stats.totals["T"]
+    # Failed once per failed attempt: 0 once, 1 twice (the attempt whose DLQ send failed).
+    assert (totals.dead_lettered, totals.failed, totals.consumed) == (2, 3, 0)
+    assert h.pq.msg_count == 0
+
+
 async def test_messages_settled_without_the_handler_do_not_commit_what_it_holds() -> None:
     """A body its model cannot read is dead-lettered before the handler runs: that settles
     it, but must not commit the messages the handler answered SUCCESS without auto-commit,
