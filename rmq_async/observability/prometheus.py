@@ -60,7 +60,9 @@ gauges follow :meth:`PushConsumer.lag`, refreshed every ``persist_offset_interva
 whose group has no committed offset yet has no lag sample.
 
 Several consumers may share a registry as long as their groups differ (two members of one
-group in one process would export the same series): give each its own registry then.
+group in one process would export the same series): give each its own registry then. A
+stopped consumer gives its place to a new one of its group; :meth:`ConsumerCollector.remove`
+takes one out at any time.
 """
 
 from __future__ import annotations
@@ -112,7 +114,10 @@ class ConsumerCollector(Collector):
 
     def add(self, consumer: PushConsumer) -> None:
         with self._lock:
-            live = [c for c in self._live() if c is not consumer]
+            # A stopped member of the group makes room for its successor (a supervisor that
+            # starts a new consumer object after stopping the old one, say).
+            live = [c for c in self._live() if c is not consumer
+                    and not (c.group == consumer.group and getattr(c, "stopping", False))]
             if any(c.group == consumer.group for c in live):
                 raise InvalidArgumentError(f"a consumer of group {consumer.group!r} is already exported to "
                                  "this registry; give each member its own registry")

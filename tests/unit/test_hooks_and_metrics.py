@@ -301,6 +301,11 @@ def test_one_collector_per_registry_and_one_member_per_group() -> None:
     with pytest.raises(InvalidArgumentError, match="already exported"):
         prom.instrument(_FakeConsumer("A"), registry)  # type: ignore[arg-type]
     prom.instrument(_FakeConsumer("A"), CollectorRegistry())  # type: ignore[arg-type]
+    # A stopped member gives its place to its successor (a new object after stop()).
+    a.stopping = True  # type: ignore[attr-defined]
+    successor = _FakeConsumer("A")
+    prom.instrument(successor, registry)  # type: ignore[arg-type]
+    assert prom._collectors[registry]._live() == [b, successor]
 
 
 # ---------------------------------------------------------------------- OpenTelemetry
