@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -29,6 +30,8 @@ from typing import Any
 
 import anyio
 import structlog
+
+from rmq_async.devbroker.errors import DevBrokerError
 
 __all__ = [
     "RunRecord",
@@ -51,11 +54,27 @@ _PR_SET_PDEATHSIG = 1
 
 
 def runs_root() -> Path:
-    """``$RMQ_ASYNC_RUN_DIR``, else ``<tmp>/rmq_async-devbroker-<uid>``: run folders + registry."""
+    """``$RMQ_ASYNC_RUN_DIR``, else ``<tmp>/rmq_async-devbroker-<uid>``: run folders + registry.
+
+    Created private (0700). Its run records decide which processes a start kills and which
+    folders it deletes, so a folder this user does not own, or that others may write to (one
+    another local user created first in the shared temporary folder), is refused with a
+    :class:`DevBrokerError`.
+    """
     explicit = os.environ.get("RMQ_ASYNC_RUN_DIR")
     if explicit:
-        return Path(explicit).expanduser().resolve()
-    return Path(tempfile.gettempdir()) / f"rmq_async-devbroker-{os.getuid()}"
+        path = Path(explicit).expanduser().resolve()
+    else:
+        path = Path(tempfile.gettempdir()) / f"rmq_async-devbroker-{os.getuid()}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
+            or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+        raise DevBrokerError(
+            f"the dev broker's run folder {path} is not a private folder of this user (owner "
+            f"uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):o}); remove it, or set "
+            "RMQ_ASYNC_RUN_DIR to a folder of your own")
+    return path
 
 
 def registry_dir() -> Path:

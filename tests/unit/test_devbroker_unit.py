@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -334,6 +335,25 @@ def _sleeper(tag: Path) -> subprocess.Popen[bytes]:
         assert time.monotonic() < deadline, "the sleeper never showed its command line"
         time.sleep(0.01)
     return proc
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+def test_a_run_folder_others_may_write_to_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path, mode: int) -> None:
+    """The run records say which processes a start kills and which folders it deletes: a
+    shared run folder another local user created first (or can write to) would let them
+    choose both."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(mode)
+    monkeypatch.setenv("RMQ_ASYNC_RUN_DIR", str(root))
+    with pytest.raises(DevBrokerError, match="not a private folder"):
+        procs.reap_stale_runs()
+    root.chmod(0o700)
+    assert procs.reap_stale_runs() == []
+    fresh = tmp_path / "fresh"
+    monkeypatch.setenv("RMQ_ASYNC_RUN_DIR", str(fresh))
+    assert procs.runs_root() == fresh and stat.S_IMODE(fresh.stat().st_mode) == 0o700
 
 
 def test_run_record_round_trip(run_root: Path, tmp_path: Path) -> None:
