@@ -83,7 +83,7 @@ class AdminHelper:
         if not lines:
             raise DevBrokerError(f"the admin helper gave no answer to {words[0]!r}")
         if lines[0].startswith("ERR"):
-            raise DevBrokerError(f"admin {' '.join(words)}: {lines[0][4:]}")
+            raise DevBrokerError(f"admin {' '.join(_shown(words))}: {lines[0][4:]}")
         return lines
 
     def close_stdin(self) -> None:
@@ -98,3 +98,11 @@ class AdminHelper:
         if self.proc is not None:
             await stop_process(self.proc, grace=grace)
             self.proc = None
+
+
+def _shown(words: tuple[str, ...]) -> list[str]:
+    """A request's words as an error quotes them: a ``user`` request's secret key left out."""
+    shown = list(words)
+    if shown and shown[0] == "user" and len(shown) > 3:
+        shown[3] = "<secret>"
+    return shown

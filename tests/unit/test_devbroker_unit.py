@@ -337,6 +337,30 @@ def _sleeper(tag: Path) -> subprocess.Popen[bytes]:
     return proc
 
 
+async def test_a_refused_account_request_does_not_quote_its_secret(tmp_path: Path) -> None:
+    """The admin helper's ERR answer to a ``user`` request became a DevBrokerError quoting
+    every word of the request, the account's secret key included (out of start_all into
+    pytest's, the CLI's and CI's output)."""
+    from rmq_async.devbroker import AclAccount
+
+    async def answer(stream: Any) -> None:
+        async with stream:
+            await stream.receive()
+            await stream.send(b"ERR AuthenticationException: user exists\n")
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, answer)
+        rmq = LocalRocketMQ(acl=AclAccount("alice", "S3cr3t-Passw0rd", admin=False))
+        rmq._workdir, rmq._broker_port = tmp_path, 10911  # as if started
+        rmq._admin._port = port  # the helper's port
+        with pytest.raises(DevBrokerError, match="user exists") as raised:
+            await rmq._create_account(rmq.acl)  # type: ignore[arg-type]
+        tg.cancel_scope.cancel()
+    assert "S3cr3t-Passw0rd" not in str(raised.value) and "alice" in str(raised.value)
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
 def test_a_run_folder_others_may_write_to_is_refused(monkeypatch: pytest.MonkeyPatch,
                                                      tmp_path: Path, mode: int) -> None:
