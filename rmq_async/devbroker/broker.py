@@ -384,14 +384,18 @@ class LocalRocketMQ:
                 # Ports are picked free and bound by the JVM a moment later: another process
                 # (a second test worker starting its own broker) may take one in between.
                 if attempt >= _START_ATTEMPTS or not _port_taken(exc):
-                    await self._teardown()
+                    with anyio.CancelScope(shield=True):
+                        await self._teardown()
                     raise
                 await self._stop_processes()
                 log.warning("devbroker.port_taken", attempt=attempt, namesrv_port=self._namesrv_port,
                             broker_port=self._broker_port)
                 attempt += 1
             except BaseException:
-                await self._teardown()
+                # Shielded: a start cancelled (a timeout around it) must still stop what it
+                # started, or the JVMs run on until this process ends.
+                with anyio.CancelScope(shield=True):
+                    await self._teardown()
                 raise
         log.info("devbroker.ready", namesrv=self.namesrv_addr, broker=self.broker_addr,
                  workdir=str(self._workdir), seconds=round(time.monotonic() - started, 2))
@@ -591,7 +595,8 @@ class LocalRocketMQ:
             await self._start_broker()
         except BaseException:
             if self._broker is not None:
-                await stop_process(self._broker, grace=5.0)
+                with anyio.CancelScope(shield=True):
+                    await stop_process(self._broker, grace=5.0)
                 self._broker = None
             raise
 

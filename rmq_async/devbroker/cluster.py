@@ -334,7 +334,10 @@ class LocalCluster:
                 # Ports are picked free and bound by the JVMs a moment later: another process
                 # (a second test worker starting its own broker) may take one in between.
                 if attempt >= _START_ATTEMPTS or not _port_taken(exc):
-                    await self._teardown()
+                    # Shielded: a start cancelled (a timeout around it) must still stop what
+                    # it started, or the JVMs run on until this process ends.
+                    with anyio.CancelScope(shield=True):
+                        await self._teardown()
                     raise
                 await self._stop_processes()
                 log.warning("devbroker.cluster.port_taken", attempt=attempt,
@@ -534,7 +537,8 @@ class LocalCluster:
             await self._start_broker(node)
         except BaseException:
             if node.proc is not None:
-                await stop_process(node.proc, grace=5.0)
+                with anyio.CancelScope(shield=True):
+                    await stop_process(node.proc, grace=5.0)
                 node.proc = None
             raise
 

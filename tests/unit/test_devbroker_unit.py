@@ -361,6 +361,48 @@ async def test_a_refused_account_request_does_not_quote_its_secret(tmp_path: Pat
     assert "S3cr3t-Passw0rd" not in str(raised.value) and "alice" in str(raised.value)
 
 
+@pytest.mark.parametrize("kind", ["broker", "cluster"])
+async def test_a_cancelled_start_stops_what_it_started(
+        monkeypatch: pytest.MonkeyPatch, run_root: Path, kind: str) -> None:
+    """A start cancelled from outside (a timeout around ``start_all()``) ran its clean-up in
+    the cancelled scope: its first await was cancelled too, and the name server and broker
+    ran on until the test process ended. Stand-ins take the JVMs' place (each says it is
+    ready, or never does, like the real ones; their command line carries the run folder)."""
+    from rmq_async.devbroker import broker as broker_mod
+    from rmq_async.devbroker import cluster as cluster_mod
+
+    def fake_jvm(java: Any, *, lib_dir: Any, main_class: str, args: Any, user_home: Path,
+                 **kw: Any) -> list[str]:
+        code = "import time; time.sleep(600)"  # the broker (and the admin helper): never ready
+        if main_class == cfg.NAMESRV_CLASS:
+            code = "print('The Name Server boot success', flush=True); " + code
+        return [sys.executable, "-c", code, f"-Duser.home={user_home}"]
+
+    async def jars(*args: Any, **kw: Any) -> Path:
+        return run_root / "lib"
+
+    async def port_open(*args: Any) -> bool:
+        return True
+
+    monkeypatch.setattr(cfg, "jvm_command", fake_jvm)
+    for mod in (broker_mod, cluster_mod):
+        monkeypatch.setattr(mod, "ensure_jars", jars)
+        monkeypatch.setattr(mod, "compile_java", jars)
+        monkeypatch.setattr(mod, "find_tool", lambda name: Path(sys.executable))
+    monkeypatch.setattr(broker_mod.LocalRocketMQ, "_port_open", port_open)
+    monkeypatch.setattr(cluster_mod, "_port_open", port_open)
+    target: Any = (LocalRocketMQ() if kind == "broker"
+                   else cluster_mod.LocalCluster(groups=1, slaves=1, namesrvs=1))
+    with anyio.move_on_after(2.0):
+        await target.start_all()
+    workdir = target._workdir
+    assert workdir is not None
+    left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+            if str(workdir) in procs.pid_cmdline(pid)]
+    assert left == [] and not workdir.exists()
+    assert list((run_root / "registry").glob("*.json")) == []
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
 def test_a_run_folder_others_may_write_to_is_refused(monkeypatch: pytest.MonkeyPatch,
                                                      tmp_path: Path, mode: int) -> None:
