@@ -220,6 +220,7 @@ class LocalRocketMQ:
         broker_jvm_flags: Sequence[str] = (),
     ) -> None:
         overrides = dict(broker_config or {})
+        cfg.check_broker_overrides(overrides)  # now, not after the jars and javac
         self.version = version
         self.profile = profile(version)
         self.acl = acl

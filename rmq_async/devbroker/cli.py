@@ -33,6 +33,7 @@ from .cluster import LocalCluster
 from .errors import DevBrokerError
 from .maven import DEFAULT_VERSION, cache_root, ensure_jars_sync
 from .procs import RunRecord, pid_alive
+from .versions import profile
 
 __all__ = ["main", "running_namesrv", "state_file"]
 
@@ -104,33 +105,50 @@ def _parse_kv(items: Sequence[str]) -> dict[str, str]:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
+    _check_version(args.version)
     print(ensure_jars_sync(args.version))
     return 0
 
 
+def _check_version(version: str) -> None:
+    try:
+        profile(version)
+    except DevBrokerError as exc:  # not a version this module starts: a usage error
+        raise SystemExit(str(exc)) from exc
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    if args.groups < 1 or args.slaves < 0 or args.namesrvs < 1:
+        raise SystemExit("--groups and --namesrvs must be >= 1, --slaves >= 0")
+    # The options are checked (a usage error) before anything starts.
+    cluster: LocalCluster | None = None
+    rmq: LocalRocketMQ | None = None
+    try:
+        if (args.groups, args.slaves, args.namesrvs) != (1, 0, 1):
+            cluster = LocalCluster(args.version, groups=args.groups, slaves=args.slaves,
+                                   namesrvs=args.namesrvs, detached=True,
+                                   heap=args.heap or "320m",
+                                   broker_config=_parse_kv(args.broker_config),
+                                   ready_timeout=max(args.timeout, 180.0))
+        else:
+            rmq = LocalRocketMQ(args.version, detached=True, heap=args.heap or "512m",
+                                broker_config=_parse_kv(args.broker_config),
+                                ready_timeout=args.timeout)
+    except (ValueError, DevBrokerError) as exc:
+        raise SystemExit(str(exc)) from exc
     existing = _load_state()
     if existing is not None:
         if _running(existing):
             _print_addrs(existing)
             return 0
         _clear(existing)
-    if args.groups < 1 or args.slaves < 0 or args.namesrvs < 1:
-        raise SystemExit("--groups and --namesrvs must be >= 1, --slaves >= 0")
     record: RunRecord
-    if (args.groups, args.slaves, args.namesrvs) != (1, 0, 1):
-        cluster = LocalCluster(args.version, groups=args.groups, slaves=args.slaves,
-                               namesrvs=args.namesrvs, detached=True,
-                               heap=args.heap or "320m",
-                               broker_config=_parse_kv(args.broker_config),
-                               ready_timeout=max(args.timeout, 180.0))
+    if cluster is not None:
         asyncio.run(cluster.start_all())
         record = cluster.record
         record.pids = {k: v for k, v in record.pids.items() if k != "admin"}
     else:
-        rmq = LocalRocketMQ(args.version, detached=True, heap=args.heap or "512m",
-                            broker_config=_parse_kv(args.broker_config),
-                            ready_timeout=args.timeout)
+        assert rmq is not None
         asyncio.run(rmq.start_all())
         record = rmq.record
         # The resident admin helper ends with this command; only the servers stay.

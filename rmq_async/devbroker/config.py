@@ -153,14 +153,23 @@ def broker_config(*, run_dir: Path, namesrv_addr: str, listen_port: int,
             "storePathCommitLog": str(store / "commitlog"),
         }
     )
-    fixed = {"namesrvAddr", "listenPort", "haListenPort", "storePathRootDir", "bindAddress",
-             "brokerIP1"}
+    check_broker_overrides(overrides or {})
     for key, value in (overrides or {}).items():
-        if key in fixed:
-            raise InvalidArgumentError(f"broker_config may not override {key!r}: it is managed by "
-                             "LocalRocketMQ")
         values[key] = str(value)
     return values
+
+
+#: broker.conf settings a dev broker lays out itself (ports, addresses, store paths).
+MANAGED_BROKER_KEYS = frozenset({"namesrvAddr", "listenPort", "haListenPort", "storePathRootDir",
+                                 "bindAddress", "brokerIP1"})
+
+
+def check_broker_overrides(overrides: Mapping[str, object]) -> None:
+    """Refuse a ``broker_config`` that sets what the dev broker manages."""
+    for key in overrides:
+        if key in MANAGED_BROKER_KEYS:
+            raise InvalidArgumentError(f"broker_config may not override {key!r}: it is managed "
+                                       "by LocalRocketMQ")
 
 
 def jvm_command(java: Path | str, *, lib_dir: Path, main_class: str, args: Sequence[str],

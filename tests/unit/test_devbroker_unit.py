@@ -586,6 +586,18 @@ def test_module_cli_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch,
     assert "--groups and --namesrvs must be >= 1" in capsys.readouterr().err
     assert cli.main(["up", "--broker-config", "novalue"]) == 2
     assert "expects key=value" in capsys.readouterr().err
+    # Refused by the cluster's or the broker's own checks, before a jar or a JVM (they were
+    # a ValueError traceback, or exit 1 after the Maven step and javac).
+    for argv, said in [(["up", "--slaves", "5"], "slaves must be within"),
+                       (["up", "--groups", "70"], "groups must be within"),
+                       (["up", "--groups", "2", "--broker-config", "brokerName=x"],
+                        "may not set 'brokerName'"),
+                       (["up", "--broker-config", "listenPort=1"], "may not override"),
+                       (["up", "--version", "foo"], "not a RocketMQ release version"),
+                       (["up", "--version", "4.8.0"], "not supported"),
+                       (["fetch", "--version", "4.8.0"], "not supported")]:
+        assert cli.main(argv) == 2, argv
+        assert said in capsys.readouterr().err, argv
 
 
 def test_module_cli_failures_exit_1(monkeypatch: pytest.MonkeyPatch,
