@@ -180,6 +180,7 @@ class LocalCluster:
                 raise ValueError(f"group_config names an unknown group {name!r} ({names})")
         self.version = version
         self.profile = profile(version)
+        self._ready_keys: set[str] = set()  # brokers registered during start_all()
         self.groups = groups
         self.slaves = slaves
         self.namesrv_count = namesrvs
@@ -321,14 +322,18 @@ class LocalCluster:
             try:
                 self._layout()
                 self._save_record()
-                with anyio.fail_after(self.ready_timeout):
-                    async with anyio.create_task_group() as tg:
-                        for ns in self.namesrvs:
-                            tg.start_soon(self._start_namesrv, ns)
-                    self._spawn_admin()
-                    async with anyio.create_task_group() as tg:
-                        for node in self.brokers.values():
-                            tg.start_soon(self._start_broker, node)
+                self._ready_keys = set()
+                try:
+                    with anyio.fail_after(self.ready_timeout):
+                        async with anyio.create_task_group() as tg:
+                            for ns in self.namesrvs:
+                                tg.start_soon(self._start_namesrv, ns)
+                        self._spawn_admin()
+                        async with anyio.create_task_group() as tg:
+                            for node in self.brokers.values():
+                                tg.start_soon(self._start_broker, node)
+                except TimeoutError:
+                    raise self._not_ready() from None
                 break
             except BaseException as exc:
                 # Ports are picked free and bound by the JVMs a moment later: another process
@@ -461,6 +466,7 @@ class LocalCluster:
                     with contextlib.suppress(DevBrokerError):
                         await self.admin_request("register", node.addr)
                 if registered:
+                    self._ready_keys.add(node.key)
                     log.info("devbroker.cluster.broker_ready", broker=node.broker_name,
                              broker_id=node.broker_id, addr=node.addr,
                              seconds=round(time.monotonic() - started, 2))
@@ -494,6 +500,17 @@ class LocalCluster:
             return True
         finally:
             await remoting.close()
+
+    def _not_ready(self) -> DevBrokerError:
+        """The error of a start that ran out of ``ready_timeout``: what was not ready, with
+        the log lines of the first such broker (each broker's own deadline starts later)."""
+        waiting = [n for n in self.brokers.values() if n.key not in self._ready_keys]
+        if not waiting:
+            return self._failure(f"not ready within {self.ready_timeout:g} s")
+        first = waiting[0]
+        return self._failure(
+            f"not ready within {self.ready_timeout:g} s: broker(s) "
+            f"{', '.join(n.key for n in waiting)} not registered", first.out_path, first.log_path)
 
     def _failure(self, what: str, *paths: Path) -> DevBrokerError:
         parts = [f"local RocketMQ cluster failed: {what} (run folder {self._workdir})"]

@@ -361,19 +361,15 @@ async def test_a_refused_account_request_does_not_quote_its_secret(tmp_path: Pat
     assert "S3cr3t-Passw0rd" not in str(raised.value) and "alice" in str(raised.value)
 
 
-@pytest.mark.parametrize("kind", ["broker", "cluster"])
-async def test_a_cancelled_start_stops_what_it_started(
-        monkeypatch: pytest.MonkeyPatch, run_root: Path, kind: str) -> None:
-    """A start cancelled from outside (a timeout around ``start_all()``) ran its clean-up in
-    the cancelled scope: its first await was cancelled too, and the name server and broker
-    ran on until the test process ended. Stand-ins take the JVMs' place (each says it is
-    ready, or never does, like the real ones; their command line carries the run folder)."""
+def _stand_in_jvms(monkeypatch: pytest.MonkeyPatch, run_root: Path) -> None:
+    """Processes in the JVMs' place: name servers say they booted, brokers (and the admin
+    helper) never do; their command line carries the run folder, as the JVMs' do."""
     from rmq_async.devbroker import broker as broker_mod
     from rmq_async.devbroker import cluster as cluster_mod
 
     def fake_jvm(java: Any, *, lib_dir: Any, main_class: str, args: Any, user_home: Path,
                  **kw: Any) -> list[str]:
-        code = "import time; time.sleep(600)"  # the broker (and the admin helper): never ready
+        code = "import time; time.sleep(600)"
         if main_class == cfg.NAMESRV_CLASS:
             code = "print('The Name Server boot success', flush=True); " + code
         return [sys.executable, "-c", code, f"-Duser.home={user_home}"]
@@ -391,6 +387,30 @@ async def test_a_cancelled_start_stops_what_it_started(
         monkeypatch.setattr(mod, "find_tool", lambda name: Path(sys.executable))
     monkeypatch.setattr(broker_mod.LocalRocketMQ, "_port_open", port_open)
     monkeypatch.setattr(cluster_mod, "_port_open", port_open)
+
+
+async def test_a_cluster_start_out_of_time_says_which_brokers_were_not_ready(
+        monkeypatch: pytest.MonkeyPatch, run_root: Path) -> None:
+    """The start's overall limit fired before any broker's own deadline: a bare TimeoutError
+    with no broker named and no log lines (a traceback from ``rmq-async broker up``)."""
+    from rmq_async.devbroker import cluster as cluster_mod
+
+    _stand_in_jvms(monkeypatch, run_root)
+    cluster = cluster_mod.LocalCluster(groups=1, slaves=1, namesrvs=1, ready_timeout=1.5)
+    with pytest.raises(DevBrokerError, match=r"not ready within 1.5 s: broker\(s\) .*not registered"):
+        await cluster.start_all()
+
+
+@pytest.mark.parametrize("kind", ["broker", "cluster"])
+async def test_a_cancelled_start_stops_what_it_started(
+        monkeypatch: pytest.MonkeyPatch, run_root: Path, kind: str) -> None:
+    """A start cancelled from outside (a timeout around ``start_all()``) ran its clean-up in
+    the cancelled scope: its first await was cancelled too, and the name server and broker
+    ran on until the test process ended. Stand-ins take the JVMs' place (each says it is
+    ready, or never does, like the real ones; their command line carries the run folder)."""
+    from rmq_async.devbroker import cluster as cluster_mod
+
+    _stand_in_jvms(monkeypatch, run_root)
     target: Any = (LocalRocketMQ() if kind == "broker"
                    else cluster_mod.LocalCluster(groups=1, slaves=1, namesrvs=1))
     with anyio.move_on_after(2.0):
