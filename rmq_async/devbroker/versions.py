@@ -141,9 +141,17 @@ def render_plain_acl(accounts: Sequence[PlainAclAccount]) -> str:
 _LOGBACK_TEMPLATE = """<?xml version="1.0" encoding="UTF-8"?>
 <!-- Written by rmq_async.devbroker: RocketMQ 4.x reads its logging setup from here. -->
 <configuration>
-    <appender name="File" class="ch.qos.logback.core.FileAppender">
+    <appender name="File" class="ch.qos.logback.core.rolling.RollingFileAppender">
         <file>${{user.home}}/logs/rocketmqlogs/{log_name}</file>
         <append>true</append>
+        <rollingPolicy class="ch.qos.logback.core.rolling.FixedWindowRollingPolicy">
+            <fileNamePattern>${{user.home}}/logs/rocketmqlogs/otherdays/{log_name}.%i</fileNamePattern>
+            <minIndex>1</minIndex>
+            <maxIndex>3</maxIndex>
+        </rollingPolicy>
+        <triggeringPolicy class="ch.qos.logback.core.rolling.SizeBasedTriggeringPolicy">
+            <maxFileSize>128MB</maxFileSize>
+        </triggeringPolicy>
         <encoder>
             <pattern>%d{{yyyy-MM-dd HH:mm:ss,SSS}} %p %t %c{{0}} - %m%n</pattern>
             <charset>UTF-8</charset>
@@ -160,7 +168,9 @@ def logback_files(prof: VersionProfile) -> dict[str, str]:
     """``conf/`` file name → content of the logback files ``prof``'s servers and tools need.
 
     Each JVM logs to one file under ``<user.home>/logs/rocketmqlogs`` (``namesrv.log``,
-    ``broker.log``, ``tools.log``), the names the 5.x configurations use for their main log.
+    ``broker.log``, ``tools.log``), the names the 5.x configurations use for their main log,
+    rolled over at 128 MB with three older files kept (a long-lived ``broker up`` of a 4.x
+    version grew its log without bound).
     """
     if not prof.legacy:
         return {}

@@ -42,6 +42,15 @@ def test_logback_files_only_for_4x() -> None:
     assert sorted(files) == ["logback_broker.xml", "logback_namesrv.xml", "logback_tools.xml"]
     assert "${user.home}/logs/rocketmqlogs/broker.log" in files["logback_broker.xml"]
     assert logback_files(profile("5.1.4")) == {}
+    # Rolled over by size, as the 5.x configurations in the jars are (tests/compat starts a
+    # 4.9.7 broker with these files: its readiness is read from this log).
+    import xml.etree.ElementTree as ET
+
+    appender = ET.fromstring(files["logback_broker.xml"]).find("appender")
+    assert appender is not None
+    assert appender.get("class") == "ch.qos.logback.core.rolling.RollingFileAppender"
+    assert appender.findtext("triggeringPolicy/maxFileSize") == "128MB"
+    assert appender.findtext("rollingPolicy/maxIndex") == "3"
 
 
 def test_plain_acl_file() -> None:
