@@ -370,7 +370,10 @@ class LocalRocketMQ:
             self._workdir = Path(tempfile.mkdtemp(prefix="run-", dir=runs_dir()))
             remove = True
         run_id = f"{self._workdir.name}-{uuid.uuid4().hex[:8]}"
-        owner = None if self.detached else os.getpid()
+        # A detached run is owned by the starting process until it is up, so a start killed
+        # halfway (SIGKILL, a lost terminal) leaves nothing the reaper of the next start
+        # would not stop; once up, it has no owner and outlives this process.
+        owner = os.getpid()
         self._record = RunRecord(
             run_id=run_id, workdir=self._workdir, owner_pid=owner,
             owner_start=pid_start_ticks(owner) if owner else None, remove_workdir=remove,
@@ -398,6 +401,8 @@ class LocalRocketMQ:
                 with anyio.CancelScope(shield=True):
                     await self._teardown()
                 raise
+        if self.detached:
+            self._disown()
         log.info("devbroker.ready", namesrv=self.namesrv_addr, broker=self.broker_addr,
                  workdir=str(self._workdir), seconds=round(time.monotonic() - started, 2))
 
@@ -438,6 +443,13 @@ class LocalRocketMQ:
                     PlainAclAccount(self.acl.access_key, self.acl.secret_key, self.acl.admin),
                 ]
                 (conf / "plain_acl.yml").write_text(render_plain_acl(accounts))
+
+    def _disown(self) -> None:
+        """A detached run that is up: no owner from now on (it belongs to ``down``)."""
+        assert self._record is not None
+        self._record.owner_pid = None
+        self._record.owner_start = None
+        self._save_record()
 
     def _save_record(self) -> None:
         assert self._record is not None

@@ -310,7 +310,10 @@ class LocalCluster:
         else:
             self._workdir = Path(tempfile.mkdtemp(prefix="cluster-", dir=runs_dir()))
             remove = True
-        owner = None if self.detached else os.getpid()
+        # A detached run is owned by the starting process until it is up, so a start killed
+        # halfway (SIGKILL, a lost terminal) leaves nothing the reaper of the next start
+        # would not stop; once up, it has no owner and outlives this process.
+        owner = os.getpid()
         self._record = RunRecord(
             run_id=f"{self._workdir.name}-{uuid.uuid4().hex[:8]}", workdir=self._workdir,
             owner_pid=owner, owner_start=pid_start_ticks(owner) if owner else None,
@@ -352,6 +355,8 @@ class LocalCluster:
                 self.brokers.clear()
                 attempt += 1
         self.startup_seconds = round(time.monotonic() - started, 2)
+        if self.detached:
+            self._disown()
         log.info("devbroker.cluster.ready", namesrv=self.namesrv_addr,
                  brokers={n.key: n.addr for n in self.brokers.values()},
                  workdir=str(self._workdir), seconds=self.startup_seconds)
@@ -393,6 +398,13 @@ class LocalCluster:
                 node = BrokerNode(name, broker_id, port, folder, config=values)
                 node.conf_path.write_text(cfg.render_properties(values))
                 self.brokers[(name, broker_id)] = node
+
+    def _disown(self) -> None:
+        """A detached run that is up: no owner from now on (it belongs to ``down``)."""
+        assert self._record is not None
+        self._record.owner_pid = None
+        self._record.owner_start = None
+        self._save_record()
 
     def _save_record(self) -> None:
         assert self._record is not None

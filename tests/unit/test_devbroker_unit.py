@@ -389,6 +389,54 @@ def _stand_in_jvms(monkeypatch: pytest.MonkeyPatch, run_root: Path) -> None:
     monkeypatch.setattr(cluster_mod, "_port_open", port_open)
 
 
+def test_a_detached_start_killed_halfway_is_reaped(run_root: Path) -> None:
+    """``broker up`` killed (SIGKILL, a lost terminal) while its broker was starting left a
+    detached name server and broker that nothing stopped: no state file yet, and the reaper
+    leaves detached runs with live processes to ``down``. The starting process owns the run
+    until it is up, so the next start's reaper stops them."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, anyio
+        from pathlib import Path
+        from rmq_async.devbroker import broker as broker_mod, config as cfg
+
+        def fake_jvm(java, *, lib_dir, main_class, args, user_home, **kw):
+            code = "import time; time.sleep(600)"
+            if main_class == cfg.NAMESRV_CLASS:
+                code = "print('The Name Server boot success', flush=True); " + code
+            return [sys.executable, "-c", code, f"-Duser.home={{user_home}}"]
+
+        async def jars(*a, **kw):
+            return Path({str(run_root)!r}) / "lib"
+
+        async def port_open(*a):
+            return True
+
+        cfg.jvm_command = fake_jvm
+        broker_mod.ensure_jars = broker_mod.compile_java = jars
+        broker_mod.find_tool = lambda name: Path(sys.executable)
+        broker_mod.LocalRocketMQ._port_open = port_open
+        anyio.run(broker_mod.LocalRocketMQ(detached=True, ready_timeout=300).start_all)
+    """)])
+    registry = run_root / "registry"
+    deadline = time.monotonic() + 20
+    while True:  # until the broker stand-in runs (recorded in the run's registry entry)
+        records = [procs.RunRecord.from_json(f.read_text()) for f in registry.glob("*.json")]
+        if records and "broker" in records[0].pids:
+            break
+        assert time.monotonic() < deadline, "the start never reached its broker"
+        time.sleep(0.05)
+    child.kill()
+    child.wait()
+    (record,) = records
+    assert all(procs.pid_alive(pid) for pid in record.pids.values())
+    assert [r.run_id for r in procs.reap_stale_runs()] == [record.run_id]
+    deadline = time.monotonic() + 10
+    while any(procs.pid_alive(pid) for pid in record.pids.values()):
+        assert time.monotonic() < deadline, "the reaper left the stand-ins running"
+        time.sleep(0.05)
+    assert not record.workdir.exists()
+
+
 async def test_a_cluster_start_out_of_time_says_which_brokers_were_not_ready(
         monkeypatch: pytest.MonkeyPatch, run_root: Path) -> None:
     """The start's overall limit fired before any broker's own deadline: a bare TimeoutError
