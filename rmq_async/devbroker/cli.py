@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +34,7 @@ from .broker import LocalRocketMQ
 from .cluster import LocalCluster
 from .errors import DevBrokerError
 from .maven import DEFAULT_VERSION, cache_root, ensure_jars_sync
-from .procs import RunRecord, pid_alive
+from .procs import RunRecord, pid_alive, pid_cmdline, reap_stale_runs
 from .versions import profile
 
 __all__ = ["main", "running_namesrv", "state_file"]
@@ -59,11 +61,13 @@ def _load_state() -> RunRecord | None:
 
 
 def _running(record: RunRecord) -> bool:
+    def alive(pid: int) -> bool:
+        # Its command line names the run folder, as the JVMs' do: not a reused pid.
+        return pid_alive(pid) and str(record.workdir) in pid_cmdline(pid)
+
     if "brokers" in record.info:  # a cluster: every recorded JVM must still run
-        return bool(record.pids) and all(pid_alive(pid) for pid in record.pids.values())
-    return all(
-        pid_alive(record.pids.get(name, -1)) for name in ("namesrv", "broker")
-    )
+        return bool(record.pids) and all(alive(pid) for pid in record.pids.values())
+    return all(alive(record.pids.get(name, -1)) for name in ("namesrv", "broker"))
 
 
 def running_namesrv() -> str | None:
@@ -118,6 +122,21 @@ def _check_version(version: str) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    # One `up` at a time (two at once each started a broker, and one was known to nothing);
+    # SIGTERM and SIGHUP stop a start as Ctrl-C does, cleaning up what it started.
+    state_file().parent.mkdir(parents=True, exist_ok=True)
+    with open(state_file().with_name(state_file().name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        previous = {sig: signal.signal(sig, signal.default_int_handler)
+                    for sig in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            return _up(args)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _up(args: argparse.Namespace) -> int:
     if args.groups < 1 or args.slaves < 0 or args.namesrvs < 1:
         raise SystemExit("--groups and --namesrvs must be >= 1, --slaves >= 0")
     # The options are checked (a usage error) before anything starts.
@@ -155,8 +174,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         record.pids = {k: v for k, v in record.pids.items() if k in ("namesrv", "broker")}
     record.save()
     path = state_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(record.to_json())
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    partial.write_text(record.to_json())
+    os.replace(partial, path)  # a reader never sees half a state file
     _print_addrs(record)
     return 0
 
@@ -164,8 +184,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     record = _load_state()
     if record is None or not _running(record):
-        if record is not None:
-            _clear(record)
+        # A crashed run's folder (its logs say why) stays until `down` or the next `up`.
         print("not running")
         return 1
     _print_addrs(record)
@@ -173,6 +192,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    reap_stale_runs()  # runs whose starting process died halfway
     record = _load_state()
     if record is None:
         print("not running")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -666,6 +667,35 @@ def test_module_cli_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch,
                        (["fetch", "--version", "4.8.0"], "not supported")]:
         assert cli.main(argv) == 2, argv
         assert said in capsys.readouterr().err, argv
+
+
+def test_the_state_file_is_judged_by_processes_that_name_its_run(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Recorded pids now used by other processes (pid reuse) made ``status`` and ``up`` report
+    a broker that is gone; and ``status`` of a crashed run deleted its folder, logs and all."""
+    from rmq_async.devbroker import cli
+
+    monkeypatch.setenv("RMQ_ASYNC_STATE_FILE", str(tmp_path / "state.json"))
+    workdir = tmp_path / "run"
+    (workdir / "logs").mkdir(parents=True)
+    reused = procs.RunRecord(run_id="r", workdir=workdir, owner_pid=None, owner_start=None,
+                             remove_workdir=True, pids={"namesrv": os.getpid(),
+                                                        "broker": os.getppid()},
+                             info={"namesrv_addr": "127.0.0.1:9876"})
+    cli.state_file().write_text(reused.to_json())
+    assert not cli._running(reused)  # alive, but not processes of this run
+    assert cli.running_namesrv() is None
+    assert cli.cmd_status(argparse.Namespace()) == 1
+    assert "not running" in capsys.readouterr().out
+    assert (workdir / "logs").exists() and cli.state_file().exists()  # left for a look
+    with _sleeper(workdir) as one, _sleeper(workdir) as two:
+        mine = procs.RunRecord(run_id="r", workdir=workdir, owner_pid=None, owner_start=None,
+                               remove_workdir=True, pids={"namesrv": one.pid,
+                                                          "broker": two.pid})
+        assert cli._running(mine)
+        one.kill()
+        two.kill()
 
 
 def test_module_cli_failures_exit_1(monkeypatch: pytest.MonkeyPatch,
