@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -40,7 +40,18 @@ __all__ = ["as_app", "load_target", "run_supervisor", "run_worker"]
 
 log = structlog.get_logger("rmq_async.cli")
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: A worker's exit status for a usage error (its target could not be loaded), passed on.
+USAGE_STATUS = 2
+
+
+def _worker_preexec() -> Callable[[], None] | None:
+    """SIGTERM for a worker whose supervisor died (Linux; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    from rmq_async.devbroker.procs import pdeathsig_preexec
+
+    return pdeathsig_preexec(os.getpid(), signal.SIGTERM)
 #: Seconds the supervisor gives its workers beyond ``--grace`` (their own drain is bounded by
 #: it) before it kills them.
 OVERRUN_MARGIN = 5.0
@@ -201,10 +212,13 @@ async def run_supervisor(spec: str, workers: int, grace: float,
             env = {**os.environ, WORKER_ENV: str(i)}
             port_args = [] if metrics_port is None else ["--metrics-port", str(metrics_port + i)]
             # Own sessions: a terminal's Ctrl-C reaches only the supervisor, which forwards it
-            # once (a second copy would force the workers out of their drain).
+            # once (a second copy would force the workers out of their drain). Should the
+            # supervisor die without forwarding (SIGKILL), Linux sends each worker SIGTERM:
+            # it drains and ends instead of consuming on unsupervised.
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "rmq_async.cli", "run", spec, "--workers", "1",
                 "--grace", str(grace), *port_args, *child_args, env=env, start_new_session=True,
+                preexec_fn=_worker_preexec(),
             )
             procs.append(proc)
             if stopping:  # the signal came while this one was being started
@@ -215,6 +229,7 @@ async def run_supervisor(spec: str, workers: int, grace: float,
                  for i, p in enumerate(procs)}
         stopper = asyncio.create_task(stop_requested.wait(), name="stop-requested")
         failed = False
+        usage = False
         pending = set(waits)
         deadline: float | None = None
         while pending:
@@ -245,13 +260,14 @@ async def run_supervisor(spec: str, workers: int, grace: float,
                 if not stopping:
                     log.error("cli.worker_exited", worker=i, pid=procs[i].pid, code=code)
                     failed = True
+                    usage = usage or code == USAGE_STATUS  # a target it could not load
                     forward(signal.SIGTERM)
                 elif code != 0:
                     log.error("cli.worker_failed", worker=i, pid=procs[i].pid, code=code)
                     failed = True
                 else:
                     log.info("cli.worker_stopped", worker=i, pid=procs[i].pid)
-        return 1 if failed else 0
+        return USAGE_STATUS if usage else 1 if failed else 0
     finally:
         if stopper is not None:
             stopper.cancel()

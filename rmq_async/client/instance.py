@@ -405,6 +405,8 @@ def parse_namesrv(namesrv: str | list[str]) -> list[str]:
         raise InvalidArgumentError("at least one name server address (host:port) is required")
     for a in addrs:
         host, sep, port = a.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise InvalidArgumentError(f"name server address must be host:port, got {a!r}")
+        if (not sep or not host or not port.isascii() or not port.isdigit()
+                or not 0 < int(port) < 65536):
+            raise InvalidArgumentError(
+                f"name server address must be host:port (port 1-65535), got {a!r}")
     return addrs

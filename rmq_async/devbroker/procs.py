@@ -84,16 +84,18 @@ def registry_dir() -> Path:
     return path
 
 
-def pdeathsig_preexec(parent_pid: int) -> Callable[[], None]:
-    """A ``preexec_fn`` that asks Linux to SIGKILL the child when its parent thread exits."""
+def pdeathsig_preexec(parent_pid: int,
+                      sig: signal.Signals = signal.SIGKILL) -> Callable[[], None]:
+    """A ``preexec_fn`` that asks Linux to send ``sig`` to the child when its parent thread
+    exits."""
     libc_name = ctypes.util.find_library("c") or "libc.so.6"
     libc = ctypes.CDLL(libc_name, use_errno=True)
 
     def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
         # The parent may have died between fork and prctl: then nobody would ever signal us.
         if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
 
     return preexec
 

@@ -451,8 +451,8 @@ def unsupported_response(cmd: RemotingCommand) -> RemotingCommand:
 def split_addr(addr: str) -> tuple[str, int]:
     """Split ``host:port`` (IPv6 as ``[::1]:port``) into host and port."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        raise InvalidArgumentError(f"address must be host:port, got {addr!r}")
+    if not sep or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(f"address must be host:port (port 1-65535), got {addr!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -174,6 +177,60 @@ async def test_the_supervisor_kills_workers_that_ignore_the_stop_signal(
         rc = await run_module.run_supervisor("x:y", 2, 0.5, [])
     assert rc == 1
     assert time.monotonic() - started < 5  # signal at 0.5 s, kill at 0.5 + 0.5 + 0.3 s
+
+
+async def test_workers_that_cannot_load_the_target_make_a_usage_error() -> None:
+    """``--workers 2`` with a target that does not exist exited 1 where ``--workers 1`` (the
+    worker itself) exits 2."""
+    import asyncio
+
+    from rmq_async.cli import run as run_module
+
+    async with asyncio.timeout(60):
+        rc = await run_module.run_supervisor("no_such_module_for_this_test:app", 2, 0.5, [])
+    assert rc == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_whose_supervisor_is_killed_gets_sigterm(tmp_path: Path) -> None:
+    """The workers run in sessions of their own, so nothing reached them when the supervisor
+    died without forwarding a signal (SIGKILL): they consumed on, unsupervised."""
+    import signal
+    import time
+
+    mark = tmp_path / "got-sigterm"
+    worker = ("import signal, sys, time, pathlib\n"
+              "def stop(*a):\n"
+              f"    pathlib.Path({str(mark)!r}).write_text('yes')\n"
+              "    sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(60)\n")
+    supervisor = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import asyncio, sys
+        from rmq_async.cli.run import _worker_preexec
+
+        async def main():
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", {worker!r}, stdout=asyncio.subprocess.PIPE,
+                start_new_session=True, preexec_fn=_worker_preexec())
+            await proc.stdout.readline()
+            print(proc.pid, flush=True)
+            await asyncio.sleep(60)
+
+        asyncio.run(main())
+    """)], stdout=subprocess.PIPE, text=True)
+    assert supervisor.stdout is not None
+    worker_pid = int(supervisor.stdout.readline())
+    supervisor.send_signal(signal.SIGKILL)
+    supervisor.wait()
+    deadline = time.monotonic() + 10
+    while not mark.exists():
+        assert time.monotonic() < deadline, "the worker never got SIGTERM"
+        time.sleep(0.05)
+    assert mark.read_text() == "yes"
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(worker_pid, signal.SIGKILL)
 
 
 async def test_a_second_signal_while_the_target_starts_exits_1_at_once(
