@@ -59,6 +59,13 @@ def _workers(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port (1-65535), got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``rmq-async``."""
     parser = argparse.ArgumentParser(prog="rmq-async",
@@ -75,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="worker processes, each with its own consumer instances (default 1)")
     run.add_argument("--grace", type=_positive, default=30.0,
                      help="seconds to drain on SIGTERM/SIGINT before giving up (default 30)")
-    run.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    run.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
                      help="serve Prometheus metrics on PORT (worker i of --workers: PORT + i)")
     run.add_argument("--log-format", dest="run_log_format", choices=LOG_FORMATS, default=None)
     run.add_argument("--log-level", dest="run_log_level", choices=LOG_LEVELS, default=None)

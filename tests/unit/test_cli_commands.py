@@ -339,6 +339,15 @@ def test_invalid_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) 
     assert "host:port" in capsys.readouterr().err
     assert main(["tail", "%RETRY%x", "--namesrv", NS]) == 2
     assert "retry topic" in capsys.readouterr().err
+    # A port outside 1-65535: an OverflowError traceback, or a connect to another port.
+    for bad in ("127.0.0.1:99999", "localhost:99999", "127.0.0.1:0", "h:\u0663"):
+        assert main(["lag", "G", "--namesrv", bad]) == 2, bad
+        assert "port 1-65535" in capsys.readouterr().err, bad
+        assert main(["tail", "T", "--namesrv", bad]) == 2, bad
+        assert "port 1-65535" in capsys.readouterr().err, bad
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "m:c", "--metrics-port", "70000"])
+    assert exited.value.code == 2
 
 
 def test_runtime_failures_exit_1(capsys: pytest.CaptureFixture[str],
