@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import secrets
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ class AdminHelper:
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
         self._port = 0
+        self._token = ""
         self._out: Path | None = None
         self._out_offset = 0
 
@@ -38,8 +40,11 @@ class AdminHelper:
         # A helper started again (after a port clash) appends to the same file: its port is
         # the one printed after this point.
         self._out, self._out_offset = output, output_size(output)
-        self.proc = spawn(cmd, cwd=cwd, env=env, output=output,
-                          die_with_parent=die_with_parent, stdin_pipe=True)
+        # Requests start with a token only this process knows: the helper's loopback port
+        # takes connections from every local user, and it signs as the internal super user.
+        self._token = secrets.token_hex(16)
+        self.proc = spawn(cmd, cwd=cwd, env={**env, "RMQ_DEVADMIN_TOKEN": self._token},
+                          output=output, die_with_parent=die_with_parent, stdin_pipe=True)
         self._port = 0
 
     @property
@@ -72,7 +77,7 @@ class AdminHelper:
         with anyio.fail_after(timeout):
             stream = await anyio.connect_tcp("127.0.0.1", port)
             async with stream:
-                await stream.send("\t".join(words).encode() + b"\n")
+                await stream.send("\t".join((self._token, *words)).encode() + b"\n")
                 chunks = []
                 while True:
                     try:

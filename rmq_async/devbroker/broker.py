@@ -503,14 +503,17 @@ class LocalRocketMQ:
         run = self._require()
         assert self._admin_classes is not None
         args = [self.namesrv_addr]
+        env = self._env()
         if self.acl is not None:
-            args += [INTERNAL_ADMIN_USER, self._admin_password]
+            # The password through the environment: a command line is readable by anyone.
+            args.append(INTERNAL_ADMIN_USER)
+            env["RMQ_DEVADMIN_SECRET"] = self._admin_password
         cmd = cfg.jvm_command(
             self.java, lib_dir=self.lib_dir, main_class="DevAdmin", args=args,
             user_home=run / "admin-home", logback="rmq.client.logback.xml", heap="128m",
             quick_start=True, class_dirs=[self._admin_classes],
         )
-        self._admin.spawn(cmd, cwd=run, env=self._env(), output=self._paths()["admin_out"],
+        self._admin.spawn(cmd, cwd=run, env=env, output=self._paths()["admin_out"],
                           die_with_parent=not self.detached)
         self._save_record()
 

@@ -71,6 +71,17 @@ async def test_acl_right_keys_consume(acl_broker: LocalRocketMQ) -> None:
         await wait_until(lambda: len(seen) == 100, 30, what="100 messages under ACL")
 
 
+def test_the_internal_admin_password_is_not_on_a_command_line(
+        acl_broker: LocalRocketMQ) -> None:
+    """Any local user can read a process's command line (/proc/PID/cmdline is 0444): the
+    admin helper gets the internal admin's password through its environment."""
+    from rmq_async.devbroker.procs import pid_cmdline
+
+    helper = acl_broker._admin.proc
+    assert helper is not None and acl_broker._admin_password
+    assert acl_broker._admin_password not in pid_cmdline(helper.pid)
+
+
 @pytest.mark.parametrize("credentials, reason", [
     ((ACCOUNT.access_key, "wrong-secret-1"), "check signature failed"),
     (("mallory", ACCOUNT.secret_key), ""),

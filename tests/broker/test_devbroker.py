@@ -106,6 +106,30 @@ async def test_create_topic_queue_counts_and_order(rocketmq: LocalRocketMQ) -> N
     print(f"create_topic seconds: {[round(t, 3) for t in times]}")
 
 
+async def test_the_admin_helper_answers_its_own_client_only(rocketmq: LocalRocketMQ) -> None:
+    """The helper's loopback port takes connections from every local user and signs its
+    requests as the internal admin: a request without the token its starter gave it is
+    refused; the starter's own requests work."""
+    import anyio
+
+    port = await rocketmq._admin.ready(10)
+    for request in (b"ping\n", b"wrong-token\tping\n", b"\n"):
+        async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+            await stream.send(request)
+            answer = b""
+            with anyio.fail_after(10):
+                while True:
+                    try:
+                        answer += await stream.receive()
+                    except anyio.EndOfStream:
+                        break
+        assert answer.startswith(b"ERR not this helper's client"), (request, answer)
+    assert await rocketmq.admin_request("ping") is not None
+    assert os.environ.get("RMQ_DEVADMIN_TOKEN") is None
+    helper = rocketmq._admin.proc
+    assert helper is not None and rocketmq._admin._token not in pid_cmdline(helper.pid)
+
+
 async def test_create_topic_rejects_bad_input(rocketmq: LocalRocketMQ) -> None:
     with pytest.raises(ValueError):
         await rocketmq.create_topic("bad topic!", queues=8)

@@ -8,6 +8,7 @@ import java.net.InetAddress;
 import java.net.ServerSocket;
 import java.net.Socket;
 import java.nio.charset.StandardCharsets;
+import java.security.MessageDigest;
 import java.util.ArrayList;
 import java.util.List;
 import java.util.Map;
@@ -27,11 +28,12 @@ import org.apache.rocketmq.tools.admin.DefaultMQAdminExt;
  * A resident admin client for the local development broker, so that creating a topic costs a
  * round trip instead of a JVM start.
  *
- * Usage: DevAdmin namesrvAddr [accessKey secretKey]
+ * Usage: DevAdmin namesrvAddr [accessKey], with the environment variables RMQ_DEVADMIN_TOKEN
+ * and (with an access key) RMQ_DEVADMIN_SECRET, the access key's secret.
  *
  * Listens on an ephemeral loopback port and prints "DEVADMIN PORT n" once ready. Each
- * connection carries one request line of tab-separated words and gets back "OK" or
- * "ERR message", then result lines, then the connection closes.
+ * connection carries one request line of tab-separated words, the first of them the token,
+ * and gets back "OK" or "ERR message", then result lines, then the connection closes.
  *
  *   ping
  *   brokers CLUSTER              lines: brokerName TAB brokerId TAB address
@@ -50,12 +52,18 @@ import org.apache.rocketmq.tools.admin.DefaultMQAdminExt;
  */
 public class DevAdmin {
     private static DefaultMQAdminExt admin;
+    /** The first word of every request: only the process that started this helper knows it. */
+    private static String token;
 
     public static void main(String[] args) throws Exception {
         RPCHook hook = null;
-        if (args.length >= 3) {
-            hook = new AclClientRPCHook(new SessionCredentials(args[1], args[2]));
+        if (args.length >= 2) {
+            // The password comes through the environment, which other users cannot read
+            // (a command line they can).
+            hook = new AclClientRPCHook(new SessionCredentials(args[1],
+                System.getenv("RMQ_DEVADMIN_SECRET")));
         }
+        token = System.getenv("RMQ_DEVADMIN_TOKEN");
         admin = new DefaultMQAdminExt(hook, 5000);
         admin.setNamesrvAddr(args[0]);
         admin.setInstanceName("devadmin-" + ProcessHandle.current().pid());
@@ -100,8 +108,15 @@ public class DevAdmin {
             String line = in.readLine();
             List<String> result = new ArrayList<>();
             String status;
+            String[] words = line == null ? new String[0] : line.split("\t");
             try {
-                status = handle(line == null ? new String[0] : line.split("\t"), result);
+                if (token == null || words.length == 0 || !MessageDigest.isEqual(
+                        token.getBytes(StandardCharsets.UTF_8),
+                        words[0].getBytes(StandardCharsets.UTF_8))) {
+                    status = "ERR not this helper's client";
+                } else {
+                    status = handle(java.util.Arrays.copyOfRange(words, 1, words.length), result);
+                }
             } catch (Exception e) {
                 status = "ERR " + oneLine(e);
             }
