@@ -160,16 +160,24 @@ def jars_ready(vdir: Path, pom: str) -> bool:
     return all((vdir / "lib" / str(j)).is_file() for j in jars)
 
 
+#: The longest a Maven run fetching one version's jars may take (a first fetch takes a minute
+#: or two; a stalled mirror would otherwise hold every start for good).
+MAVEN_TIMEOUT = 900.0
+
+
 @contextlib.contextmanager
 def _dir_lock(vdir: Path) -> Iterator[None]:
     """Serialise fetches of one version across processes (blocking ``flock``)."""
     vdir.mkdir(parents=True, exist_ok=True)
-    with open(vdir / ".lock", "w") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+    fd = os.open(vdir / ".lock", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _mvn_command(mvn: Path, pom_path: Path, out_dir: Path) -> list[str]:
@@ -186,10 +194,16 @@ def _mvn_command(mvn: Path, pom_path: Path, out_dir: Path) -> list[str]:
 
 
 def _prepare(vdir: Path, pom: str) -> tuple[Path, Path]:
-    """Write the POM and return (pom path, empty staging folder)."""
+    """Write the POM and return (pom path, empty staging folder).
+
+    Called under the version's lock: any other staging folder is left over from a fetch whose
+    process died, and is removed.
+    """
     pom_path = vdir / "pom.xml"
     if not pom_path.is_file() or pom_path.read_text() != pom:
         pom_path.write_text(pom)
+    for stale in vdir.glob("lib.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     staging = vdir / f"lib.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -226,13 +240,20 @@ def _ensure_locked_sync(version: str, vdir: Path, pom: str) -> Path:
         pom_path, staging = _prepare(vdir, pom)
         started = time.monotonic()
         log.info("devbroker.jars.fetch", version=version, folder=str(vdir))
-        proc = subprocess.run(
-            _mvn_command(mvn, pom_path, staging),
-            cwd=vdir,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            check=False,
-        )
+        try:
+            proc = subprocess.run(
+                _mvn_command(mvn, pom_path, staging),
+                cwd=vdir,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                check=False,
+                timeout=MAVEN_TIMEOUT,
+            )
+        except subprocess.TimeoutExpired:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise DevBrokerError(
+                f"Maven did not resolve the RocketMQ {version} jars within {MAVEN_TIMEOUT:g} s; "
+                "is Maven Central reachable?") from None
         lib = _finish(vdir, pom, staging, proc.returncode, proc.stdout.decode(errors="replace"),
                       version)
         log.info("devbroker.jars.fetched", version=version,
@@ -263,25 +284,44 @@ async def ensure_jars(version: str = DEFAULT_VERSION, cache_dir: Path | str | No
         return vdir / "lib"
     mvn = find_tool("mvn")
     find_tool("java")
-    # The cross-process lock is a blocking flock: take it in a worker thread.
-    lock_cm = _dir_lock(vdir)
-    await anyio.to_thread.run_sync(lock_cm.__enter__)
+    vdir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(vdir / ".lock", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        if jars_ready(vdir, pom):
-            return vdir / "lib"
-        pom_path, staging = _prepare(vdir, pom)
-        started = time.monotonic()
-        log.info("devbroker.jars.fetch", version=version, folder=str(vdir))
-        proc = await anyio.run_process(
-            _mvn_command(mvn, pom_path, staging),
-            cwd=vdir,
-            stderr=subprocess.STDOUT,
-            check=False,
-        )
-        lib = _finish(vdir, pom, staging, proc.returncode, proc.stdout.decode(errors="replace"),
-                      version)
-        log.info("devbroker.jars.fetched", version=version,
-                 seconds=round(time.monotonic() - started, 2))
-        return lib
+        # The cross-process lock, polled: a wait a timeout or a cancel can end (a blocking
+        # flock in a worker thread could not be interrupted).
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await anyio.sleep(0.2)
+        try:
+            if jars_ready(vdir, pom):
+                return vdir / "lib"
+            pom_path, staging = _prepare(vdir, pom)
+            started = time.monotonic()
+            log.info("devbroker.jars.fetch", version=version, folder=str(vdir))
+            try:
+                with anyio.fail_after(MAVEN_TIMEOUT):
+                    proc = await anyio.run_process(
+                        _mvn_command(mvn, pom_path, staging),
+                        cwd=vdir,
+                        stderr=subprocess.STDOUT,
+                        check=False,
+                    )
+            except BaseException as exc:
+                shutil.rmtree(staging, ignore_errors=True)
+                if isinstance(exc, TimeoutError):
+                    raise DevBrokerError(
+                        f"Maven did not resolve the RocketMQ {version} jars within "
+                        f"{MAVEN_TIMEOUT:g} s; is Maven Central reachable?") from None
+                raise
+            lib = _finish(vdir, pom, staging, proc.returncode,
+                          proc.stdout.decode(errors="replace"), version)
+            log.info("devbroker.jars.fetched", version=version,
+                     seconds=round(time.monotonic() - started, 2))
+            return lib
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
-        lock_cm.__exit__(None, None, None)
+        os.close(fd)

@@ -278,6 +278,43 @@ async def test_ensure_jars_reports_maven_failure(monkeypatch: pytest.MonkeyPatch
     assert not list(vdir.glob("lib.partial-*"))
 
 
+async def test_a_fetch_waiting_for_the_lock_ends_with_its_timeout(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Another process fetching the same version holds its lock: the wait was a blocking
+    flock in a worker thread, which a timeout around the start could not end (it returned
+    when the other process let go, seconds later)."""
+    import fcntl
+
+    _fake_path(monkeypatch, tmp_path, {"mvn": "exit 1", "java": "exit 0"})
+    vdir = tmp_path / "cache" / "rocketmq-5.3.3"
+    vdir.mkdir(parents=True)
+    (vdir / "lib.partial-999999").mkdir()  # left by a fetch whose process died
+    holder = os.open(vdir / ".lock", os.O_WRONLY | os.O_CREAT)  # held across the wait below
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        started = time.monotonic()
+        with anyio.move_on_after(0.5):
+            await ensure_jars("5.3.3", tmp_path / "cache")
+        assert time.monotonic() - started < 2.0
+    finally:
+        os.close(holder)
+    with pytest.raises(DevBrokerError, match="exit 1"):  # the lock is free again: it runs
+        await ensure_jars("5.3.3", tmp_path / "cache")
+    assert not list(vdir.glob("lib.partial-*"))  # its own and the dead fetch's
+
+
+async def test_a_maven_run_over_its_time_limit_is_a_clear_failure(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_path(monkeypatch, tmp_path, {"mvn": f"exec {sys.executable} -c 'import time; time.sleep(30)'",
+                                       "java": "exit 0"})
+    monkeypatch.setattr(maven, "MAVEN_TIMEOUT", 0.5)
+    with pytest.raises(DevBrokerError, match=r"within 0\.5 s"):
+        await ensure_jars("5.3.3", tmp_path / "cache")
+    with pytest.raises(DevBrokerError, match=r"within 0\.5 s"):
+        ensure_jars_sync("5.3.3", tmp_path / "cache")
+    assert not list((tmp_path / "cache" / "rocketmq-5.3.3").glob("lib.partial-*"))
+
+
 def test_java_home_is_preferred(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _fake_path(monkeypatch, tmp_path, {"java": "exit 0"})
     home = tmp_path / "jdk"
