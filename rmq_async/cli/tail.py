@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -68,6 +70,7 @@ async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: boo
     name server address, the topic, the tag expression) before any network I/O.
     """
     stream = out if out is not None else sys.stdout
+    output = await _Output.open(stream)
     done = asyncio.Event()
     printed = 0
     closed = False
@@ -78,12 +81,9 @@ async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: boo
             if closed or (count is not None and printed >= count):
                 break
             line = format_message(m, max_body=max_body, as_json=as_json)
-            try:
-                print(line, file=stream, flush=True)
-            except BrokenPipeError:
+            if not await output.write(line):
                 # The reader went away (`| head -3`): stop, as --count does.
                 closed = True
-                reader_gone(stream)
                 log.info("tail.output_closed", topic=topic, printed=printed)
                 break
             printed += 1
@@ -121,8 +121,85 @@ async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: boo
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        output.close()
     log.info("tail.stopped", topic=topic, printed=printed)
     return 0
+
+
+class _PipeProtocol(asyncio.Protocol):
+    """Flow control of a write pipe: writers wait while the transport's buffer is full."""
+
+    def __init__(self) -> None:
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.lost = False
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.writable.set()
+
+
+class _Output:
+    """Where tail's lines go.
+
+    Standard output that is a pipe or a terminal is written through an asyncio pipe transport
+    on a descriptor of its own (opened again through ``/proc/self/fd``, so that the non-blocking
+    mode stays off the process's standard streams): a reader that stops reading (``| less``)
+    then holds the listener, not the event loop, and signals, ``--seconds`` and heartbeats go
+    on. Anything else (a file, a test's ``StringIO``) is written directly.
+    """
+
+    def __init__(self, stream: TextIO, transport: asyncio.WriteTransport | None = None,
+                 protocol: _PipeProtocol | None = None) -> None:
+        self._stream = stream
+        self._transport = transport
+        self._protocol = protocol
+
+    @classmethod
+    async def open(cls, stream: TextIO) -> _Output:
+        if stream is not sys.stdout:
+            return cls(stream)
+        try:
+            fd = stream.fileno()
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+                return cls(stream)
+            own = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NOCTTY)
+        except (OSError, ValueError):  # no descriptor, or not one to open again (a socket)
+            return cls(stream)
+        stream.flush()
+        protocol = _PipeProtocol()
+        transport, _ = await asyncio.get_running_loop().connect_write_pipe(
+            lambda: protocol, os.fdopen(own, "wb", buffering=0))
+        return cls(stream, transport, protocol)
+
+    async def write(self, line: str) -> bool:
+        """Write one line; False when the reader went away."""
+        if self._transport is None or self._protocol is None:
+            try:
+                print(line, file=self._stream, flush=True)
+            except BrokenPipeError:
+                reader_gone(self._stream)
+                return False
+            return True
+        if self._protocol.lost:
+            return False
+        self._transport.write(line.encode() + b"\n")
+        await self._protocol.writable.wait()
+        return not self._protocol.lost
+
+    def close(self) -> None:
+        if self._transport is not None and self._protocol is not None:
+            if self._protocol.writable.is_set():
+                self._transport.close()  # after what is buffered
+            else:
+                self._transport.abort()  # its reader stopped reading: drop the rest
 
 
 async def _wait_ready(consumer: PushConsumer, topic: str, limit: float = 10.0) -> None:

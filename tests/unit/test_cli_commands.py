@@ -4,6 +4,7 @@ goes away, start and stop racing, a broker group whose master is down, the exit 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import socket
@@ -328,6 +329,60 @@ async def test_lag_without_route_or_rows_is_a_failure_not_a_usage_error(
     fake_lag.routes = {"%RETRY%G": _two_groups_b_master_down()}
     with pytest.raises(CommandFailed, match="offset table is empty"):
         await lag_module.group_lag(NS, "G")
+
+
+async def test_a_full_output_pipe_holds_the_listener_not_the_event_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """tail wrote its lines on the event loop's thread: a reader that stopped reading (``|
+    less``) blocked the whole loop in write(), signals, --seconds and heartbeats included."""
+    import asyncio
+    import os
+
+    read_fd, write_fd = os.pipe()
+    stdout = open(write_fd, "w")  # noqa: ASYNC230, SIM115 - the pipe as standard output
+    monkeypatch.setattr(sys, "stdout", stdout)
+    try:
+        output = await tail_module._Output.open(sys.stdout)
+        assert output._transport is not None  # a pipe: written through the event loop
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        async def writer() -> int:
+            n = 0
+            for _ in range(5_000):  # ~500 KB: far more than the pipe and the buffer hold
+                if not await output.write("x" * 100):
+                    break
+                n += 1
+            return n
+
+        tick = asyncio.create_task(ticker())
+        write = asyncio.create_task(writer())
+        await asyncio.sleep(0.5)
+        assert ticks >= 20 and not write.done()  # the loop ran; the writer waits
+        os.set_blocking(read_fd, False)
+        got = 0
+        async with asyncio.timeout(10):
+            while not write.done():
+                with contextlib.suppress(BlockingIOError):
+                    got += len(os.read(read_fd, 65536))
+                await asyncio.sleep(0)
+        assert await write == 5_000
+        os.close(read_fd)  # the reader goes away
+        async with asyncio.timeout(5):
+            while await output.write("y"):
+                await asyncio.sleep(0.01)
+        tick.cancel()
+        output.close()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(read_fd)
+        with contextlib.suppress(OSError):
+            stdout.close()
 
 
 # ---------------------------------------------------------------------------------- exit status
