@@ -9,8 +9,9 @@ subscription (``post_subscription_when_pull``), so the broker filters it by that
 ``--tags`` whatever the group's other tails subscribe. The group being fixed, the broker creates
 its subscription group and ``%RETRY%`` topic once, not once per run.
 
-Ctrl-C (or SIGTERM), ``--count``, ``--seconds`` or a reader that goes away (``| head -3``: a
-``BrokenPipeError`` on stdout) ends it with status 0.
+Ctrl-C (or SIGTERM), ``--count``, ``--seconds`` or a reader that goes away (``| head -3``)
+ends it with status 0; a pipe's reader going away is noticed at once, a reader that stops
+reading holds the output, not the consumer's event loop.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import stat
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TextIO
 
@@ -72,6 +74,7 @@ async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: boo
     stream = out if out is not None else sys.stdout
     output = await _Output.open(stream)
     done = asyncio.Event()
+    output.when_reader_gone(done.set)
     printed = 0
     closed = False
 
@@ -133,6 +136,7 @@ class _PipeProtocol(asyncio.Protocol):
         self.writable = asyncio.Event()
         self.writable.set()
         self.lost = False
+        self.on_lost: Callable[[], None] | None = None
 
     def pause_writing(self) -> None:
         self.writable.clear()
@@ -141,8 +145,12 @@ class _PipeProtocol(asyncio.Protocol):
         self.writable.set()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # Also when the reader closes its end with nothing being written (a pipe is watched
+        # for that): tail then ends at once, not at the next message's write.
         self.lost = True
         self.writable.set()
+        if self.on_lost is not None:
+            self.on_lost()
 
 
 class _Output:
@@ -178,6 +186,11 @@ class _Output:
         transport, _ = await asyncio.get_running_loop().connect_write_pipe(
             lambda: protocol, os.fdopen(own, "wb", buffering=0))
         return cls(stream, transport, protocol)
+
+    def when_reader_gone(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` as soon as a pipe's reader goes away (not for direct writes)."""
+        if self._protocol is not None:
+            self._protocol.on_lost = callback
 
     async def write(self, line: str) -> bool:
         """Write one line; False when the reader went away."""

@@ -372,7 +372,11 @@ async def test_a_full_output_pipe_holds_the_listener_not_the_event_loop(
                     got += len(os.read(read_fd, 65536))
                 await asyncio.sleep(0)
         assert await write == 5_000
-        os.close(read_fd)  # the reader goes away
+        gone = asyncio.Event()
+        output.when_reader_gone(gone.set)
+        os.close(read_fd)  # the reader goes away: noticed without a write
+        async with asyncio.timeout(5):
+            await gone.wait()
         async with asyncio.timeout(5):
             while await output.write("y"):
                 await asyncio.sleep(0.01)
