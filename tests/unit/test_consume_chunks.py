@@ -77,11 +77,15 @@ class Harness:
         self.service.submit(msgs, self.pq, MQ)
         return msgs
 
-    async def run_chunk(self, n: int, first: int = 0) -> list[MessageExt]:
+    async def run_chunk(self, n: int, first: int = 0, *,
+                        until: Callable[[], bool] | None = None) -> list[MessageExt]:
+        """Consume one chunk until ``until()`` (default: something was removed), then
+        drain and close the service."""
+        done = until or (lambda: self.removals != 0)
         try:
             msgs = self.start_chunk(n, first)
             async with asyncio.timeout(5):
-                while self.service.queued or self.removals == 0:
+                while self.service.queued or not done():
                     await asyncio.sleep(0.005)
                 await self.service.wait_idle()
         finally:
@@ -118,14 +122,7 @@ async def test_a_result_for_a_dropped_queue_counts_its_time_only(fail: bool) -> 
             raise RuntimeError("fails")
 
     h = Harness(listener)
-    try:
-        h.start_chunk(5)
-        async with asyncio.timeout(5):
-            while h.service.queued or h.recorded == 0:
-                await asyncio.sleep(0.005)
-            await h.service.wait_idle()
-    finally:
-        await h.service.aclose()
+    await h.run_chunk(5, until=lambda: h.recorded != 0)
     totals = h.stats.totals["T"]
     assert (h.updates, h.sent_back, totals.consumed, totals.failed) == ([], [], 0, 0)
     assert totals.consume_seconds.count == 1  # the one call made

@@ -59,6 +59,15 @@ class _Harness:
         first = self.pq.put_messages(msgs)
         self.service.submit(msgs, self.pq, MQ, first)
 
+    async def run(self, offsets: range, done: Callable[[], bool]) -> None:
+        """Start the service, hand it ``offsets``, wait for ``done()``, close it."""
+        self.service.start()
+        try:
+            self.put(offsets)
+            await self.until(done)
+        finally:
+            await self.service.aclose()
+
     async def until(self, done: Callable[[], bool]) -> None:
         async with asyncio.timeout(5):
             while not done():
@@ -105,12 +114,7 @@ async def test_rollback_without_auto_commit_consumes_every_uncommitted_message_a
         return ConsumeResult.SUCCESS
 
     h = _Harness(handler)
-    h.service.start()
-    try:
-        h.put(range(0, 3))
-        await h.until(lambda: len(calls) == 5)
-    finally:
-        await h.service.aclose()
+    await h.run(range(0, 3), lambda: len(calls) == 5)
     # 0 held, 1 rolled back: both come again, in order, after the suspend time.
     assert calls == [0, 1, 0, 1, 2]
     assert h.offsets.updates == [3]
@@ -149,12 +153,7 @@ async def test_a_suspend_after_successes_commits_them_and_retries_only_the_faili
             raise ValueError("once")
 
     h = _Harness(handler, batch_size=3)
-    h.service.start()
-    try:
-        h.put(range(0, 3))
-        await h.until(lambda: len(calls) == 4)
-    finally:
-        await h.service.aclose()
+    await h.run(range(0, 3), lambda: len(calls) == 4)
     assert calls == [0, 1, 1, 2]
     assert h.offsets.updates == [1, 3]
     totals = h.stats.totals["T"]
@@ -171,12 +170,7 @@ async def test_dead_lettered_messages_count_as_failed_not_consumed() -> None:
             raise DeadLetter("poison")
 
     h = _Harness(handler, batch_size=3, broadcasting=True)
-    h.service.start()
-    try:
-        h.put(range(0, 3))
-        await h.until(lambda: h.offsets.updates[-1:] == [3])
-    finally:
-        await h.service.aclose()
+    await h.run(range(0, 3), lambda: h.offsets.updates[-1:] == [3])
     totals = h.stats.totals["T"]
     assert (totals.consumed, totals.failed) == (2, 1)  # as the concurrent service counts
 
@@ -212,12 +206,7 @@ async def test_a_dead_letter_send_that_fails_midway_does_not_send_the_others_aga
     h.rt.instance = SimpleNamespace(find_broker_master=master,
                                     api=SimpleNamespace(send_message=send_message))
     h.rt.send_message_back = no_send_back
-    h.service.start()
-    try:
-        h.put(range(0, 2))
-        await h.until(lambda: h.offsets.updates[-1:] == [2])
-    finally:
-        await h.service.aclose()
+    await h.run(range(0, 2), lambda: h.offsets.updates[-1:] == [2])
     assert sent == [0, 1] and calls == [[0, 1], [1]]
     totals = h.stats.totals["T"]
     # Failed once per failed attempt: 0 once, 1 twice (the attempt whose DLQ send failed).
@@ -305,12 +294,7 @@ async def test_a_middleware_filtering_a_duplicate_out_commits_nothing_held() -> 
         await call_next(dataclasses.replace(call, messages=fresh))
 
     h.rt.subscriptions.middlewares.append(dedup)
-    h.service.start()
-    try:
-        h.put(range(0, 4))
-        await h.until(lambda: seen == [0, 1, 3])
-    finally:
-        await h.service.aclose()
+    await h.run(range(0, 4), lambda: seen == [0, 1, 3])
     assert h.offsets.updates == []
     # 0, 1 and 3 held; the duplicate stays taken too, committed with them at the COMMIT.
     assert h.pq.consuming_count == 4
