@@ -18,6 +18,7 @@ from rmq_async.errors import (
     IllegalStateError,
     InvalidArgumentError,
     InvalidTypeError,
+    MissingExtraError,
     RocketMQError,
 )
 from rmq_async.payloads import PayloadDecodeError
@@ -50,6 +51,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidOptionError",
     "InvalidTypeError",
+    "MissingExtraError",
     "MQBrokerError",
     "MQClientError",
     "Message",

@@ -13,6 +13,8 @@ layers keep their own branches below it:
 * :class:`InvalidTypeError`: a value of the wrong type (also a ``TypeError``);
 * :class:`IllegalStateError`: a call the object's state does not allow (also a
   ``RuntimeError``), such as starting a consumer twice;
+* :class:`MissingExtraError`: a module of an optional extra imported without the extra
+  installed (also an ``ImportError``);
 * :class:`~rmq_async.devbroker.errors.DevBrokerError`: the local development broker.
 
 Two builtin exceptions keep their asyncio meaning and are not wrapped: ``asyncio.CancelledError``
@@ -24,7 +26,8 @@ Two builtin exceptions keep their asyncio meaning and are not wrapped: ``asyncio
 
 from __future__ import annotations
 
-__all__ = ["IllegalStateError", "InvalidArgumentError", "InvalidTypeError", "RocketMQError"]
+__all__ = ["IllegalStateError", "InvalidArgumentError", "InvalidTypeError", "MissingExtraError",
+           "RocketMQError"]
 
 
 class RocketMQError(Exception):
@@ -41,3 +44,8 @@ class InvalidTypeError(RocketMQError, TypeError):
 
 class IllegalStateError(RocketMQError, RuntimeError):
     """The call is not allowed in the object's current state (a ``RuntimeError`` too)."""
+
+
+class MissingExtraError(RocketMQError, ImportError):
+    """A module of an optional extra was imported without the extra installed (an
+    ``ImportError`` too); the message names the ``pip install`` that adds it."""

@@ -641,13 +641,15 @@ class PushConsumer:
         consumer (see :mod:`rmq_async.consumer.lag`); a queue assigned since the last refresh
         is missing until the next one. Empty when the consumer is not running.
         """
-        return self._lag.snapshot() if self._lag is not None else {}
+        lag = self._lag  # read once: stop() may clear it meanwhile (a scrape's thread)
+        return lag.snapshot() if lag is not None else {}
 
     async def refresh_lag(self) -> dict[MessageQueue, QueueLag]:
         """Read every assigned queue's max offset now and return :meth:`lag`."""
-        if self._lag is None:
+        lag = self._lag
+        if lag is None:
             return {}
-        return await self._lag.refresh()
+        return await lag.refresh()
 
     def is_healthy(self) -> bool:
         """``True`` while the consumer runs and at least one broker answered its last

@@ -47,9 +47,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentelemetry import propagate, trace
-from opentelemetry.context import Context
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode, TracerProvider
+from rmq_async.errors import MissingExtraError
+
+try:
+    from opentelemetry import propagate, trace
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Link, SpanKind, Status, StatusCode, TracerProvider
+except ImportError as exc:  # pragma: no cover - depends on what is installed
+    raise MissingExtraError(f"rmq_async.observability.otel needs the otel extra "
+                      f"(pip install 'rmq_async[otel]'): {exc}") from exc
 
 from rmq_async.consumer.middleware import CallNext, ConsumeCall
 

@@ -73,14 +73,20 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, start_http_server
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector, CollectorRegistry
+from rmq_async.errors import MissingExtraError
+
+try:
+    from prometheus_client import REGISTRY, start_http_server
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        Metric,
+    )
+    from prometheus_client.registry import Collector, CollectorRegistry
+except ImportError as exc:  # pragma: no cover - depends on what is installed
+    raise MissingExtraError(f"rmq_async.observability.prometheus needs the prometheus extra "
+                      f"(pip install 'rmq_async[prometheus]'): {exc}") from exc
 
 from rmq_async.errors import InvalidArgumentError
 

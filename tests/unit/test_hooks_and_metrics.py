@@ -308,6 +308,22 @@ def test_one_collector_per_registry_and_one_member_per_group() -> None:
     assert prom._collectors[registry]._live() == [b, successor]
 
 
+@pytest.mark.parametrize("module, extra, missing", [
+    ("rmq_async.observability.prometheus", "prometheus", "prometheus_client"),
+    ("rmq_async.observability.otel", "otel", "opentelemetry"),
+])
+def test_a_missing_extra_is_named_with_its_install_command(
+        monkeypatch: pytest.MonkeyPatch, module: str, extra: str, missing: str) -> None:
+    """Without the extra, importing the module was a bare ModuleNotFoundError."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed
+    monkeypatch.delitem(sys.modules, module)
+    with pytest.raises(ImportError, match=re.escape(f"pip install 'rmq_async[{extra}]'")):
+        importlib.import_module(module)
+
+
 # ---------------------------------------------------------------------- OpenTelemetry
 
 
