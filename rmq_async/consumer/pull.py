@@ -374,9 +374,11 @@ class PullService:
                 first = req.pq.put_chunk(chunk)
             else:
                 msgs, req.next_offset = self._decode(req, result)
-                rt.stats.record_pull(mq.topic, len(msgs), elapsed)
                 if sub is not None and sub.tags_set:
                     msgs = [m for m in msgs if tag_matches(sub, m.tags)]
+                # What the tag filter kept, as Java counts its pull TPS (the round trip counts
+                # all the same).
+                rt.stats.record_pull(mq.topic, len(msgs), elapsed)
                 first = False
                 if msgs:
                     # Does not parse the messages' properties.

@@ -29,7 +29,7 @@ Metrics (name, type, labels, meaning; per-queue labels are ``group``, ``topic``,
 ``rocketmq_consumer_messages_dlq_total`` (counter; group, topic)
     Failed messages handed back to go to the dead-letter queue (``%DLQ%<group>``).
 ``rocketmq_consumer_messages_pulled_total`` (counter; group, topic)
-    Messages found by pulls.
+    Messages found by pulls (what the client's tag filter kept, as Java counts its pull TPS).
 ``rocketmq_consumer_consume_duration_seconds`` (histogram; group, topic)
     Time of the listener calls: the calls on one pulled chunk are timed together (one clock
     read per chunk, not per call) and observed at their mean, so ``_sum`` and ``_count`` are

@@ -123,3 +123,42 @@ async def test_an_interrupt_during_the_pipelined_pull_still_hands_on_the_cached_
         assert submitted == list(range(32))
     finally:
         await pull.aclose()
+
+
+async def test_pulled_messages_count_what_the_tag_filter_kept() -> None:
+    """Java's pull TPS counts the messages its client-side tag filter kept (a broker filters by
+    tag hash, so the client drops the collisions); they were counted before the filter."""
+    from rmq_async.protocol.filter import build_subscription
+
+    submitted: list[int] = []
+    recorded: list[tuple[str, int]] = []
+
+    class Pull(PullService):
+        sends = 0
+
+        async def _send(self, req: PullRequest, offset: int) -> Any:
+            self.sends += 1
+            if self.sends > 1:
+                return Pending()
+            msgs = [MessageExt("T", b"x", 0, i, properties={"TAGS": "a" if i % 4 else "b"})
+                    for i in range(8)]
+            return Pending(SimpleNamespace(
+                status=PullStatus.FOUND, next_begin_offset=8, min_offset=0, max_offset=8,
+                suggest_which_broker_id=0, offset_delta=None, body=b"", decode=lambda: msgs))
+
+    opts = ConsumerOptions.from_kwargs("G")
+    pq = ProcessQueue()
+    rt = runtime(opts, pq)
+    sub = build_subscription("T", "a")
+    rt.subscriptions.subscription_data = lambda t: sub
+    rt.stats = SimpleNamespace(record_pull=lambda topic, n, rtt: recorded.append((topic, n)))
+    pull = Pull(rt, router(submitted), on_queue_forgotten=lambda: None)
+    pull.start_queue(PullRequest(MQ, pq, 0))
+    try:
+        async with asyncio.timeout(5):
+            while not submitted:
+                await asyncio.sleep(0.001)
+    finally:
+        await pull.aclose()
+    assert submitted == [1, 2, 3, 5, 6, 7]
+    assert recorded == [("T", 6)]
