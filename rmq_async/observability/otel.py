@@ -36,7 +36,8 @@ dead-letter queue) ends its span with status ``ERROR``, the exception recorded a
 and ``error.type`` set to the exception's class name; the exception goes on unchanged. A batch
 call whose handler returned but left messages bound for the dead-letter queue (bodies its
 ``model=`` could not read, ``ctx.dead_letters``) ends with ``ERROR`` too, ``error.type``
-``DeadLetter``.
+``DeadLetter``; so does a concurrent batch call that succeeded with an ``ack_index`` short of
+the batch (the rest is retried), ``error.type`` ``RetryLater``.
 
 Trace context travels in the message's properties (W3C ``traceparent`` / ``tracestate`` as an
 instrumented producer writes them; whatever propagator is configured reads them): a call of one
@@ -58,6 +59,7 @@ except ImportError as exc:  # pragma: no cover - depends on what is installed
                       f"(pip install 'rmq_async[otel]'): {exc}") from exc
 
 from rmq_async.consumer.middleware import CallNext, ConsumeCall
+from rmq_async.consumer.results import ConsumeResult
 
 __all__ = ["TracingMiddleware"]
 
@@ -134,6 +136,13 @@ class TracingMiddleware:
                 span.set_attribute("error.type", type(exc).__qualname__)
                 span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
                 raise
+            size = len(call.messages)
+            acked = call.context.acked_count(size, ConsumeResult.SUCCESS)
+            if not call.orderly and acked < size:
+                # A success with an ack_index short of the batch: the rest is retried.
+                span.set_attribute("error.type", "RetryLater")
+                span.set_status(Status(StatusCode.ERROR, f"{acked} of {size} message(s) "
+                                       "acknowledged (ack_index); the rest retried"))
             dead = call.context.dead_letters
             if dead:
                 span.set_attribute("error.type", "DeadLetter")

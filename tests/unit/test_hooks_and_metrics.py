@@ -431,6 +431,27 @@ async def test_a_message_without_trace_context_starts_a_trace_of_its_own() -> No
     assert all(s.context.trace_id != startup.get_span_context().trace_id for s in spans)
 
 
+async def test_a_batch_acknowledged_in_part_is_an_error_span() -> None:
+    """SUCCESS with an ack_index short of the batch retries the rest: a retry asked for, which
+    the docs say ends the span with ERROR; it ended UNSET."""
+    mw, exporter = _tracing()
+    msgs = [MessageExt(topic="orders", body=b"x", queue_offset=i) for i in range(4)]
+
+    async def part(call: Any) -> None:
+        call.context.ack_index = 1
+
+    async def whole(call: Any) -> None:
+        call.context.ack_index = 3
+
+    await mw(_call("G", "orders", Q0, msgs), part)
+    await mw(_call("G", "orders", Q0, msgs), whole)
+    partial, full = exporter.get_finished_spans()
+    assert partial.status.status_code is StatusCode.ERROR
+    assert dict(partial.attributes or {})["error.type"] == "RetryLater"
+    assert "2 of 4" in (partial.status.description or "")
+    assert full.status.status_code is StatusCode.UNSET
+
+
 async def test_the_producers_trace_context_is_the_parent_or_a_link() -> None:
     """A message carrying W3C trace context (as an instrumented producer writes it into the
     properties) is processed in a child span of the producer's; a batch links to each."""
