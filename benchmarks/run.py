@@ -79,6 +79,9 @@ class Scenario:
     rate: int = 0  # latency: messages per second
     warmup_seconds: float = 0.0  # latency: traffic at the rate before the measured messages
     batch_rows: int = 50_000  # spark
+    #: spark: one untimed pass of each path before the rounds (the JVMs' JIT); the quick run,
+    #: which checks the harness rather than speeds, goes without
+    jit_warm_up: bool = True
 
 
 def plan(quick: bool, rounds: int | None) -> list[Scenario]:
@@ -97,7 +100,7 @@ def plan(quick: bool, rounds: int | None) -> list[Scenario]:
                      6_000, 1024, r, ["rmq_async", "rmq_async-tuned", "java", "java-tuned"],
                      rate=2_000, warmup_seconds=1.0),
             Scenario("spark", "Spark sink, source, plain: 40,000 x 1 KiB into Parquet (quick)", "spark",
-                     40_000, 1024, 1, [], batch_rows=10_000),
+                     40_000, 1024, 1, [], batch_rows=10_000, jit_warm_up=False),
         ]
     r = rounds or 3
     # The PyPI client drains about 5x slower than the others: one round of the big drain.
@@ -613,7 +616,8 @@ async def run_spark(rt: Runtime, sc: Scenario, topic: str) -> dict[str, Any]:
             "expected": sc.messages, "queues": QUEUES, "batch_rows": sc.batch_rows,
             "rounds": sc.rounds, "stall_timeout": rt.stall_timeout,
             "source_rounds": sc.capped_rounds.get("spark-source", sc.rounds),
-            "work_dir": str(rt.work / "spark"), "broker_pid": rt.rmq.pids.get("broker")}
+            "work_dir": str(rt.work / "spark"), "broker_pid": rt.rmq.pids.get("broker"),
+            "warm_up": sc.jit_warm_up}
     if rt.profile_dir is not None:
         spec["profile"] = str(rt.profile_dir / f"{sc.name}-spark.pstats")
     child = ChildRun(cmd=[sys.executable, str(BENCH_DIR / "child.py"), json.dumps(spec)],
