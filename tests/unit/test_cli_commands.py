@@ -363,7 +363,7 @@ async def test_a_full_output_pipe_holds_the_listener_not_the_event_loop(
         tick = asyncio.create_task(ticker())
         write = asyncio.create_task(writer())
         await asyncio.sleep(0.5)
-        assert ticks >= 20 and not write.done()  # the loop ran; the writer waits
+        assert ticks >= 5 and not write.done()  # the loop ran (blocked: 0); the writer waits
         os.set_blocking(read_fd, False)
         got = 0
         async with asyncio.timeout(10):

@@ -295,7 +295,7 @@ async def test_a_fetch_waiting_for_the_lock_ends_with_its_timeout(
         started = time.monotonic()
         with anyio.move_on_after(0.5):
             await ensure_jars("5.3.3", tmp_path / "cache")
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 5.0  # (before: until the holder let go)
     finally:
         os.close(holder)
     with pytest.raises(DevBrokerError, match="exit 1"):  # the lock is free again: it runs
