@@ -34,7 +34,7 @@ from .broker import LocalRocketMQ
 from .cluster import LocalCluster
 from .errors import DevBrokerError
 from .maven import DEFAULT_VERSION, cache_root, ensure_jars_sync
-from .procs import RunRecord, pid_alive, pid_cmdline, reap_stale_runs
+from .procs import RunRecord, pid_mentions, reap_stale_runs, write_whole
 from .versions import profile
 
 __all__ = ["main", "running_namesrv", "state_file"]
@@ -62,8 +62,7 @@ def _load_state() -> RunRecord | None:
 
 def _running(record: RunRecord) -> bool:
     def alive(pid: int) -> bool:
-        # Its command line names the run folder, as the JVMs' do: not a reused pid.
-        return pid_alive(pid) and str(record.workdir) in pid_cmdline(pid)
+        return pid_mentions(pid, str(record.workdir))
 
     if "brokers" in record.info:  # a cluster: every recorded JVM must still run
         return bool(record.pids) and all(alive(pid) for pid in record.pids.values())
@@ -173,10 +172,7 @@ def _up(args: argparse.Namespace) -> int:
         # The resident admin helper ends with this command; only the servers stay.
         record.pids = {k: v for k, v in record.pids.items() if k in ("namesrv", "broker")}
     record.save()
-    path = state_file()
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    partial.write_text(record.to_json())
-    os.replace(partial, path)  # a reader never sees half a state file
+    write_whole(state_file(), record.to_json())  # a reader never sees half a state file
     _print_addrs(record)
     return 0
 

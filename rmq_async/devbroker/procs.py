@@ -45,6 +45,8 @@ __all__ = [
     "spawn",
     "stop_process",
     "stop_pid",
+    "pid_mentions",
+    "write_whole",
     "wait_exit",
 ]
 
@@ -242,15 +244,27 @@ async def stop_process(proc: subprocess.Popen[bytes], *, grace: float = 20.0) ->
     return rc
 
 
+def pid_mentions(pid: int, text: str) -> bool:
+    """``pid`` runs and its command line contains ``text`` (a run's JVMs name its folder): not
+    a pid reused by another process."""
+    return pid_alive(pid) and text in pid_cmdline(pid)
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write ``path`` so that a reader sees the old content or the new, never half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def stop_pid(pid: int, *, grace: float = 20.0, must_mention: str | None = None) -> bool:
     """Blocking SIGTERM-then-SIGKILL of a pid that is not our child (detached runs, stale runs).
 
     With ``must_mention``, the pid is only signalled if its command line contains that text.
     Returns True if a process was signalled.
     """
-    if not pid_alive(pid):
-        return False
-    if must_mention is not None and must_mention not in pid_cmdline(pid):
+    if not (pid_alive(pid) if must_mention is None else pid_mentions(pid, must_mention)):
         return False
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
@@ -315,10 +329,7 @@ class RunRecord:
     def save(self) -> None:
         text = self.to_json()
         for target in (self.pid_file, self.registry_file):
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_suffix(".tmp")
-            tmp.write_text(text)
-            tmp.replace(target)
+            write_whole(target, text)
 
     def forget(self) -> None:
         """Remove the registry entry (and the run folder when this run created it)."""
