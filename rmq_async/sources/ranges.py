@@ -510,9 +510,8 @@ async def first_stored_since(client: ClientInstance, mq: MessageQueue, timestamp
         return {m.queue_offset: m.store_timestamp for m in result.decode()}
 
     async def since(at: int) -> bool | None:
-        """Is the message at ``at`` stored at or after the time (None: the broker has none)?"""
-        if at >= high:
-            return True
+        """Is the message at ``at`` (below ``high``) stored at or after the time (None: the
+        broker has none)?"""
         got = await stamps(at, 1)
         if not got:
             return None
@@ -520,7 +519,8 @@ async def first_stored_since(client: ClientInstance, mq: MessageQueue, timestamp
 
     async def first_since(before: int, since_at: int) -> int:
         """The first offset in ``(before, since_at]`` stored at or after the time, given
-        ``before`` is not and ``since_at`` is (or is ``high``)."""
+        ``before`` is not and ``since_at`` is (or is ``high``; ``since`` is asked only about
+        offsets between the two)."""
         while since_at - before > 1:
             mid = (before + since_at) // 2
             if await since(mid):
