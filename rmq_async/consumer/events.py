@@ -10,9 +10,8 @@ stable event name, and counted per topic in :meth:`PushConsumer.stats_snapshot`.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -20,7 +19,9 @@ from typing import Any
 
 import structlog
 
+from rmq_async.consumer.hooks import call_user, is_async_callable
 from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.errors import IllegalStateError
 from rmq_async.protocol.types import MessageQueue
 
 log = structlog.get_logger(__name__)
@@ -50,12 +51,23 @@ ErrorHandler = Callable[[ConsumerError], Any]
 
 
 class ErrorReporter:
-    """Delivers :class:`ConsumerError` events to the registered handlers and counts them."""
+    """Delivers :class:`ConsumerError` events to the registered handlers and counts them.
+
+    While the consumer runs, the events go to the handlers in the order they were reported,
+    one event at a time, from one task the consumer owns: an ``async def`` handler is awaited
+    there, a plain one runs in a worker thread (as plain hooks do), so a handler that blocks
+    (a webhook, a file) never stalls the event loop. A handler that raises is logged
+    (``consumer.error_handler_failed``) and the others still get the event. Events reported
+    while no consumer runs are counted and logged; plain handlers get them at once, in the
+    reporting thread, and ``async def`` ones not at all (nothing would own their task).
+    """
 
     def __init__(self) -> None:
         self.handlers: list[ErrorHandler] = []
         self.counts: Counter[tuple[str, str]] = Counter()  # (topic, kind) -> events
-        self.owner: TaskOwner | None = None  # runs async handlers while the consumer runs
+        self.owner: TaskOwner | None = None  # runs the deliveries while the consumer runs
+        self._pending: deque[ConsumerError] = deque()
+        self._delivering = False
 
     def report(self, event: ConsumerError) -> None:
         self.counts[(event.topic, str(event.kind))] += 1
@@ -63,37 +75,53 @@ class ErrorReporter:
         level(f"consumer.{event.kind}", topic=event.topic,
               queue=str(event.queue) if event.queue else None, offset=event.offset,
               detail=event.detail)
-        for handler in self.handlers:
+        if not self.handlers:
+            return
+        if self.owner is None:
+            self._deliver_inline(event)
+            return
+        self._pending.append(event)
+        if self._delivering:
+            return
+        try:
+            self.owner.spawn(self._deliver(), name="on-error")
+        except IllegalStateError:  # the consumer is stopping: no task may start now
+            self._pending.clear()
+            return
+        self._delivering = True
+
+    async def _deliver(self) -> None:
+        try:
+            while self._pending:
+                event = self._pending.popleft()
+                for handler in list(self.handlers):
+                    try:
+                        await call_user(handler, event)
+                    except Exception as exc:
+                        _handler_failed(handler, exc)
+        finally:
+            self._delivering = False
+            self._pending.clear()  # cancelled by stop(): what is left is not delivered
+
+    def _deliver_inline(self, event: ConsumerError) -> None:
+        for handler in list(self.handlers):
+            if is_async_callable(handler):
+                continue
             try:
                 result = handler(event)
             except Exception as exc:
-                log.warning("consumer.error_handler_failed", handler=_name(handler),
-                            error=f"{type(exc).__name__}: {exc}")
+                _handler_failed(handler, exc)
                 continue
-            if inspect.isawaitable(result):
-                self._run_async(handler, result)
-
-    def _run_async(self, handler: ErrorHandler, awaitable: Any) -> None:
-        async def run() -> None:
-            try:
-                await awaitable
-            except Exception as exc:
-                log.warning("consumer.error_handler_failed", handler=_name(handler),
-                            error=f"{type(exc).__name__}: {exc}")
-
-        if self.owner is None:
-            # Reported outside a running consumer: nothing owns a task, so drop it cleanly.
-            if asyncio.iscoroutine(awaitable):
-                awaitable.close()
-            return
-        try:
-            self.owner.spawn(run(), name=f"on-error:{_name(handler)}")
-        except RuntimeError:  # the consumer is stopping
-            if asyncio.iscoroutine(awaitable):
-                awaitable.close()
+            if inspect.iscoroutine(result):  # a plain function that returned a coroutine
+                result.close()
 
     def topic_counts(self, topic: str) -> dict[str, int]:
         return {kind: n for (t, kind), n in self.counts.items() if t == topic}
+
+
+def _handler_failed(handler: ErrorHandler, exc: BaseException) -> None:
+    log.warning("consumer.error_handler_failed", handler=_name(handler),
+                error=f"{type(exc).__name__}: {exc}")
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -73,9 +73,16 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-async def _call(fn: Callable[..., Any], *args: Any) -> None:
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)):  # noqa: B004
+def is_async_callable(fn: Callable[..., Any]) -> bool:
+    """Is ``fn`` an ``async def`` function, or an object whose ``__call__`` is one?"""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None))  # noqa: B004
+
+
+async def call_user(fn: Callable[..., Any], *args: Any) -> None:
+    """Call a user callback that may be ``async def`` (awaited) or plain (run in a worker
+    thread, and an awaitable it returns awaited)."""
+    if is_async_callable(fn):
         await fn(*args)
         return
     # A cancelled wait (a rebalance round cut short by stop(), a hook over stop()'s timeout)
@@ -144,7 +151,7 @@ class RebalanceHooks:
     async def run_startup(self, group: str) -> None:
         """Await every startup hook in order; the first exception propagates."""
         for hook in list(self.startup):
-            await _call(hook)
+            await call_user(hook)
             log.debug("consumer.startup_hook_done", group=group, hook=_name(hook))
 
     async def run_shutdown(self, group: str, *, deadline: float | None = None) -> None:
@@ -172,9 +179,9 @@ class RebalanceHooks:
         ``stop()``. Its own exceptions propagate.
         """
         if deadline is None:
-            await _call(hook, *args)
+            await call_user(hook, *args)
             return True
-        task = asyncio.get_running_loop().create_task(_call(hook, *args),
+        task = asyncio.get_running_loop().create_task(call_user(hook, *args),
                                                       name=f"hook:{_name(hook)}")
         try:
             done, _ = await asyncio.wait({task}, timeout=max(

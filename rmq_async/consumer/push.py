@@ -585,7 +585,8 @@ class PushConsumer:
     def on_error(self, handler: ErrorHandler) -> ErrorHandler:
         """Register ``handler`` (a function or ``async def``, usable as a decorator) for the
         problems the consumer works around without stopping: a corrupt record skipped, a
-        queue the broker refuses. It receives a :class:`ConsumerError`."""
+        queue the broker refuses. It receives a :class:`ConsumerError`, in the order the
+        events happened; a plain function runs in a worker thread, never on the event loop."""
         self.errors.handlers.append(handler)
         return handler
 

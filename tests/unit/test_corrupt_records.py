@@ -126,3 +126,61 @@ async def test_error_handlers_sync_and_async_and_counts() -> None:
     await owner.aclose()
     assert seen == ["sync 9", "async corrupt_record"]
     assert reporter.topic_counts("T") == {"corrupt_record": 1}
+
+
+async def test_a_plain_error_handler_runs_off_the_event_loop_in_report_order() -> None:
+    """A plain handler that blocks (a webhook, a file) must not stall the consumer's loop: it
+    runs in a worker thread, and the events still reach every handler in report order."""
+    import asyncio
+    import threading
+
+    from rmq_async.consumer.events import ErrorReporter
+    from rmq_async.consumer.tasks import TaskOwner
+
+    reporter = ErrorReporter()
+    owner = TaskOwner("consumer[G]")
+    reporter.owner = owner
+    loop_thread = threading.get_ident()
+    release = threading.Event()
+    seen: list[tuple[str, int | None, bool]] = []
+
+    def blocking(event: ConsumerError) -> None:
+        release.wait(10)  # inline on the loop this would hold every pull until it timed out
+        seen.append(("plain", event.offset, threading.get_ident() == loop_thread))
+
+    async def after(event: ConsumerError) -> None:
+        seen.append(("async", event.offset, threading.get_ident() == loop_thread))
+
+    reporter.handlers += [blocking, after]
+    for offset in (1, 2, 3):
+        reporter.report(ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MQ, offset, "bad"))
+    ticks = 0
+    for _ in range(5):  # the loop keeps running while the plain handler blocks
+        await asyncio.sleep(0.01)
+        ticks += 1
+    assert ticks == 5 and seen == []
+    release.set()
+    async with asyncio.timeout(5):
+        while len(seen) < 6:
+            await asyncio.sleep(0.01)
+    await owner.aclose()
+    assert seen == [("plain", 1, False), ("async", 1, True), ("plain", 2, False),
+                    ("async", 2, True), ("plain", 3, False), ("async", 3, True)]
+    assert reporter.topic_counts("T") == {"corrupt_record": 3}
+
+
+async def test_error_events_reported_while_stopping_are_counted_not_delivered() -> None:
+    from rmq_async.consumer.events import ErrorReporter
+    from rmq_async.consumer.tasks import TaskOwner
+
+    reporter = ErrorReporter()
+    owner = TaskOwner("consumer[G]")
+    await owner.aclose()
+    reporter.owner = owner  # closed: no task may start
+    seen: list[ConsumerError] = []
+    reporter.handlers.append(seen.append)
+    reporter.report(ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MQ, 4, "bad"))
+    assert seen == [] and reporter.topic_counts("T") == {"corrupt_record": 1}
+    reporter.owner = None  # no consumer runs: a plain handler gets it at once
+    reporter.report(ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MQ, 5, "bad"))
+    assert [e.offset for e in seen] == [5]
