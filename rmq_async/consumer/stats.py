@@ -89,9 +89,14 @@ class WindowCounter:
         return self._hour.total(now)
 
     def minute_rate(self, now: float) -> float:
-        """Value per second over the last minute (over the time since creation if younger)."""
+        """Value per second over the last minute (over the time since creation if younger).
+
+        The minute's buckets are the 59 whole seconds before the current one and the part of
+        the current second gone so far: the rate divides by that, not by a full 60 s (which
+        read up to a sixtieth low just after a second began)."""
         value, _ = self._minute.total(now)
-        span = min(_MINUTE, max(1.0, now - self._created))
+        covered = _MINUTE - 1.0 + now % 1.0
+        span = max(1.0, min(covered, now - self._created))
         return value / span
 
 

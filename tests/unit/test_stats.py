@@ -33,9 +33,23 @@ def test_pull_rt_and_tps_over_a_full_minute() -> None:
     clock.t = 10_000.0 + 60.0
     snap = stats.snapshot("T")
     assert snap["pullRT"] == pytest.approx(20.0)
-    # The window covers the last 60 one-second buckets: seconds 1..60 relative to start
-    # hold 118 pulls (the two pulls of second 0 fell out).
-    assert snap["pullTPS"] == pytest.approx(118 * 32 / 60.0)
+    # The window covers the last 60 one-second buckets: seconds 1..60 relative to start,
+    # the 60th just begun. They hold 118 pulls (the two pulls of second 0 fell out) over
+    # the 59 seconds covered so far.
+    assert snap["pullTPS"] == pytest.approx(118 * 32 / 59.0)
+
+
+@pytest.mark.parametrize("into_second", [0.0, 0.001, 0.25, 0.5, 0.999])
+def test_a_steady_rate_reads_the_same_anywhere_in_a_second(into_second: float) -> None:
+    """Ten messages a second for two minutes read as ten a second, whenever it is read: the
+    window is 59 whole seconds and part of the current one, not always 60 seconds."""
+    counter = WindowCounter(10_000.0)
+    now = 10_120.0 + into_second
+    k = 0
+    while (t := 10_000.0 + k / 10) <= now:
+        counter.add(t, 1.0)
+        k += 1
+    assert counter.minute_rate(now) == pytest.approx(10.0, rel=0.005)
 
 
 def test_young_counter_divides_by_its_age() -> None:
@@ -64,7 +78,7 @@ def test_failed_counts_tps_and_hourly_total() -> None:
     stats.record_consume("T", ok=0, failed=1, rt=0.001)
     snap = stats.snapshot("T")
     assert snap["consumeFailedMsgs"] == 3
-    assert snap["consumeFailedTPS"] == pytest.approx(1 / 60.0)
+    assert snap["consumeFailedTPS"] == pytest.approx(1 / 59.0)  # at a second's start: 59 s covered
     assert snap["consumeOKTPS"] == 0.0
     assert isinstance(snap["consumeFailedMsgs"], int)
     clock.t += 31 * 60.0  # first record now older than an hour
