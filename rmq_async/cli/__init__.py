@@ -168,6 +168,10 @@ def _run(args: argparse.Namespace, fmt: str, level: str) -> int:
 
     worker = os.environ.get(WORKER_ENV)
     configure_logging(fmt, level, **({"worker": int(worker)} if worker is not None else {}))
+    if args.metrics_port is not None and args.metrics_port + args.workers - 1 > 65535:
+        raise CliError(f"--metrics-port {args.metrics_port} with --workers {args.workers}: worker "
+                       f"{args.workers - 1} would serve on port "
+                       f"{args.metrics_port + args.workers - 1}, past 65535")
     if args.workers > 1:
         child_args = ["--log-format", fmt, "--log-level", level]
         return asyncio.run(run_supervisor(args.target, args.workers, args.grace, child_args,

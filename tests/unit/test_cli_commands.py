@@ -407,6 +407,10 @@ def test_invalid_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit) as exited:
         main(["run", "m:c", "--metrics-port", "70000"])
     assert exited.value.code == 2
+    # Worker i serves on PORT + i: the last worker's port must be a port too, found before
+    # any worker starts (the target is not even imported).
+    assert main(["run", "no_such_module:c", "--metrics-port", "65534", "--workers", "3"]) == 2
+    assert "worker 2 would serve on port 65536" in capsys.readouterr().err
 
 
 def test_runtime_failures_exit_1(capsys: pytest.CaptureFixture[str],
