@@ -402,7 +402,9 @@ class LocalRocketMQ:
                     await self._teardown()
                 raise
         if self.detached:
-            self._disown()
+            assert self._record is not None
+            self._record.disown()
+            self._save_record()
         log.info("devbroker.ready", namesrv=self.namesrv_addr, broker=self.broker_addr,
                  workdir=str(self._workdir), seconds=round(time.monotonic() - started, 2))
 
@@ -443,13 +445,6 @@ class LocalRocketMQ:
                     PlainAclAccount(self.acl.access_key, self.acl.secret_key, self.acl.admin),
                 ]
                 (conf / "plain_acl.yml").write_text(render_plain_acl(accounts))
-
-    def _disown(self) -> None:
-        """A detached run that is up: no owner from now on (it belongs to ``down``)."""
-        assert self._record is not None
-        self._record.owner_pid = None
-        self._record.owner_start = None
-        self._save_record()
 
     def _save_record(self) -> None:
         assert self._record is not None

@@ -356,7 +356,9 @@ class LocalCluster:
                 attempt += 1
         self.startup_seconds = round(time.monotonic() - started, 2)
         if self.detached:
-            self._disown()
+            assert self._record is not None
+            self._record.disown()
+            self._save_record()
         log.info("devbroker.cluster.ready", namesrv=self.namesrv_addr,
                  brokers={n.key: n.addr for n in self.brokers.values()},
                  workdir=str(self._workdir), seconds=self.startup_seconds)
@@ -398,13 +400,6 @@ class LocalCluster:
                 node = BrokerNode(name, broker_id, port, folder, config=values)
                 node.conf_path.write_text(cfg.render_properties(values))
                 self.brokers[(name, broker_id)] = node
-
-    def _disown(self) -> None:
-        """A detached run that is up: no owner from now on (it belongs to ``down``)."""
-        assert self._record is not None
-        self._record.owner_pid = None
-        self._record.owner_start = None
-        self._save_record()
 
     def _save_record(self) -> None:
         assert self._record is not None

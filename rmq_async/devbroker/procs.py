@@ -291,6 +291,11 @@ class RunRecord:
     pids: dict[str, int] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
 
+    def disown(self) -> None:
+        """A detached run that is up: no owner from now on (it belongs to ``down``)."""
+        self.owner_pid = None
+        self.owner_start = None
+
     @property
     def registry_file(self) -> Path:
         return registry_dir() / f"{self.run_id}.json"
