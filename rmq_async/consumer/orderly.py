@@ -264,7 +264,12 @@ class OrderlyConsumeService:
             if dead and through < last:
                 # In the dead-letter queue now; a ROLLBACK must not hand them out again.
                 pq.forget_taken(m for m, _ in dead)
-        failed += len(failing)
+        if stop is not ConsumeResult.ROLLBACK:
+            # A ROLLBACK is the handler's own decision, not a failure: Java counts its
+            # messages neither consumed nor failed (they count when consumed again). A COMMIT
+            # counts its messages consumed, where Java's counts nothing for it either (an
+            # application committing every call would read a consume TPS of zero).
+            failed += len(failing)
         if calls or ok or failed:
             rt.stats.record_consume(topic, ok, failed, elapsed, calls=calls)
         pq.last_consume_timestamp = time.monotonic()

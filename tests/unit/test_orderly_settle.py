@@ -119,6 +119,10 @@ async def test_rollback_without_auto_commit_consumes_every_uncommitted_message_a
     assert calls == [0, 1, 0, 1, 2]
     assert h.offsets.updates == [3]
     assert h.pq.msg_count == 0
+    # As Java's statistics: the rolled-back call counts its messages neither consumed nor
+    # failed; the calls that answered SUCCESS or COMMIT count theirs as consumed.
+    totals = h.stats.totals["T"]
+    assert (totals.consumed, totals.failed) == (4, 0)
 
 
 async def test_rollback_and_commit_with_auto_commit_acknowledge_as_java_does() -> None:
