@@ -37,7 +37,9 @@ and ``error.type`` set to the exception's class name; the exception goes on unch
 call whose handler returned but left messages bound for the dead-letter queue (bodies its
 ``model=`` could not read, ``ctx.dead_letters``) ends with ``ERROR`` too, ``error.type``
 ``DeadLetter``; so does a concurrent batch call that succeeded with an ``ack_index`` short of
-the batch (the rest is retried), ``error.type`` ``RetryLater``.
+the batch (the rest is retried), ``error.type`` ``RetryLater``. A call cancelled before its
+handler finished (``stop()`` past its timeout) ends with ``ERROR``, ``error.type``
+``CancelledError``.
 
 Trace context travels in the message's properties (W3C ``traceparent`` / ``tracestate`` as an
 instrumented producer writes them; whatever propagator is configured reads them): a call of one
@@ -46,6 +48,7 @@ message runs as a child of its producer's span; a batch call links to each messa
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from rmq_async.errors import MissingExtraError
@@ -131,6 +134,13 @@ class TracingMiddleware:
         ) as span:
             try:
                 await call_next(call)
+            except asyncio.CancelledError:
+                # Cut short (stop() past its timeout, the queue given up): not a success; the
+                # messages are not acknowledged and come again.
+                span.set_attribute("error.type", "CancelledError")
+                span.set_status(Status(StatusCode.ERROR, "cancelled before the handler "
+                                                         "finished"))
+                raise
             except Exception as exc:
                 span.record_exception(exc)
                 span.set_attribute("error.type", type(exc).__qualname__)

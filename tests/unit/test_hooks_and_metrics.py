@@ -387,6 +387,28 @@ async def test_failed_call_marks_the_span_and_reraises() -> None:
     assert [e.name for e in span.events] == ["exception"]
 
 
+async def test_a_cancelled_call_is_an_error_span() -> None:
+    """A call cut short (stop() past its timeout) did not succeed: its messages come again."""
+    import asyncio
+
+    mw, exporter = _tracing()
+    entered = asyncio.Event()
+
+    async def call_next(call: Any) -> None:
+        entered.set()
+        await asyncio.sleep(60)
+
+    task = asyncio.ensure_future(
+        mw(_call("G", "orders", Q0, [MessageExt(topic="orders", body=b"")]), call_next))
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    (span,) = exporter.get_finished_spans()
+    assert span.status.status_code is StatusCode.ERROR
+    assert dict(span.attributes or {})["error.type"] == "CancelledError"
+
+
 async def test_a_call_that_left_dead_letters_is_an_error_span() -> None:
     mw, exporter = _tracing()
     msgs = [MessageExt(topic="orders", body=b"{", queue_offset=i) for i in range(2)]
