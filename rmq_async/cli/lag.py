@@ -5,8 +5,9 @@ gathered as Java's ``DefaultMQAdminExtImpl.examineConsumeStats`` does: the broke
 through the route of the group's retry topic (with ``--topic``, else the topic's own route, else
 its pop retry topic's), each broker group is asked through its master, or a slave while the
 master is down (``BrokerData.selectBrokerAddr``), and the rows are printed sorted by topic,
-broker and queue, with the total difference last. No route, or no queue in the answers, is an
-error (exit status 1), as in ``mqadmin``.
+broker and queue, with the total difference last. No route is an error (exit status 1), as in
+``mqadmin``; so is an answer without a queue, unless a client of the group is online and
+consumes in clustering mode (it has committed no offset yet): then the table is empty.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from rmq_async.cli.common import CliError, CommandFailed
-from rmq_async.client.errors import NoRouteError
+from rmq_async.client.errors import MQBrokerError, NoRouteError
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import default_client_ip
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
@@ -61,8 +62,9 @@ async def group_lag(namesrv: str, group: str, topic: str | None = None,
 
     Raises :class:`~rmq_async.cli.common.CliError` for a name server address that is not
     ``host:port`` (before any network I/O) and
-    :class:`~rmq_async.cli.common.CommandFailed` when no route leads to the group's brokers
-    or they report no queue for it.
+    :class:`~rmq_async.cli.common.CommandFailed` when no route leads to the group's brokers,
+    or they report no queue for it and no client of the group is online (or it broadcasts).
+    An online clustering group that has committed nothing yet has no rows.
     """
     cid = f"{default_client_ip()}@rmq-async-lag-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     try:
@@ -91,15 +93,37 @@ async def group_lag(namesrv: str, group: str, topic: str | None = None,
                 rows.append(QueueLag(mq.topic, mq.broker_name, mq.queue_id, w.broker_offset,
                                      w.consumer_offset, w.last_timestamp))
         if not rows:
-            raise CommandFailed(
-                f"no consume stats for group {group!r}"
-                + (f" on topic {topic!r}" if topic else "")
-                + ": the brokers' offset table is empty; maybe the group has not consumed any "
-                "message, or it consumes in broadcasting mode, whose offsets stay with the "
-                "clients")
+            # As Java's examineConsumeStats: an empty table is an answer only for a group
+            # consuming in clustering mode with a client online (it has committed nothing yet).
+            where = f"no consume stats for group {group!r}" + (
+                f" on topic {topic!r}" if topic else "")
+            model = await _online_message_model(instance, route, group)
+            if model is None:
+                raise CommandFailed(f"{where}: the brokers' offset table is empty and no "
+                                    "consumer of the group is online")
+            if model == "BROADCASTING":
+                raise CommandFailed(f"{where}: the group consumes in broadcasting mode, whose "
+                                    "offsets stay with the clients")
         return sorted(rows, key=lambda r: (r.topic, r.broker, r.queue_id))
     finally:
         await instance.close()
+
+
+async def _online_message_model(instance: ClientInstance, route: TopicRouteData,
+                                group: str) -> str | None:
+    """The message model of the group's online clients, as a broker of ``route`` reports them
+    (GET_CONSUMER_CONNECTION_LIST); None when no broker knows a client of the group."""
+    for bd in route.broker_datas:
+        addr = bd.select_broker_addr()
+        if addr is None:
+            continue
+        try:
+            connection = await instance.api.get_consumer_connection_list(addr, group)
+        except MQBrokerError:  # CONSUMER_NOT_ONLINE: none of the group's clients here
+            continue
+        if connection.client_ids:
+            return connection.message_model
+    return None
 
 
 def format_lag(rows: list[QueueLag], *, as_json: bool = False) -> str:

@@ -13,6 +13,7 @@ from rmq_async.client.errors import NoRouteError, broker_error
 from rmq_async.protocol import headers as h
 from rmq_async.protocol.bodies import (
     ClusterInfo,
+    ConsumerConnection,
     ConsumeStats,
     HeartbeatData,
     TopicRouteData,
@@ -213,6 +214,13 @@ class MQClientAPI:
             ext["topic"] = topic
         resp = await self._call(addr, RequestCode.GET_CONSUME_STATS, ext, name="GET_CONSUME_STATS")
         return ConsumeStats.from_json_bytes(resp.body or b"{}")
+
+    async def get_consumer_connection_list(self, addr: str, group: str) -> ConsumerConnection:
+        """GET_CONSUMER_CONNECTION_LIST: the group's clients connected to one broker; a group
+        with none is the broker's CONSUMER_NOT_ONLINE error."""
+        resp = await self._call(addr, RequestCode.GET_CONSUMER_CONNECTION_LIST,
+                                {"consumerGroup": group}, name="GET_CONSUMER_CONNECTION_LIST")
+        return ConsumerConnection.from_json_bytes(resp.body or b"{}")
 
     # ------------------------------------------------------------------ offsets
 

@@ -31,6 +31,7 @@ __all__ = [
     "ConsumeMessageDirectlyResult",
     "ConsumeStats",
     "ConsumeStatus",
+    "ConsumerConnection",
     "ConsumerData",
     "ConsumerRunningInfo",
     "GetConsumerListByGroupResponseBody",
@@ -572,6 +573,25 @@ class ConsumeStats:
         if isinstance(tps, bool) or not isinstance(tps, int | float):
             raise ProtocolError(f"{what}: consumeTps is not a number: {tps!r}")
         return cls(table, float(tps))
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerConnection:
+    """GET_CONSUMER_CONNECTION_LIST answer: the clients of a group connected to one broker,
+    and how the group consumes (``messageModel`` ``CLUSTERING`` / ``BROADCASTING``)."""
+
+    client_ids: list[str] = field(default_factory=list)
+    message_model: str = ""
+    consume_type: str = ""
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes | bytearray | memoryview | str) -> Self:
+        what = "ConsumerConnection"
+        d = _load(data, what)
+        ids = [_as_str(_field(_as_dict(c, what), "clientId", what), what)
+               for c in _as_list(_opt(d, "connectionSet", []), what)]
+        return cls(ids, _as_str(_opt(d, "messageModel", ""), what),
+                   _as_str(_opt(d, "consumeType", ""), what))
 
 
 @dataclass(slots=True)

@@ -218,6 +218,47 @@ async def test_lag_prints_the_brokers_offsets(rocketmq: LocalRocketMQ, topic: st
     assert any("has no consumption progress" in ln for ln in missing.err), missing.tail()
 
 
+async def test_lag_of_a_group_that_has_committed_nothing_asks_who_is_online(
+        rocketmq: LocalRocketMQ, topic: str) -> None:
+    """The brokers know no offset of a new group: its lag is an empty table while a client
+    consumes in clustering mode, a failure while it broadcasts or once nobody is online (the
+    broker's GET_CONSUMER_CONNECTION_LIST answer, as Java's examineConsumeStats reads it)."""
+    from rmq_async.cli.common import CommandFailed
+    from rmq_async.cli.lag import group_lag
+
+    ns = rocketmq.namesrv_addr
+
+    async def idle(msgs: list[MessageExt]) -> ConsumeResult:
+        return ConsumeResult.SUCCESS
+
+    async def lag_when_routed(group: str) -> list[object]:
+        # The group's retry topic is created by its first heartbeat and routed from then on.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return list(await group_lag(ns, group))
+            except CommandFailed as exc:
+                if "no consumption progress" not in str(exc) or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.5)
+
+    # Its pulls of the empty queues are held for a minute: no NO_NEW_MSG answer moves an
+    # offset into its store (which stop() would commit) while the test runs.
+    clustering = PushConsumer(unique("G_lag_new"), namesrv=ns, broker_suspend_max_time=60.0,
+                              consumer_timeout_when_suspend=75.0)
+    clustering.subscribe(topic, listener=idle)
+    async with clustering:  # the topic is empty: nothing is consumed, nothing committed
+        assert await lag_when_routed(clustering.group) == []
+    with pytest.raises(CommandFailed, match="no consumer of the group is online"):
+        await group_lag(ns, clustering.group)
+
+    broadcasting = PushConsumer(unique("G_lag_bc"), namesrv=ns, message_model="BROADCASTING")
+    broadcasting.subscribe(topic, listener=idle)
+    async with broadcasting:
+        with pytest.raises(CommandFailed, match="broadcasting mode"):
+            await lag_when_routed(broadcasting.group)
+
+
 @pytest.mark.timeout(90)
 async def test_tail_prints_new_messages_and_exits_0_on_ctrl_c(rocketmq: LocalRocketMQ,
                                                                 topic: str) -> None:

@@ -22,12 +22,19 @@ import rmq_async.cli.tail as tail_module
 from rmq_async import App, IllegalStateError, PushConsumer
 from rmq_async.cli import main
 from rmq_async.cli.common import CommandFailed
-from rmq_async.client.errors import NoRouteError
+from rmq_async.client.errors import MQBrokerError, NoRouteError
 from rmq_async.consumer.listener import ListenerAdapter
 from rmq_async.consumer.middleware import run_call
 from rmq_async.consumer.options import ConsumeFromWhere, MessageModel
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
-from rmq_async.protocol.bodies import BrokerData, ConsumeStats, OffsetWrapper, TopicRouteData
+from rmq_async.protocol.bodies import (
+    BrokerData,
+    ConsumerConnection,
+    ConsumeStats,
+    OffsetWrapper,
+    TopicRouteData,
+)
+from rmq_async.protocol.codes import ResponseCode
 from rmq_async.protocol.types import MessageExt, MessageQueue
 
 NS = "127.0.0.1:9876"
@@ -257,6 +264,7 @@ class FakeLagInstance:
 
     routes: dict[str, TopicRouteData] = {}
     stats: dict[str, dict[MessageQueue, OffsetWrapper]] = {}
+    connections: dict[str, ConsumerConnection] = {}  # broker address -> its answer
     asked: list[str] = []
     route_lookups: list[str] = []
 
@@ -271,6 +279,13 @@ class FakeLagInstance:
                                         topic: str | None = None) -> ConsumeStats:
                 outer.asked.append(addr)
                 return ConsumeStats(dict(outer.stats.get(addr, {})))
+
+            async def get_consumer_connection_list(self, addr: str,
+                                                   group: str) -> ConsumerConnection:
+                if addr not in outer.connections:
+                    raise MQBrokerError(ResponseCode.CONSUMER_NOT_ONLINE,
+                                        "the consumer group not online")
+                return outer.connections[addr]
 
         self.api = Api()
 
@@ -294,6 +309,7 @@ def _two_groups_b_master_down() -> TopicRouteData:
 @pytest.fixture
 def fake_lag(monkeypatch: pytest.MonkeyPatch) -> type[FakeLagInstance]:
     FakeLagInstance.routes, FakeLagInstance.stats = {}, {}
+    FakeLagInstance.connections = {}
     FakeLagInstance.asked, FakeLagInstance.route_lookups = [], []
     monkeypatch.setattr(lag_module, "ClientInstance", FakeLagInstance)
     return FakeLagInstance
@@ -327,7 +343,24 @@ async def test_lag_without_route_or_rows_is_a_failure_not_a_usage_error(
         await lag_module.group_lag(NS, "G", "T")
     assert fake_lag.route_lookups == ["%RETRY%G", "T", "%RETRY%G_T"]
     fake_lag.routes = {"%RETRY%G": _two_groups_b_master_down()}
-    with pytest.raises(CommandFailed, match="offset table is empty"):
+    with pytest.raises(CommandFailed, match="offset table is empty and no consumer of the "
+                                            "group is online"):
+        await lag_module.group_lag(NS, "G")
+
+
+async def test_an_empty_offset_table_is_an_answer_only_for_an_online_clustering_group(
+        fake_lag: type[FakeLagInstance]) -> None:
+    """Java's examineConsumeStats: with no queue in the answers, the group's connections
+    decide. A clustering group with a client online has committed nothing yet: an empty
+    table (exit 0). Broadcasting keeps its offsets in the clients: a failure."""
+    fake_lag.routes = {"%RETRY%G": _two_groups_b_master_down()}
+    fake_lag.connections = {SLAVE_B: ConsumerConnection(["10.0.0.1@1"], "CLUSTERING",
+                                                        "CONSUME_PASSIVELY")}
+    assert await lag_module.group_lag(NS, "G") == []
+    assert lag_module.format_lag([]).splitlines()[-1] == "TOTAL DIFF: 0"
+    fake_lag.connections = {MASTER_A: ConsumerConnection([], "CLUSTERING", ""),  # none here
+                            SLAVE_B: ConsumerConnection(["10.0.0.1@1"], "BROADCASTING", "")}
+    with pytest.raises(CommandFailed, match="broadcasting mode"):
         await lag_module.group_lag(NS, "G")
 
 
