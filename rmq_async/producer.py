@@ -29,7 +29,7 @@ from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import Credentials, InvalidOptionError, check_tls_options
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.errors import IllegalStateError, InvalidArgumentError
-from rmq_async.protocol.bodies import HeartbeatData, ProducerData
+from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP, HeartbeatData, ProducerData
 from rmq_async.protocol.codes import (
     COMPRESSION_LZ4,
     COMPRESSION_ZLIB,
@@ -192,9 +192,12 @@ class Producer:
         self._stopped = False
 
     def heartbeat_data(self) -> HeartbeatData:
-        """The HEART_BEAT body this producer sends: its group."""
+        """The HEART_BEAT body this producer sends: its group and, as Java's, the client's
+        inner producer group."""
+        groups = [self.group] + ([INNER_PRODUCER_GROUP] if self.group != INNER_PRODUCER_GROUP
+                                 else [])
         return HeartbeatData(client_id=self.client_id,
-                             producer_data_set=[ProducerData(group_name=self.group)])
+                             producer_data_set=[ProducerData(group_name=g) for g in groups])
 
     async def start(self) -> None:
         """Get ready to send: routes are fetched on the first send to each topic, and again

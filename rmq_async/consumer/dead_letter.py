@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rmq_async.client.errors import MQClientError
-from rmq_async.consumer.runtime import INNER_PRODUCER_GROUP, retry_copy_properties
+from rmq_async.consumer.runtime import retry_copy_properties
 from rmq_async.payloads import MAX_REASON_CHARS
+from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP
 from rmq_async.protocol.message import encode_properties
 from rmq_async.protocol.types import (
     MessageExt,

@@ -46,7 +46,7 @@ from rmq_async.consumer.subscriptions import (
 )
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.errors import IllegalStateError, InvalidArgumentError, InvalidTypeError
-from rmq_async.protocol.bodies import ConsumerData, HeartbeatData
+from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP, ConsumerData, HeartbeatData, ProducerData
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.filter import EXPRESSION_SQL92, SubscriptionData, build_subscription
 from rmq_async.protocol.types import MessageExt, MessageQueue
@@ -544,7 +544,8 @@ class PushConsumer:
                     unit_mode=False,
                 )
             ],
-            producer_data_set=[],
+            # The client's own sends (dead-letter and retry copies) go as this group.
+            producer_data_set=[ProducerData(INNER_PRODUCER_GROUP)],
         )
 
     # ------------------------------------------------------------------ queues

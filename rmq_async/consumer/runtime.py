@@ -16,6 +16,7 @@ from rmq_async.client.errors import MQClientError
 from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND
 from rmq_async.consumer.options import ConsumeFromWhere
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
+from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP
 from rmq_async.protocol.message import encode_properties
 from rmq_async.protocol.types import (
     PROPERTY_CONSUME_START_TIME,
@@ -42,9 +43,6 @@ if TYPE_CHECKING:
     from rmq_async.protocol.types import MessageExt, MessageQueue
 
 log = structlog.get_logger(__name__)
-
-#: Producer group of the client's own sends (as the Java client's inner producer).
-INNER_PRODUCER_GROUP = "CLIENT_INNER_PRODUCER"
 
 #: Properties the pull loop or the delay added to a delivered message, and the transaction
 #: mark (a copy is a plain message, as Java's consumer clears it on its retry copies): not

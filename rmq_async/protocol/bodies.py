@@ -36,6 +36,7 @@ __all__ = [
     "ConsumerRunningInfo",
     "GetConsumerListByGroupResponseBody",
     "GetConsumerStatusBody",
+    "INNER_PRODUCER_GROUP",
     "HeartbeatData",
     "LockBatchRequestBody",
     "LockBatchResponseBody",
@@ -369,6 +370,11 @@ class ClusterInfo:
 
 # ---------------------------------------------------------------------------------------------
 # Heartbeat
+
+
+#: Producer group of a client's own sends (the Java client's inner producer: the dead-letter
+#: and retry copies a consumer sends). Every client's heartbeat names it, as Java's does.
+INNER_PRODUCER_GROUP = "CLIENT_INNER_PRODUCER"
 
 
 @dataclass(slots=True)

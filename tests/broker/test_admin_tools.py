@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 import pytest
 from structlog.testing import capture_logs
 
-from rmq_async import ConsumeResult, MessageExt, PushConsumer
+from rmq_async import ConsumeResult, Message, MessageExt, PushConsumer
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.protocol.bodies import GetConsumerStatusBody
 from rmq_async.protocol.command import RemotingCommand
@@ -244,3 +244,35 @@ async def test_reset_offset_by_time_server_side_and_pushed(rocketmq: LocalRocket
         by_batch[key[:2]].add(n)
     print(f"\nreset: deliveries per batch {dict(by_batch)}")
     assert dict(by_batch) == {b"a_": {1}, b"b_": {2}, b"c_": {2}}
+
+
+async def test_heartbeats_name_the_inner_producer_group_as_java_clients_do(
+        rocketmq: LocalRocketMQ, topic: str) -> None:
+    """The broker lists a running consumer and producer under ``CLIENT_INNER_PRODUCER`` (the
+    group of a client's own dead-letter and retry sends), and the producer under its group
+    (GET_PRODUCER_CONNECTION_LIST, what ``mqadmin producerConnection`` shows)."""
+    import json
+
+    from rmq_async import Producer
+    from rmq_async.protocol.codes import RequestCode, ResponseCode
+
+    async def connected(admin: AdminClient, group: str) -> set[str]:
+        req = RemotingCommand.request(RequestCode.GET_PRODUCER_CONNECTION_LIST,
+                                      ext_fields={"producerGroup": group})
+        resp = await admin.instance.remoting.invoke(rocketmq.broker_addr, req, 10.0)
+        if resp.code != ResponseCode.SUCCESS:  # no producer of the group is connected
+            return set()
+        return {c["clientId"] for c in json.loads(resp.body)["connectionSet"]}
+
+    async def idle(msgs: list[MessageExt]) -> ConsumeResult:
+        return ConsumeResult.SUCCESS
+
+    consumer = PushConsumer(unique("G_inner"), namesrv=rocketmq.namesrv_addr)
+    consumer.subscribe(topic, listener=idle)
+    group = unique("PG_inner")
+    async with consumer, Producer(group, rocketmq.namesrv_addr) as producer, \
+            AdminClient(rocketmq.namesrv_addr) as admin:
+        await producer.send(Message(topic, b"x"))  # the producer's heartbeat reached the broker
+        inner = await connected(admin, "CLIENT_INNER_PRODUCER")
+        assert {consumer.client_id, producer.client_id} <= inner, inner
+        assert producer.client_id in await connected(admin, group)

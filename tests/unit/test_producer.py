@@ -503,7 +503,7 @@ async def test_a_started_producer_heartbeats_its_group_to_the_masters_and_unregi
             beats = [c for _, c in master.received if c.code == RequestCode.HEART_BEAT]
             body = json.loads(beats[0].body or b"")
             assert body["clientID"] == producer.client_id
-            assert body["producerDataSet"] == [{"groupName": "PG"}]
+            assert body["producerDataSet"] == [{"groupName": "PG"}, {"groupName": "CLIENT_INNER_PRODUCER"}]
             assert body["consumerDataSet"] == []
             task = [t for t in asyncio.all_tasks() if t.get_name() == "producer[PG]:heartbeat"]
             assert len(task) == 1
