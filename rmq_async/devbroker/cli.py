@@ -6,7 +6,8 @@
              ``<cache root>/devbroker-state.json``. ``--groups N --slaves M --namesrvs K``
              starts a cluster instead (:class:`~.cluster.LocalCluster`): ``NAMESRV_ADDR`` then
              lists every name server and ``BROKER_ADDR`` every master (``;``-separated), and
-             one ``BROKER_<NAME>_<ID>=…`` line per broker follows.
+             one ``BROKER_<NAME>_<ID>=…`` line per broker follows. With a run already up it
+             prints that run's lines, if it was started with the same options (else exit 1).
 - ``status`` prints the same lines for the running broker, or ``not running`` (exit 1).
 - ``down``   stops it and removes its run folder (store and logs).
 
@@ -27,6 +28,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -154,9 +156,11 @@ def _up(args: argparse.Namespace) -> int:
                                 ready_timeout=args.timeout)
     except (ValueError, DevBrokerError) as exc:
         raise SystemExit(str(exc)) from exc
+    wanted = _wanted(args)
     existing = _load_state()
     if existing is not None:
         if _running(existing):
+            _check_same(existing, wanted)
             _print_addrs(existing)
             return 0
         _clear(existing)
@@ -171,10 +175,31 @@ def _up(args: argparse.Namespace) -> int:
         record = rmq.record
         # The resident admin helper ends with this command; only the servers stay.
         record.pids = {k: v for k, v in record.pids.items() if k in ("namesrv", "broker")}
+    record.info["up_options"] = wanted
     record.save()
     write_whole(state_file(), record.to_json())  # a reader never sees half a state file
     _print_addrs(record)
     return 0
+
+
+def _wanted(args: argparse.Namespace) -> dict[str, Any]:
+    """The options of ``up`` that shape what runs (what a second ``up`` must agree with)."""
+    return {"version": args.version, "groups": args.groups, "slaves": args.slaves,
+            "namesrvs": args.namesrvs, "heap": args.heap,
+            "broker_config": sorted(args.broker_config)}
+
+
+def _check_same(running: RunRecord, wanted: dict[str, Any]) -> None:
+    """``up`` with a run already up reports that run, when it is what was asked for; a run
+    started with other options is an error, not a silent substitute. (A state file written
+    before the options were recorded is taken as it is.)"""
+    had = running.info.get("up_options")
+    if not isinstance(had, dict) or had == wanted:
+        return
+    differ = ", ".join(f"--{key.replace('_', '-')} {had.get(key)!r} (asked: {wanted[key]!r})"
+                       for key in wanted if had.get(key) != wanted[key])
+    raise DevBrokerError(f"a broker is already running with other options: {differ}; it is "
+                         "left as it is (`down` first to start another)")
 
 
 def cmd_status(args: argparse.Namespace) -> int:

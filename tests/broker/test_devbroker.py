@@ -289,6 +289,9 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
         assert status.returncode == 0 and _kv(status.stdout) == addrs
         again = _cli("up", env=env)  # idempotent: reports the running one
         assert again.returncode == 0 and _kv(again.stdout) == addrs
+        other = _cli("up", "--groups", "2", env=env)  # not what runs: an error, not its addrs
+        assert other.returncode == 1 and other.stdout == "", other.stderr
+        assert "already running with other options: --groups 1 (asked: 2)" in other.stderr
     finally:
         stopped = _cli("down", env=env)
     assert stopped.returncode == 0 and stopped.stdout.strip() == "stopped", stopped.stderr

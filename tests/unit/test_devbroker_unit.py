@@ -735,6 +735,34 @@ def test_the_state_file_is_judged_by_processes_that_name_its_run(
         two.kill()
 
 
+def test_up_with_a_run_up_reports_it_only_when_it_is_what_was_asked_for(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A second ``up`` printed the running broker's addresses whatever it asked for (another
+    version, a cluster, other settings), which a script then used as if it had them."""
+    from rmq_async.devbroker import cli
+
+    monkeypatch.setattr(cli.structlog, "configure", lambda **kw: None)
+    monkeypatch.setenv("RMQ_ASYNC_STATE_FILE", str(tmp_path / "state.json"))
+    started = vars(cli.build_parser().parse_args(["up"]))
+    running = procs.RunRecord(run_id="r", workdir=tmp_path / "run", owner_pid=None,
+                              owner_start=None, remove_workdir=True, pids={},
+                              info={"namesrv_addr": "127.0.0.1:9876",
+                                    "up_options": cli._wanted(argparse.Namespace(**started))})
+    monkeypatch.setattr(cli, "_load_state", lambda: running)
+    monkeypatch.setattr(cli, "_running", lambda record: True)
+    assert cli.main(["up", "--timeout", "30"]) == 0  # the same run: its addresses
+    assert "NAMESRV_ADDR=127.0.0.1:9876" in capsys.readouterr().out
+    for argv, said in [(["up", "--groups", "2"], "--groups 1 (asked: 2)"),
+                       (["up", "--broker-config", "maxMessageSize=1024"], "--broker-config"),
+                       (["up", "--heap", "1g"], "--heap None (asked: '1g')")]:
+        assert cli.main(argv) == 1, argv
+        out, err = capsys.readouterr()
+        assert out == "" and "already running with other options" in err and said in err, err
+    del running.info["up_options"]  # a state file from before the options were recorded
+    assert cli.main(["up", "--groups", "2"]) == 0
+
+
 def test_module_cli_failures_exit_1(monkeypatch: pytest.MonkeyPatch,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     from rmq_async.devbroker import cli
