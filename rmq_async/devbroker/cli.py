@@ -149,11 +149,11 @@ def _up(args: argparse.Namespace) -> int:
                                    namesrvs=args.namesrvs, detached=True,
                                    heap=args.heap or "320m",
                                    broker_config=_parse_kv(args.broker_config),
-                                   ready_timeout=max(args.timeout, 180.0))
+                                   ready_timeout=180.0 if args.timeout is None else args.timeout)
         else:
             rmq = LocalRocketMQ(args.version, detached=True, heap=args.heap or "512m",
                                 broker_config=_parse_kv(args.broker_config),
-                                ready_timeout=args.timeout)
+                                ready_timeout=90.0 if args.timeout is None else args.timeout)
     except (ValueError, DevBrokerError) as exc:
         raise SystemExit(str(exc)) from exc
     wanted = _wanted(args)
@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="slaves per broker group (default 0)")
             p.add_argument("--namesrvs", type=int, default=1,
                            help="name servers (default 1)")
-            p.add_argument("--timeout", type=float, default=90.0, help="start-up limit, seconds")
+            p.add_argument("--timeout", type=float, default=None,
+                           help="start-up limit, seconds (default 90; 180 for a cluster)")
             p.add_argument("--broker-config", action="append", default=[], metavar="KEY=VALUE",
                            help="extra broker.conf setting (repeatable)")
     return parser

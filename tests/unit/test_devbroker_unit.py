@@ -763,6 +763,28 @@ def test_up_with_a_run_up_reports_it_only_when_it_is_what_was_asked_for(
     assert cli.main(["up", "--groups", "2"]) == 0
 
 
+def test_up_keeps_an_explicit_timeout_for_a_cluster_too(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--timeout`` below 180 s was raised to 180 s for a cluster, silently."""
+    from rmq_async.devbroker import cli
+    from rmq_async.devbroker.errors import DevBrokerError
+
+    asked: list[float] = []
+
+    def shape(version: str, **kw: Any) -> None:
+        asked.append(kw["ready_timeout"])
+        raise DevBrokerError("stop here")
+
+    monkeypatch.setattr(cli.structlog, "configure", lambda **kw: None)
+    monkeypatch.setattr(cli, "LocalCluster", shape)
+    monkeypatch.setattr(cli, "LocalRocketMQ", shape)
+    for argv in (["up", "--groups", "2", "--timeout", "60"], ["up", "--groups", "2"],
+                 ["up", "--timeout", "30"], ["up"]):
+        assert cli.main(argv) == 2, argv  # the constructors' refusals are usage errors
+    assert asked == [60.0, 180.0, 30.0, 90.0]
+    capsys.readouterr()
+
+
 def test_module_cli_failures_exit_1(monkeypatch: pytest.MonkeyPatch,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     from rmq_async.devbroker import cli
