@@ -10,6 +10,7 @@ stable event name, and counted per topic in :meth:`PushConsumer.stats_snapshot`.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections import Counter, deque
 from collections.abc import Callable
@@ -67,7 +68,7 @@ class ErrorReporter:
         self.counts: Counter[tuple[str, str]] = Counter()  # (topic, kind) -> events
         self.owner: TaskOwner | None = None  # runs the deliveries while the consumer runs
         self._pending: deque[ConsumerError] = deque()
-        self._delivering = False
+        self._delivery: asyncio.Task[None] | None = None
 
     def report(self, event: ConsumerError) -> None:
         self.counts[(event.topic, str(event.kind))] += 1
@@ -81,16 +82,16 @@ class ErrorReporter:
             self._deliver_inline(event)
             return
         self._pending.append(event)
-        if self._delivering:
-            return
+        if self._delivery is not None and not self._delivery.done():
+            return  # the running delivery takes it in turn
         try:
-            self.owner.spawn(self._deliver(), name="on-error")
+            self._delivery = self.owner.spawn(self._deliver(), name="on-error")
         except IllegalStateError:  # the consumer is stopping: no task may start now
             self._pending.clear()
-            return
-        self._delivering = True
 
     async def _deliver(self) -> None:
+        # Ends (and is done) as soon as nothing is pending: an event reported after that
+        # starts the next delivery. Cancelled by stop(), it leaves the rest undelivered.
         try:
             while self._pending:
                 event = self._pending.popleft()
@@ -99,9 +100,9 @@ class ErrorReporter:
                         await call_user(handler, event)
                     except Exception as exc:
                         _handler_failed(handler, exc)
-        finally:
-            self._delivering = False
-            self._pending.clear()  # cancelled by stop(): what is left is not delivered
+        except asyncio.CancelledError:
+            self._pending.clear()
+            raise
 
     def _deliver_inline(self, event: ConsumerError) -> None:
         for handler in list(self.handlers):

@@ -184,3 +184,33 @@ async def test_error_events_reported_while_stopping_are_counted_not_delivered() 
     reporter.owner = None  # no consumer runs: a plain handler gets it at once
     reporter.report(ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MQ, 5, "bad"))
     assert [e.offset for e in seen] == [5]
+
+
+async def test_error_delivery_resumes_on_a_consumer_started_again() -> None:
+    """A delivery task cancelled by stop() before it ran must not leave the reporter thinking
+    one still runs: the events of the next run reach the handlers."""
+    import asyncio
+
+    from rmq_async.consumer.events import ErrorReporter
+    from rmq_async.consumer.tasks import TaskOwner
+
+    reporter = ErrorReporter()
+    seen: list[int | None] = []
+
+    async def handler(event: ConsumerError) -> None:
+        seen.append(event.offset)
+
+    reporter.handlers.append(handler)
+    first = TaskOwner("consumer[G]")
+    reporter.owner = first
+    reporter.report(ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MQ, 1, "bad"))
+    await first.aclose()  # stop() right after the report: the delivery never ran
+    reporter.owner = None
+    second = TaskOwner("consumer[G]")
+    reporter.owner = second  # start() again
+    reporter.report(ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MQ, 2, "bad"))
+    async with asyncio.timeout(5):
+        while 2 not in seen:
+            await asyncio.sleep(0.01)
+    await second.aclose()
+    assert seen[-1] == 2
