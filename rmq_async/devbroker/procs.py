@@ -374,7 +374,8 @@ def reap_stale_runs() -> list[RunRecord]:
             continue
         if record.owner_pid is not None and record.owner_alive():
             continue
-        if record.owner_pid is None and any(pid_alive(p) for p in record.pids.values()):
+        if record.owner_pid is None and any(pid_mentions(p, str(record.workdir))
+                                            for p in record.pids.values()):
             continue  # a detached run that is still up: it belongs to `down`
         killed = record.kill_all(grace=5.0)
         record.forget()

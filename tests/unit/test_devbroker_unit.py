@@ -584,6 +584,31 @@ def test_reap_never_signals_a_recycled_pid(run_root: Path, tmp_path: Path) -> No
         unrelated.wait()
 
 
+def test_a_detached_run_whose_pids_were_reused_is_reaped(run_root: Path,
+                                                         tmp_path: Path) -> None:
+    """A detached run is left to `down` while one of its JVMs runs; a pid now used by an
+    unrelated process (its command line does not name the run folder) made the reaper keep
+    a dead run's record and folder for good. Its JVM that still runs keeps it, as before."""
+    unrelated = _sleeper(tmp_path / "elsewhere")
+    up_dir = tmp_path / "up"
+    up_dir.mkdir()
+    jvm = _sleeper(up_dir)
+    try:
+        dead_dir = tmp_path / "dead"
+        dead_dir.mkdir()
+        procs.RunRecord(run_id="dead", workdir=dead_dir, owner_pid=None, remove_workdir=True,
+                        pids={"broker": unrelated.pid}).save()
+        procs.RunRecord(run_id="up", workdir=up_dir, owner_pid=None, remove_workdir=True,
+                        pids={"namesrv": unrelated.pid, "broker": jvm.pid}).save()
+        assert [r.run_id for r in procs.reap_stale_runs()] == ["dead"]
+        assert not dead_dir.exists() and up_dir.exists()
+        assert unrelated.poll() is None and jvm.poll() is None  # nobody signalled
+    finally:
+        for p in (unrelated, jvm):
+            p.kill()
+            p.wait()
+
+
 def _stubborn() -> subprocess.Popen[bytes]:
     """A child that ignores SIGTERM (prints "up" once the handler is in place)."""
     return subprocess.Popen(
