@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ import structlog
 from rmq_async.errors import InvalidArgumentError
 
 from .errors import DevBrokerError
+from .procs import pdeathsig_preexec
 
 __all__ = [
     "ARTIFACTS",
@@ -248,6 +250,10 @@ def _ensure_locked_sync(version: str, vdir: Path, pom: str) -> Path:
                 stderr=subprocess.STDOUT,
                 check=False,
                 timeout=MAVEN_TIMEOUT,
+                # Maven ends with this process (a killed `make setup` or test run left it
+                # downloading on its own); SIGTERM lets its JVM exit in order. The staging
+                # folder it leaves is removed by the next fetch.
+                preexec_fn=pdeathsig_preexec(os.getpid(), signal.SIGTERM),
             )
         except subprocess.TimeoutExpired:
             shutil.rmtree(staging, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -313,6 +314,40 @@ async def test_a_maven_run_over_its_time_limit_is_a_clear_failure(
     with pytest.raises(DevBrokerError, match=r"within 0\.5 s"):
         ensure_jars_sync("5.3.3", tmp_path / "cache")
     assert not list((tmp_path / "cache" / "rocketmq-5.3.3").glob("lib.partial-*"))
+
+
+def test_maven_ends_with_a_killed_fetch(monkeypatch: pytest.MonkeyPatch,
+                                        tmp_path: Path) -> None:
+    """A fetch whose process is killed (Ctrl-C twice, a CI job cancelled) left Maven
+    downloading on its own; it gets SIGTERM now, as the JVMs get their parent-death signal."""
+    bin_dir = _fake_path(monkeypatch, tmp_path, {
+        "mvn": f'echo $$ > "${{0%/*}}/mvn.pid"; exec {sys.executable} -c '
+               "'import time; time.sleep(60)'",
+        "java": "exit 0"})
+    fetch = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from rmq_async.devbroker import ensure_jars_sync; "
+                               "ensure_jars_sync('5.3.3', sys.argv[1])", str(tmp_path / "cache")],
+        env={**os.environ})
+    pid_file = bin_dir / "mvn.pid"
+    try:
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert time.monotonic() < deadline and fetch.poll() is None, "Maven never started"
+            time.sleep(0.02)
+        mvn = int(pid_file.read_text())
+        assert procs.pid_alive(mvn)
+        fetch.kill()
+        fetch.wait()
+        deadline = time.monotonic() + 10
+        while procs.pid_alive(mvn):
+            assert time.monotonic() < deadline, "Maven outlived the fetch that started it"
+            time.sleep(0.02)
+    finally:
+        fetch.kill()
+        fetch.wait()
+        if pid_file.exists() and pid_file.read_text().strip():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def test_java_home_is_preferred(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
