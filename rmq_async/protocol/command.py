@@ -584,6 +584,13 @@ class FrameDecoder:
         self._start = self._end = self._need = 0
         return self._error
 
+    def release(self) -> None:
+        """Drop the receive buffer and any unfinished frame (the connection is closed: a frame
+        cut short held up to ``max_frame_size`` bytes for as long as the object lived). A later
+        read gets a new buffer."""
+        self._buf = bytearray()
+        self._start = self._end = self._need = 0
+
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Space for the next read: the tail of the receive buffer, at least
         :attr:`MIN_READ` bytes, or the room the unfinished frame still needs if that is more.

@@ -128,6 +128,7 @@ class RemotingClient:
             raise ConnectionClosed("remoting client is closed", addr=addr)
         conn.on_started_timeout = self._after_started_timeout
         conn.on_started_go_away = self._after_started_go_away
+        conn.on_closed = self._connection_closed
         self._connections[addr] = conn
         self._connection_made(addr, conn)
         return conn
@@ -204,6 +205,7 @@ class RemotingClient:
                 log.warning("remoting.closed_after_timeout", addr=addr, code=cmd.code,
                             timeout=timeout)
                 self._forget(addr, conn)
+                conn.abort()  # the peer is not answering: it may not be reading either
                 await conn.close()
             raise
         if response.code == ResponseCode.GO_AWAY:
@@ -259,6 +261,12 @@ class RemotingClient:
         self._retired = {c for c in self._retired if not c.closed}
         self._retired.add(conn)
         conn.close_when_idle()
+
+    def _connection_closed(self, conn: Connection) -> None:
+        """``conn`` closed (its peer went, a timeout, a GO_AWAY retirement ended): the pool
+        lets go of it, so a dead connection to an address no route names any more is freed."""
+        self._forget(conn.addr, conn)
+        self._retired.discard(conn)
 
     def _forget(self, addr: str, conn: Connection) -> None:
         """Stop handing out ``conn`` for ``addr`` (the next call connects anew)."""

@@ -61,6 +61,10 @@ DEFAULT_WRITE_TIMEOUT = 3.0
 # How early the deadline timer may fire and still count as on time (the clock's resolution).
 _SWEEP_SLACK = 0.001
 
+#: Seconds a graceful close leaves the frames still buffered to go out before the socket is
+#: closed anyway (a peer that stopped reading never takes them).
+CLOSE_FLUSH_GRACE = 2.0
+
 
 class Connection(asyncio.BufferedProtocol):
     """A multiplexed request/response channel to one address."""
@@ -98,6 +102,8 @@ class Connection(asyncio.BufferedProtocol):
         self.on_started_timeout: Callable[[Connection, float], None] | None = None
         #: Called (soon) when a request kept in flight was answered with GO_AWAY.
         self.on_started_go_away: Callable[[Connection], None] | None = None
+        #: Called once the connection is closed (by anyone, for any reason), with itself.
+        self.on_closed: Callable[[Connection], None] | None = None
         self._close_when_idle = False
         self.last_activity = asyncio.get_running_loop().time()
 
@@ -175,20 +181,26 @@ class Connection(asyncio.BufferedProtocol):
         if self._close_when_idle and not self._pending:
             self._shutdown(None)
 
-    def _shutdown(self, exc: BaseException | None) -> None:
+    def _shutdown(self, exc: BaseException | None, *, hard: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
         self._close_exc = exc
         self._can_write.set()
-        if self._transport is not None:
-            if exc is not None:
-                self._transport.abort()
+        transport = self._transport
+        if transport is not None:
+            if exc is not None or hard:
+                transport.abort()
             else:
                 out, self._out = self._out, None
                 if out:  # frames written just before a graceful close still go out
-                    self._transport.writelines(out)
-                self._transport.close()
+                    transport.writelines(out)
+                transport.close()
+                if transport.get_write_buffer_size():
+                    # close() waits for the buffer to drain: a peer that stopped reading would
+                    # hold the socket (and what is buffered) for good. The frames get a moment.
+                    asyncio.get_running_loop().call_later(CLOSE_FLUSH_GRACE, transport.abort)
+        self._decoder.release()
         reason = "connection closed" if exc is None else f"connection closed: {exc}"
         if self._sweep_handle is not None:
             self._sweep_handle.cancel()
@@ -204,6 +216,8 @@ class Connection(asyncio.BufferedProtocol):
         for task in self._handler_tasks:
             task.cancel()
         self._closed_event.set()
+        if self.on_closed is not None:
+            self.on_closed(self)
         if exc is not None:
             log.warning("remoting.connection_lost", addr=self.addr, error=str(exc),
                         failed_requests=len(pending))
@@ -418,8 +432,9 @@ class Connection(asyncio.BufferedProtocol):
             self._transport.writelines(out)
 
     def abort(self) -> None:
-        """Close at once, without waiting (pending requests fail with ConnectionClosed)."""
-        self._shutdown(None)
+        """Close at once: the socket too, with whatever it has not sent yet (pending requests
+        fail with ConnectionClosed)."""
+        self._shutdown(None, hard=True)
 
     def _expire(self, opaque: int, timeout: float) -> None:
         fut = self._pending.pop(opaque, None)

@@ -647,3 +647,99 @@ async def test_close_during_a_new_connect_fails_the_caller_with_connection_close
         with pytest.raises(ConnectionClosed):
             await caller
         assert not caller.cancelled()
+
+
+async def _silent_reader() -> tuple[asyncio.Server, str, list[asyncio.StreamWriter]]:
+    """A peer that accepts and never reads: what the client writes stays in its buffers."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        await asyncio.sleep(3600)
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0, limit=1024)
+    host, port = server.sockets[0].getsockname()[:2]
+    return server, f"{host}:{port}", accepted
+
+
+async def _until(check: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_a_request_timed_out_on_a_peer_that_stopped_reading_frees_the_socket() -> None:
+    """close() after a timeout waited for the write buffer to drain, which a peer that stopped
+    reading never does: the socket and megabytes of unsent frames were held for good, one more
+    per reconnect-and-time-out."""
+    server, addr, accepted = await _silent_reader()
+    client = RemotingClient(connect_timeout=1)
+    try:
+        conn = await client.connection(addr)
+        transport = conn._transport
+        assert transport is not None
+        sock = transport.get_extra_info("socket")
+        with pytest.raises(RemotingTimeout):
+            await client.invoke(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
+                                                              body=b"x" * 8_000_000), 0.5)
+        assert conn.closed
+        await _until(lambda: sock.fileno() == -1, 2, "the socket is still open")
+        assert addr not in client.addresses
+    finally:
+        await client.close()
+        for w in accepted:
+            w.transport.abort()
+        server.close()
+
+
+async def test_a_graceful_close_gives_a_peer_that_stopped_reading_a_moment_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import rmq_async.remoting.connection as connection_module
+
+    monkeypatch.setattr(connection_module, "CLOSE_FLUSH_GRACE", 0.2)
+    server, addr, accepted = await _silent_reader()
+    client = RemotingClient(connect_timeout=1)
+    try:
+        conn = await client.connection(addr)
+        transport = conn._transport
+        assert transport is not None
+        sock = transport.get_extra_info("socket")
+        await client.invoke_oneway(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
+                                                                  body=b"x" * 8_000_000))
+        await client.close()
+        assert transport.get_write_buffer_size() > 0  # the peer takes nothing
+        await _until(lambda: sock.fileno() == -1, 2, "the socket is still open")
+    finally:
+        for w in accepted:
+            w.transport.abort()
+        server.close()
+
+
+async def test_a_connection_its_peer_closed_mid_frame_leaves_the_pool_and_its_buffer() -> None:
+    """A dead connection stayed in the pool, its receive buffer grown to the frame cut short,
+    until its address was asked for again (never, for a broker no route names any more)."""
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        while data := await reader.read(65536):
+            for cmd in dec.feed(data):
+                frame = cmd.response_to(ResponseCode.SUCCESS, body=b"m" * 6_000_000).encode()
+                writer.write(frame[:4_000_000])  # the broker dies in the middle of an answer
+                await writer.drain()
+                await asyncio.sleep(0.2)
+                writer.transport.abort()
+                return
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    addr = f"{host}:{port}"
+    client = RemotingClient()
+    try:
+        conn = await client.connection(addr)
+        with pytest.raises(ConnectionClosed):
+            await client.invoke(addr, RemotingCommand.request(RequestCode.PULL_MESSAGE), 5)
+        assert conn.closed and addr not in client._connections
+        assert conn._decoder.buffered == 0 and len(conn._decoder._buf) == 0
+    finally:
+        await client.close()
+        server.close()
