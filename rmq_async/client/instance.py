@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from rmq_async.client.api import MQClientAPI
-from rmq_async.client.errors import MQClientError, NoRouteError
+from rmq_async.client.errors import MQClientError, NameServerUnavailable, NoRouteError
 from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.bodies import (
     HeartbeatData,
@@ -21,6 +21,7 @@ from rmq_async.protocol.bodies import (
     consumer_queues,
     producer_queues,
 )
+from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.client import RemotingClient
 from rmq_async.remoting.connection import Connection, RequestHandler, RpcHook
@@ -97,6 +98,7 @@ class ClientInstance:
         self._namesrv_index = random.randrange(len(self.namesrv_addrs))
         self._route_locks: dict[str, asyncio.Lock] = {}
         self._heartbeat_lock = asyncio.Lock()
+        self._leaving = False  # unregister() under way: no heartbeat on a new connection
         #: Did at least one broker answer the last heartbeat round (or a heartbeat sent on a
         #: new connection since)? ``None`` before the first round.
         self.brokers_reachable: bool | None = None
@@ -116,7 +118,8 @@ class ClientInstance:
                 route = await self.api.get_route(addr, topic)
             except NoRouteError:
                 raise
-            except (RemotingError, MQClientError) as exc:
+            except (RemotingError, MQClientError, ProtocolError) as exc:
+                # ProtocolError: an answer this name server garbled; the next may be sound.
                 if isinstance(exc, TlsVerificationError):
                     refused.append(exc)
                 errors.append(f"{addr}: {exc}")
@@ -129,7 +132,8 @@ class ClientInstance:
         if len(refused) == n:
             # A configuration problem, not an outage: say so with its own type.
             raise refused[0]
-        raise MQClientError(f"no name server answered for topic {topic!r}: " + "; ".join(errors))
+        raise NameServerUnavailable(f"no name server answered for topic {topic!r}: "
+                                    + "; ".join(errors))
 
     async def update_route(self, topic: str) -> TopicRouteData:
         lock = self._route_locks.setdefault(topic, asyncio.Lock())
@@ -261,13 +265,18 @@ class ClientInstance:
             addr = broker.master_addr
             if addr is not None:
                 await self.api.create_topic(addr, topic, read_queues=queues, write_queues=queues)
-        async with asyncio.timeout(timeout):  # the broker registers the route with the name server
-            while True:
-                try:
-                    await self.update_route(topic)
-                    return
-                except NoRouteError:
-                    await asyncio.sleep(0.2)
+        try:
+            # The broker registers the route with the name server.
+            async with asyncio.timeout(timeout):
+                while True:
+                    try:
+                        await self.update_route(topic)
+                        return
+                    except NoRouteError:
+                        await asyncio.sleep(0.2)
+        except TimeoutError:
+            raise MQClientError(f"topic {topic!r} was created but the name servers served no "
+                                f"route for it within {timeout:g} s") from None
 
     # ------------------------------------------------------------------ periodic work
 
@@ -275,7 +284,7 @@ class ClientInstance:
         for topic in list(self.routes):
             try:
                 await self.update_route(topic)
-            except (MQClientError, RemotingError) as exc:
+            except (MQClientError, RemotingError, ProtocolError) as exc:
                 log.warning("route.refresh_failed", topic=topic, error=str(exc))
 
     async def send_heartbeats(self) -> dict[str, bool]:
@@ -329,8 +338,8 @@ class ClientInstance:
         closed; without this, a consumer that reconnected after a timeout, a reset or a broker
         restart would have its pulls refused ("the consumer's group info not exist") until the
         next periodic heartbeat, up to ``heartbeat_interval`` later."""
-        if self.heartbeat_source is None or self.remoting.closed:
-            return
+        if self.heartbeat_source is None or self.remoting.closed or self._leaving:
+            return  # (leaving: a heartbeat would announce the group being unregistered)
         if addr not in self._heartbeat_addrs(self.heartbeat_source()):
             return  # a name server (or, for a producer, a slave)
         task = asyncio.get_running_loop().create_task(self._heartbeat_one(addr),
@@ -374,7 +383,12 @@ class ClientInstance:
         """UNREGISTER_CLIENT, at once, on every broker the heartbeats go to (a broker that is
         down costs one request timeout, not one per broker as Java's loop does; a producer's
         goes to the masters only, where Java would connect to each slave to say it); failures
-        are left alone."""
+        are left alone. From here on a new connection sends no heartbeat of its own: it would
+        announce the group being unregistered, and the broker handles HEART_BEAT and
+        UNREGISTER_CLIENT on different threads (Java takes the group out of its table first).
+        """
+        self._leaving = True
+
         async def one(addr: str) -> None:
             with contextlib.suppress(MQClientError, RemotingError):
                 await self.api.unregister_client(addr, self.client_id, producer_group,

@@ -13,6 +13,8 @@ import ssl
 
 import structlog
 
+from rmq_async.errors import InvalidArgumentError
+
 __all__ = ["client_ssl_context", "verification_disabled"]
 
 log = structlog.get_logger(__name__)
@@ -44,8 +46,13 @@ def client_ssl_context(
     elif not tls:
         return None
     else:
-        ctx = ssl.create_default_context(
-            cafile=os.fspath(tls_ca_file) if tls_ca_file is not None else None)
+        try:
+            ctx = ssl.create_default_context(
+                cafile=os.fspath(tls_ca_file) if tls_ca_file is not None else None)
+        except (ssl.SSLError, OSError) as exc:  # a file that holds no certificate, say
+            raise InvalidArgumentError(
+                f"tls_ca_file: {os.fspath(tls_ca_file or '')!r} cannot be used as CA "
+                f"certificates: {exc}") from exc
         if not tls_verify:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE

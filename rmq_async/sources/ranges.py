@@ -35,7 +35,12 @@ from typing import Any, Literal
 import structlog
 
 from rmq_async.client.api import PendingPull, PullStatus
-from rmq_async.client.errors import MQClientError, NoRouteError, broker_error
+from rmq_async.client.errors import (
+    MQClientError,
+    NameServerUnavailable,
+    NoRouteError,
+    broker_error,
+)
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import Credentials, default_client_ip
 from rmq_async.errors import InvalidArgumentError
@@ -400,10 +405,19 @@ async def matching_topics(client: ClientInstance, pattern: str) -> list[str]:
         if resp.code != ResponseCode.SUCCESS:
             raise broker_error(resp.code, resp.remark, addr=addr,
                                request="GET_ALL_TOPIC_LIST_FROM_NAMESERVER")
-        names = json.loads(resp.body or b"{}").get("topicList") or []
+        try:
+            doc = json.loads(resp.body or b"{}")
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+            names = doc.get("topicList") or []
+            if not isinstance(names, list):
+                raise ValueError("topicList is not a list")
+        except ValueError as exc:  # a garbled answer is this name server's failure
+            errors.append(f"{addr}: a topic list that does not parse ({exc})")
+            continue
         return sorted(t for t in names
                       if isinstance(t, str) and regex.fullmatch(t) and not _internal_topic(t))
-    raise MQClientError("no name server answered the topic list: " + "; ".join(errors))
+    raise NameServerUnavailable("no name server answered the topic list: " + "; ".join(errors))
 
 
 #: Topics of the broker itself (Java ``TopicValidator``'s system topics), never matched by a
