@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from rmq_async.client.errors import MQClientError
+from rmq_async.client.errors import MQClientError, NoRouteError
 from rmq_async.consumer.allocate import sort_inputs
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.service import PullRequest
+from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.errors import RemotingError
 
@@ -109,9 +110,18 @@ class Rebalancer:
         for topic in topics:
             try:
                 allocated = await self._allocate(topic)
+            except NoRouteError as exc:
+                # Java: a topic without a route is not there to balance (a round soon would
+                # only ask the name servers again); it is taken when its route appears.
+                if not topic.startswith(RETRY_GROUP_TOPIC_PREFIX):
+                    log.warning("rebalance.topic_has_no_route", group=rt.group, topic=topic,
+                                error=str(exc))
+                continue
             except (MQClientError, RemotingError, ValueError) as exc:
                 log.warning("rebalance.topic_failed", group=rt.group, topic=topic, error=str(exc))
-                balanced = False
+                # Java never counts the retry topic's failures against the balance.
+                if not topic.startswith(RETRY_GROUP_TOPIC_PREFIX):
+                    balanced = False
                 continue
             if allocated is None:
                 balanced = False
@@ -168,6 +178,11 @@ class Rebalancer:
                 # taken out, then back in below, as Java's pull-expiry does after a while.
                 log.warning("rebalance.dropped_queue_left_behind", queue=str(mq))
                 leaving.append((mq, "dropped"))
+            elif not self._pull.is_pulling(mq) and not rt.stopping:
+                # Held with no pull task (a round that failed before starting it, a task that
+                # crashed): it would wait for pull_max_idle_time. Taken out and back in.
+                log.warning("rebalance.queue_without_pull_task", queue=str(mq))
+                leaving.append((mq, "not_pulled"))
             elif pq.is_pull_expired(now, rt.options.pull_max_idle_time) and not pq.dropped:
                 log.warning("rebalance.queue_pull_expired", queue=str(mq))
                 leaving.append((mq, "pull_expired"))
@@ -181,10 +196,16 @@ class Rebalancer:
         for mq in sorted(new_queues):
             if rt.stopping:
                 return
-            if not await self._queue_assigned(mq):
+            try:
+                if not await self._queue_assigned(mq):
+                    continue
+                rt.offset_store.remove(mq)
+                offset = await rt.compute_pull_from_where(mq)
+            except Exception as exc:  # one queue's failure does not cost the others theirs
+                log.warning("rebalance.queue_add_failed", queue=str(mq),
+                            error=f"{type(exc).__name__}: {exc}")
+                self.retry_soon()
                 continue
-            rt.offset_store.remove(mq)
-            offset = await rt.compute_pull_from_where(mq)
             if offset < 0:
                 log.warning("rebalance.start_offset_unknown", queue=str(mq))
                 continue

@@ -17,6 +17,7 @@ from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND
 from rmq_async.consumer.options import ConsumeFromWhere
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
 from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP
+from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.message import encode_properties
 from rmq_async.protocol.types import (
     PROPERTY_CONSUME_START_TIME,
@@ -221,7 +222,9 @@ class ConsumerRuntime:
                 ts = self.options.consume_timestamp_ms()
                 return await api.search_offset(addr, mq, ts)
             return await self._max_offset(mq)
-        except (MQClientError, RemotingError) as exc:
+        except (MQClientError, RemotingError, ProtocolError) as exc:
+            # (ProtocolError: an answer without its offset.) Java's computePullFromWhere turns
+            # any failure into -1: the queue is not taken this round.
             log.warning("rebalance.compute_offset_failed", queue=str(mq), error=str(exc))
             return -1
 

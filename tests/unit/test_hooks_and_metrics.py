@@ -536,6 +536,9 @@ class _Pull:
     def start_queue(self, req: Any) -> None:
         self.events.append(("start_pull", req.mq))
 
+    def is_pulling(self, mq: MessageQueue) -> bool:
+        return True  # the queues this fake holds have their pull tasks
+
 
 async def test_rebalancer_revokes_before_persisting_and_assigns_before_pulling() -> None:
     from types import SimpleNamespace

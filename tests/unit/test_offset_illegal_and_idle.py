@@ -261,3 +261,78 @@ async def test_a_queue_whose_start_offset_is_unknown_leaves_the_round_unbalanced
     rt.compute_pull_from_where = now_known
     await rebalancer.rebalance_once()
     assert started == mqs and rebalancer._last_round_balanced is True
+
+
+async def test_a_failed_start_offset_does_not_strand_the_queues_taken_before_it() -> None:
+    """A malformed answer (a GET_MAX_OFFSET without its offset: ProtocolError) for the second
+    queue of a round ended the round: the first queue, already in the table, never got a pull
+    task, and later rounds left it alone until pull_max_idle_time (120 s)."""
+    from rmq_async.protocol.errors import ProtocolError
+
+    mq0, mq1 = MessageQueue("T", "broker-a", 0), MessageQueue("T", "broker-a", 1)
+    opts = ConsumerOptions.from_kwargs("G")
+    rt = runtime(opts, ProcessQueue())
+    rt.process_queues = {}
+    _ready_to_take_queues(rt)
+    broken = {"on": True}
+
+    async def compute(mq: MessageQueue) -> int:
+        if mq == mq1 and broken["on"]:
+            raise ProtocolError("GetMaxOffsetResponseHeader: required field 'offset' is missing")
+        return 100
+
+    rt.compute_pull_from_where = compute
+    pull = PullService(rt, router([]), on_queue_forgotten=lambda: None)
+
+    async def never(req: PullRequest, offset: int) -> Any:
+        return Pending()
+
+    pull._send = never  # type: ignore[method-assign]
+    rebalancer = Rebalancer(rt, pull, orderly=None)  # type: ignore[arg-type]
+    try:
+        with capture_logs() as logs:
+            await rebalancer.apply_allocation("T", {mq0, mq1})
+        assert pull.is_pulling(mq0) and mq1 not in rt.process_queues
+        assert rebalancer._retry  # the next round comes soon
+        assert any(e["event"] == "rebalance.queue_add_failed" for e in logs)
+        broken["on"] = False
+        await rebalancer.apply_allocation("T", {mq0, mq1})
+        assert pull.is_pulling(mq0) and pull.is_pulling(mq1)
+        # A queue held with no pull task (its task crashed, say) is taken out and back in.
+        await pull._owner.cancel(mq0)
+        assert not pull.is_pulling(mq0) and mq0 in rt.process_queues
+        await rebalancer.apply_allocation("T", {mq0, mq1})
+        assert pull.is_pulling(mq0) and pull.requests[mq0].next_offset == 100
+    finally:
+        await pull.aclose()
+
+
+async def test_a_subscribed_topic_without_a_route_does_not_spin_the_rebalancer() -> None:
+    """Java counts a topic without a route as balanced, and never counts the retry topic's
+    failures against the balance: such a topic made every round 'unbalanced', so rounds (and
+    name-server lookups) came every second instead of every rebalance_interval."""
+    from rmq_async.client.errors import NoRouteError
+
+    opts = ConsumerOptions.from_kwargs("G")
+    lookups: list[str] = []
+    failing = {"%RETRY%G": NoRouteError("%RETRY%G"), "T": NoRouteError("T")}
+
+    async def subscribe_queues(topic: str) -> list[MessageQueue]:
+        lookups.append(topic)
+        raise failing[topic]
+
+    rt: Any = SimpleNamespace(
+        group="G", client_id="me", stopping=False, options=opts, process_queues={},
+        subscriptions=SimpleNamespace(subscribed_topics=lambda: ["%RETRY%G", "T"]),
+        instance=SimpleNamespace(subscribe_queues=subscribe_queues))
+    rebalancer = Rebalancer(rt, pull=None, orderly=None)  # type: ignore[arg-type]
+    await rebalancer.rebalance_once()
+    assert lookups == ["%RETRY%G", "T"] and rebalancer._last_round_balanced is True
+    from rmq_async.remoting.errors import RemotingConnectError
+
+    failing["%RETRY%G"] = RemotingConnectError("broker down", addr="x")
+    await rebalancer.rebalance_once()
+    assert rebalancer._last_round_balanced is True  # the retry topic's failure: not counted
+    failing["T"] = RemotingConnectError("broker down", addr="x")
+    await rebalancer.rebalance_once()
+    assert rebalancer._last_round_balanced is False  # a real topic's broker failure: retried soon
