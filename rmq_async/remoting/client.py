@@ -233,7 +233,9 @@ class RemotingClient:
             cmd = make_cmd()
             fut = conn.start_request(cmd, timeout)
             if fut is None:  # the transport is paused: wait for it in a request of our own
-                return asyncio.ensure_future(self.invoke(addr, cmd, timeout))
+                # Not sent again on GO_AWAY, as the docstring says: the caller sees the code.
+                return asyncio.ensure_future(self.invoke(addr, cmd, timeout,
+                                                         resend_on_go_away=False))
 
         return fut
 

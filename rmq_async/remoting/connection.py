@@ -293,7 +293,14 @@ class Connection(asyncio.BufferedProtocol):
         if response is None or cmd.is_oneway or self._closed:
             return
         try:
-            await self._write(response.encode_parts())
+            parts = response.encode_parts()
+        except Exception as exc:  # an answer that cannot be encoded: say so instead
+            log.exception("remoting.answer_not_encodable", addr=self.addr, code=cmd.code)
+            parts = cmd.response_to(ResponseCode.SYSTEM_ERROR,
+                                    remark=f"the answer could not be encoded: "
+                                           f"{type(exc).__name__}").encode_parts()
+        try:
+            await self._write(parts)
         except (ConnectionClosed, RemotingTimeout) as exc:
             log.warning("remoting.answer_not_sent", addr=self.addr, code=cmd.code, error=str(exc))
 

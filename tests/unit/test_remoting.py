@@ -743,3 +743,42 @@ async def test_a_connection_its_peer_closed_mid_frame_leaves_the_pool_and_its_bu
     finally:
         await client.close()
         server.close()
+
+
+async def test_an_answer_that_cannot_be_encoded_is_answered_system_error() -> None:
+    """A handler's answer whose header cannot be encoded ended the serving task with an
+    exception nobody read, and the broker waited for an answer until its timeout."""
+    answers: asyncio.Queue[RemotingCommand] = asyncio.Queue()
+    connected = asyncio.Event()
+    writers: list[asyncio.StreamWriter] = []
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        connected.set()
+        dec = FrameDecoder()
+        while data := await reader.read(65536):
+            for cmd in dec.feed(data):
+                await answers.put(cmd)
+
+    async def handler(cmd: RemotingCommand, conn: Connection) -> RemotingCommand:
+        answer = cmd.response_to(ResponseCode.SUCCESS)
+        answer.ext_fields = {"k": object()}  # type: ignore[dict-item]
+        return answer
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    client = RemotingClient(request_handler=handler)
+    try:
+        await client.connection(f"{host}:{port}")
+        await connected.wait()
+        request = RemotingCommand.request(RequestCode.CONSUME_MESSAGE_DIRECTLY)
+        writers[0].write(request.encode())
+        async with asyncio.timeout(5):
+            answer = await answers.get()
+        assert answer.opaque == request.opaque and answer.code == ResponseCode.SYSTEM_ERROR
+        assert "could not be encoded" in (answer.remark or "")
+    finally:
+        await client.close()
+        for w in writers:
+            w.transport.abort()
+        server.close()
