@@ -28,6 +28,7 @@ import structlog
 
 from rmq_async.client.errors import MQClientError
 from rmq_async.consumer.runtime import retry_copy_properties
+from rmq_async.errors import InvalidArgumentError
 from rmq_async.payloads import MAX_REASON_CHARS
 from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP
 from rmq_async.protocol.message import encode_properties
@@ -50,6 +51,9 @@ DLQ_GROUP_TOPIC_PREFIX = "%DLQ%"
 
 
 
+_SEPARATORS = str.maketrans({"\x01": " ", "\x02": " "})
+
+
 def dlq_topic(group: str) -> str:
     return DLQ_GROUP_TOPIC_PREFIX + group
 
@@ -57,6 +61,9 @@ def dlq_topic(group: str) -> str:
 def dead_letter_properties(msg: MessageExt, reason: str) -> dict[str, str]:
     """The properties of the DLQ copy of ``msg`` (its topic already reset to the original)."""
     props = retry_copy_properties(msg)
+    # Any text a handler gave (ctx.dead_letters takes anything): the property format's own
+    # separators would make the copy unsendable, and its send fail for good.
+    reason = (reason if isinstance(reason, str) else str(reason)).translate(_SEPARATORS)
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[:MAX_REASON_CHARS - 3] + "..."
     props[PROPERTY_DLQ_REASON] = reason
@@ -75,7 +82,7 @@ async def send_to_dlq(rt: ConsumerRuntime, msg: MessageExt, reason: str) -> bool
             born_timestamp=msg.born_timestamp or None,
             reconsume_times=max_times + 1, max_reconsume_times=max_times,
         )
-    except (MQClientError, RemotingError) as exc:
+    except (MQClientError, RemotingError, InvalidArgumentError) as exc:
         log.warning("consume.dead_letter_send_failed", group=rt.group, topic=msg.topic,
                     queue_id=msg.queue_id, offset=msg.queue_offset, msg_id=msg.msg_id,
                     error=str(exc))

@@ -13,6 +13,7 @@ return ``SUCCESS`` or ``RECONSUME_LATER`` (Java ``ConsumeConcurrentlyStatus``); 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum, StrEnum
@@ -85,9 +86,11 @@ class DeadLetter(RocketMQError):
     mode, where the broker keeps no dead-letter queue, the messages are logged and dropped.
     """
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    def __init__(self, reason: object) -> None:
+        # Whatever the handler passed (an exception, say) travels as text.
+        text = reason if isinstance(reason, str) else str(reason)
+        super().__init__(text)
+        self.reason = text
 
 
 def normalize_result(value: Any, *, orderly: bool = False) -> ConsumeResult:
@@ -171,9 +174,24 @@ class ConsumeContext:
         """
         if not result.is_success:
             return 0
-        if self.ack_index is None or self.ack_index >= batch_size:
+        index: object = self.ack_index  # typed int, but a handler may set anything
+        if index is not None and not isinstance(index, int):
+            index = _as_ack_index(index)
+        assert index is None or isinstance(index, int)
+        if index is None or index >= batch_size:
             return batch_size
-        return max(self.ack_index, -1) + 1
+        return max(index, -1) + 1
+
+
+def _as_ack_index(value: object) -> int:
+    """An ``ack_index`` the handler set to something other than an int: a whole number (a
+    float such as ``len(msgs) / 2``) counts as its floor; anything else acknowledges none of
+    the batch (its messages are retried), with a warning."""
+    try:
+        return math.floor(value)  # type: ignore[call-overload, no-any-return]
+    except (TypeError, ValueError, OverflowError):
+        log.warning("consume.ack_index_invalid", ack_index=repr(value)[:80])
+        return -1
 
 
 class DirectConsumeResult(StrEnum):

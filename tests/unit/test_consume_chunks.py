@@ -523,3 +523,69 @@ async def test_a_message_resubmitted_after_the_cleaner_sent_it_back_is_not_consu
     finally:
         await h.service.aclose()
     assert h.sent_back == [(0, 3)] and calls == [0, 1]
+
+
+@pytest.mark.parametrize("reason", [ValueError("bad body"), "bad\x02reason\x01here"])
+async def test_a_dead_letter_reason_of_any_text_sends_the_copy_once(
+        reason: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``raise DeadLetter(exc)`` (not a str) or a reason holding the property separators made
+    the DLQ send raise outside the caught errors: the whole chunk was consumed again every
+    5 s, forever, its offset never committed."""
+    import rmq_async.consumer.consume as consume_module
+    from rmq_async import DeadLetter
+    from rmq_async.consumer.dead_letter import PROPERTY_DLQ_REASON
+    from rmq_async.protocol.message import decode_properties
+
+    monkeypatch.setattr(consume_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.05)
+    calls: list[int] = []
+
+    async def handler(msg: MessageExt) -> None:
+        calls.append(msg.queue_offset)
+        if msg.queue_offset == 1:
+            raise DeadLetter(reason)  # type: ignore[arg-type]
+
+    h = Harness(handler)
+    copies: list[dict[str, str]] = []
+
+    async def send_message(addr: str, mq: MessageQueue, **kw: Any) -> None:
+        copies.append(decode_properties(kw["properties"]))
+
+    async def master(*args: Any) -> str:
+        return "127.0.0.1:10911"
+
+    h.service._rt.instance = SimpleNamespace(find_broker_master=master,
+                                             api=SimpleNamespace(send_message=send_message))
+    try:
+        h.start_chunk(3)
+        await asyncio.sleep(0.4)  # eight retry delays of the old loop
+    finally:
+        await h.service.aclose()
+    assert calls == [0, 1, 2] and h.updates == [3] and len(copies) == 1
+    assert copies[0][PROPERTY_DLQ_REASON] == str(reason).replace("\x02", " ").replace("\x01", " ")
+
+
+async def test_an_ack_index_that_is_not_an_int_is_read_not_fatal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ctx.ack_index = len(msgs) / 2`` (a float) crashed the settlement: the chunk was
+    consumed again every 5 s, forever. A float counts as its floor; anything else
+    acknowledges none of the batch (retried), with a warning."""
+    import rmq_async.consumer.consume as consume_module
+
+    monkeypatch.setattr(consume_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.05)
+    calls: list[int] = []
+
+    async def handler(msgs: list[MessageExt], ctx: ConsumeContext) -> None:
+        calls.append(len(msgs))
+        ctx.ack_index = len(msgs) / 2  # type: ignore[assignment]
+
+    h = Harness(handler, consume_message_batch_max_size=3)
+    try:
+        h.start_chunk(3)
+        await asyncio.sleep(0.4)
+    finally:
+        await h.service.aclose()
+    assert calls == [3] and h.updates == [3]
+    assert h.sent_back == [(2, 0)]  # 1.5 -> 1: the first two acknowledged, the third retried
+    ctx = ConsumeContext(MQ)
+    ctx.ack_index = "one"  # type: ignore[assignment]
+    assert ctx.acked_count(3, ConsumeResult.SUCCESS) == 0
