@@ -27,8 +27,9 @@ from rmq_async.client.api import SendResult
 from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import Credentials, InvalidOptionError, check_tls_options
+from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
 from rmq_async.consumer.tasks import TaskOwner
-from rmq_async.errors import IllegalStateError, InvalidArgumentError
+from rmq_async.errors import IllegalStateError, InvalidArgumentError, InvalidTypeError
 from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP, HeartbeatData, ProducerData
 from rmq_async.protocol.codes import (
     COMPRESSION_LZ4,
@@ -45,6 +46,7 @@ from rmq_async.protocol.message import (
     encode_properties,
 )
 from rmq_async.protocol.types import (
+    PROPERTY_DELAY,
     PROPERTY_UNIQ_KEY,
     PROPERTY_WAIT,
     Message,
@@ -93,8 +95,9 @@ class ProducerOptions:
     route lookup, connecting and each request get what the ones before left. A request
     that timed out used it all and is not sent again."""
     retry_times_when_send_failed: int = 2
-    """Extra attempts of a send whose queue was not given, each on another broker when the
-    topic has one (Java ``retryTimesWhenSendFailed``), while ``send_timeout`` lasts."""
+    """Extra attempts of a send whose queue was neither given nor picked by a ``selector``,
+    each on another broker when the topic has one (Java ``retryTimesWhenSendFailed``), while
+    ``send_timeout`` lasts."""
     route_refresh_interval: float = 30.0
     """How often the routes of the topics sent to are fetched again while the producer is
     started, as the consumer's option of this name (Java ``pollNameServerInterval``)."""
@@ -238,7 +241,15 @@ class Producer:
         if not queues:
             raise MQClientError(f"topic {topic!r} has no writable queue")
         if selector is not None and msg is not None:
-            return selector(queues, msg)
+            try:
+                chosen = selector(queues, msg)
+            except Exception as exc:  # Java: "select message queue threw exception."
+                raise MQClientError(f"the queue selector raised {type(exc).__name__}: "
+                                    f"{exc}") from exc
+            if not isinstance(chosen, MessageQueue):
+                raise MQClientError(f"the queue selector returned {chosen!r}, not one of the "
+                                    f"topic's MessageQueue")
+            return chosen
         counter = self._counters.get(topic)
         if counter is None:
             # Java starts each topic's send index at a random point.
@@ -247,25 +258,47 @@ class Producer:
 
     async def send(self, msg: Message, *, queue: MessageQueue | None = None,
                    selector: QueueSelector | None = None) -> SendResult:
-        """Send one message; the queue is chosen round-robin unless given or selected."""
+        """Send one message; the queue is chosen round-robin unless given or selected.
+
+        The message gets its unique id (``UNIQ_KEY``, the ``msg_id`` of the result) in its
+        ``properties`` on its first send, as Java's ``setUniqID``: sent again (after a timeout,
+        say), it keeps it, so that consumers can recognise the copy."""
+        self._check_sendable(msg, queue)
         if not msg.body:
             # The broker cannot store a single message without a body (Java refuses it too:
             # "the message body length is zero"); inside a batch an empty body is fine.
             raise InvalidArgumentError("the message body is empty; send it with send_batch() or add a body")
+        body = bytes(msg.body)
+        if len(body) > self.options.max_message_size:  # as Java: checked before compressing
+            raise InvalidArgumentError(f"message body of {len(body)} bytes exceeds max_message_size")
+        uniq_id = msg.properties.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id())
         props = msg.all_properties()
-        uniq_id = props.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id())
         props.setdefault(PROPERTY_WAIT, "true")
-        body = msg.body
         sys_flag = 0
         if len(body) >= self.options.compress_over:
             body = await self._compress(body)
             sys_flag |= MessageSysFlag.COMPRESSED_FLAG | (self._compression << 8)
-        if len(body) > self.options.max_message_size:
-            raise InvalidArgumentError(f"message body of {len(body)} bytes exceeds max_message_size")
         return await self._send_with_retry(
             msg.topic, queue, msg, selector, body, encode_properties(props), sys_flag, msg.flag,
             batch=False, msg_id=uniq_id,
         )
+
+    def _check_sendable(self, msg: Message, queue: MessageQueue | None) -> None:
+        """What Java's ``send`` refuses before anything is sent, and what would otherwise fail
+        later, untyped, or take other sends down with it (a ``str`` body failed in the
+        connection's write, with every frame queued beside it)."""
+        if self._stopped:
+            raise IllegalStateError(f"producer {self.group!r} is stopped")
+        if not isinstance(msg.body, bytes | bytearray | memoryview):
+            raise InvalidTypeError(f"a message body must be bytes, not {type(msg.body).__name__}"
+                                   " (encode text first)")
+        if queue is not None:
+            if not isinstance(queue, MessageQueue):
+                raise InvalidTypeError(f"queue must be a MessageQueue, not "
+                                       f"{type(queue).__name__}")
+            if queue.topic != msg.topic:
+                raise InvalidArgumentError(f"the message's topic {msg.topic!r} is not the "
+                                           f"queue's {queue.topic!r}")
 
     async def _compress(self, body: bytes) -> bytes:
         level = self.options.compress_level
@@ -283,12 +316,19 @@ class Producer:
         prepared: list[Message] = []
         uniq_ids: list[str] = []
         for m in msgs:
+            self._check_sendable(m, queue)
             if m.topic != topic:
                 raise InvalidArgumentError("all messages of a batch must have the same topic")
+            # Java's MessageBatch refuses these too: the broker would not delay or retry a
+            # message inside a batch.
+            if m.topic.startswith(RETRY_GROUP_TOPIC_PREFIX):
+                raise InvalidArgumentError("a retry topic's messages cannot be sent in a batch")
+            if m.properties.get(PROPERTY_DELAY, "0") not in ("", "0"):
+                raise InvalidArgumentError("a delayed message cannot be sent in a batch")
+            uniq_ids.append(m.properties.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id()))
             props = m.all_properties()
-            uniq_ids.append(props.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id()))
             props.setdefault(PROPERTY_WAIT, "true")
-            prepared.append(Message(topic, m.body, properties=props, flag=m.flag))
+            prepared.append(Message(topic, bytes(m.body), properties=props, flag=m.flag))
         body = encode_batch(prepared)
         if len(body) > self.options.max_message_size:
             raise InvalidArgumentError(f"batch of {len(body)} bytes exceeds max_message_size")

@@ -553,3 +553,59 @@ def test_heartbeat_interval_option() -> None:
     assert Producer("PG", "127.0.0.1:9876").options.heartbeat_interval == 30.0
     with pytest.raises(InvalidOptionError):
         Producer("PG", "127.0.0.1:9876", heartbeat_interval=0)
+
+
+async def test_what_java_refuses_before_sending_is_refused_before_sending() -> None:
+    """Each of these went out (or failed late and untyped): a ``str`` body failed inside the
+    connection's write and took the frames queued beside it down; a queue of another topic
+    put the message on that topic; a selector's failure escaped as IndexError or
+    AttributeError; a delayed or retry-topic message went into a batch; a body over
+    ``max_message_size`` was compressed first and then let through; a send after ``stop()``
+    tried three times against closed connections."""
+    from rmq_async.client.errors import MQClientError
+    from rmq_async.errors import InvalidArgumentError, InvalidTypeError
+
+    producer, api = _fake_producer({}, max_message_size=1024, compress_over=64)
+    with pytest.raises(InvalidTypeError, match="must be bytes"):
+        await producer.send(Message("T", "text"))  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="must be bytes"):
+        await producer.send_batch([Message("T", b"ok"), Message("T", "text")])  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="is not the queue's 'payments'"):
+        await producer.send(Message("orders", b"x"), queue=MessageQueue("payments", "broker-a", 0))
+    with pytest.raises(InvalidArgumentError, match="is not the queue's"):
+        await producer.send_batch([Message("orders", b"x")],
+                                  queue=MessageQueue("payments", "broker-a", 0))
+
+    def broken(queues: list[MessageQueue], msg: Message) -> MessageQueue:
+        return queues[99]
+
+    with pytest.raises(MQClientError, match="the queue selector raised IndexError"):
+        await producer.send(Message("T", b"x"), selector=broken)
+    with pytest.raises(MQClientError, match="returned None"):
+        await producer.send(Message("T", b"x"), selector=lambda q, m: None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(InvalidArgumentError, match="delayed message"):
+        await producer.send_batch([Message("T", b"x", properties={"DELAY": "3"})])
+    with pytest.raises(InvalidArgumentError, match="retry topic"):
+        await producer.send_batch([Message("%RETRY%G", b"x")])
+    # Checked before compression, as Java's Validators.checkMessage: 4 KiB of one byte would
+    # compress to a few bytes.
+    with pytest.raises(InvalidArgumentError, match="4096 bytes exceeds max_message_size"):
+        await producer.send(Message("T", b"a" * 4096))
+    assert api.sent == []
+    await producer.send(Message("T", bytearray(b"bytes-like")))
+    assert api.sent[-1][3] == b"bytes-like"
+    await producer.stop()
+    with pytest.raises(IllegalStateError, match="is stopped"):
+        await producer.send(Message("T", b"x"))
+
+
+async def test_a_message_sent_again_keeps_its_id() -> None:
+    """Java's setUniqID stores the id in the message: a resend after a timeout (the broker may
+    hold the first copy) carries the same msgId, which consumers can deduplicate on."""
+    producer, api = _fake_producer({})
+    msg = Message("T", b"x")
+    await producer.send(msg)
+    await producer.send(msg)
+    assert msg.properties[PROPERTY_UNIQ_KEY] == api.calls[0]["msg_id"] == api.calls[1]["msg_id"]
+    await producer.send(Message("T", b"x"))
+    assert api.calls[2]["msg_id"] != api.calls[0]["msg_id"]  # a new message, a new id
