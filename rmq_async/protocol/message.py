@@ -327,12 +327,15 @@ def compress_body(body: bytes, compression: int, level: int = 5) -> bytes:
     value of :mod:`~rmq_async.protocol.codes`).
 
     ZLIB is one zlib stream at ``level``, ZSTD one frame at ``level``, LZ4 one frame with
-    4 MiB blocks (lz4-java ignores the level).
+    independent 4 MiB blocks and no content size, as lz4-java's ``LZ4FrameOutputStream``
+    writes it (which ignores the level). Its reader refuses linked blocks ("Dependent block
+    stream is unsupported"), which liblz4 writes by default once a body spans two blocks.
     """
     if compression == COMPRESSION_ZLIB:
         return zlib.compress(body, level)
     if compression == COMPRESSION_LZ4:
-        data: bytes = lz4_frame.compress(body, block_size=lz4_frame.BLOCKSIZE_MAX4MB)
+        data: bytes = lz4_frame.compress(body, block_size=lz4_frame.BLOCKSIZE_MAX4MB,
+                                         block_linked=False, store_size=False)
         return data
     if compression == COMPRESSION_ZSTD:
         return zstandard.ZstdCompressor(level=level).compress(body)

@@ -455,8 +455,28 @@ def test_an_empty_body_flagged_compressed_is_delivered_empty() -> None:
     type) is an empty body, not a decompression error."""
     from rmq_async.protocol.codes import MSG_COMPRESSED_FLAG
 
-    for ctype in (0, 1 << 8, 2 << 8, 3 << 8):  # old ZLIB, ZLIB, LZ4, ZSTD
+    for ctype in (0, 1 << 8, 2 << 8, 3 << 8):  # none (read as ZLIB), LZ4, ZSTD, ZLIB
         msg = MessageExt(topic="t", body=b"", born_host="1.1.1.1:1", store_host="2.2.2.2:2",
                          sys_flag=MSG_COMPRESSED_FLAG | ctype)
         (got,) = decode_messages(encode_stored_message(msg))
         assert got.body == b"" and not got.sys_flag & MSG_COMPRESSED_FLAG, ctype
+
+
+@pytest.mark.parametrize("size", [100_000, 4 * 1024 * 1024 + 1, 6_000_000])
+def test_lz4_frames_are_what_lz4_java_reads(size: int) -> None:
+    """lz4-java's LZ4FrameInputStream (the Java consumer's decoder) refuses frames whose blocks
+    are linked, which liblz4 writes by default for a body over one 4 MiB block: a Java
+    consumer lost such a message and the rest of its pull. Independent blocks, no content
+    size: the frame descriptor lz4-java's LZ4FrameOutputStream writes."""
+    import lz4.frame as lz4_frame
+
+    body = (b"payload %d " * 8) * (size // 80 + 1)
+    frame = compress_body(body[:size], COMPRESSION_LZ4)
+    assert frame[:4] == b"\x04\x22\x4d\x18"  # the LZ4 frame magic
+    flg, bd = frame[4], frame[5]
+    assert flg & 0x20, "block independence is not set"
+    assert not flg & 0x08, "the content size is stored"
+    # Version 01; a valid block size (liblz4 picks the smallest that holds a short body,
+    # which lz4-java reads as any other: it sizes its buffer from the code).
+    assert (flg >> 6) == 1 and (bd >> 4) & 0x7 in (4, 5, 6, 7)
+    assert lz4_frame.decompress(frame) == body[:size]
