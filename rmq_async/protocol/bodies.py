@@ -315,7 +315,8 @@ def producer_queues(route: TopicRouteData, topic: str) -> list[MessageQueue]:
                 raise ProtocolError(f"bad orderTopicConf entry {item!r}") from None
             out.extend(MessageQueue(topic, name, i) for i in range(n))
         return out
-    for qd in sorted(route.queue_datas, key=lambda q: q.broker_name.encode("utf-16-be")):
+    for qd in sorted(route.queue_datas,
+                     key=lambda q: q.broker_name.encode("utf-16-be", "surrogatepass")):
         if not qd.perm & PERM_WRITE:
             continue
         bd = route.broker_data(qd.broker_name)

@@ -251,3 +251,18 @@ def test_consume_message_directly_result_matches_java() -> None:
         b'{"autoCommit":true,"consumeResult":"CR_SUCCESS","order":false,"remark":"ok",'
         b'"spentTimeMills":12}'
     )
+
+
+def test_a_broker_name_with_a_lone_surrogate_sorts_as_java_sorts_it() -> None:
+    """JSON may carry a lone surrogate (\\ud800) in a broker name: the publish queues are
+    still listed (Java's String compareTo orders UTF-16 units), not an untyped
+    UnicodeEncodeError."""
+    from rmq_async.protocol.bodies import TopicRouteData, producer_queues
+
+    body = (b'{"brokerDatas":[{"brokerAddrs":{"0":"1.1.1.1:10911"},"brokerName":"b\\ud800",'
+            b'"cluster":"c"},{"brokerAddrs":{"0":"1.1.1.2:10911"},"brokerName":"a",'
+            b'"cluster":"c"}],"queueDatas":[{"brokerName":"b\\ud800","perm":6,'
+            b'"readQueueNums":1,"writeQueueNums":1},{"brokerName":"a","perm":6,'
+            b'"readQueueNums":1,"writeQueueNums":1}]}')
+    queues = producer_queues(TopicRouteData.from_json_bytes(body), "t")
+    assert [q.broker_name for q in queues] == ["a", "b\ud800"]
