@@ -10,6 +10,7 @@ complete (no transactions, no request-reply)::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import random
@@ -24,13 +25,18 @@ import anyio
 import structlog
 
 from rmq_async.client.api import SendResult
-from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError
+from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError, NoRouteError
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import Credentials, InvalidOptionError, check_tls_options
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.errors import IllegalStateError, InvalidArgumentError, InvalidTypeError
-from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP, HeartbeatData, ProducerData
+from rmq_async.protocol.bodies import (
+    INNER_PRODUCER_GROUP,
+    HeartbeatData,
+    ProducerData,
+    producer_queues,
+)
 from rmq_async.protocol.codes import (
     COMPRESSION_LZ4,
     COMPRESSION_ZLIB,
@@ -111,7 +117,12 @@ class ProducerOptions:
     compressed (Java ``compressType``)."""
     max_message_size: int = 4 * 1024 * 1024
     default_topic_queue_nums: int = 4
+    """Queues per broker of a topic the broker creates on its first message (Java
+    ``defaultTopicQueueNums``)."""
     create_topic_key: str = "TBW102"
+    """The topic whose route stands in for a topic that has none yet (Java
+    ``createTopicKey``): a send to a new topic goes to the brokers that serve this one, which
+    create the topic if they allow it (``autoCreateTopicEnable``)."""
     credentials: Credentials | None = None
     """ACL account, as the consumer's: ``(access_key, secret_key[, security_token])`` too."""
     tls: bool = False
@@ -237,7 +248,7 @@ class Producer:
 
     async def _pick_queue(self, topic: str, msg: Message | None,
                           selector: QueueSelector | None, last_broker: str | None) -> MessageQueue:
-        queues = await self.instance.publish_queues(topic)
+        queues = await self._publish_queues(topic)
         if not queues:
             raise MQClientError(f"topic {topic!r} has no writable queue")
         if selector is not None and msg is not None:
@@ -255,6 +266,24 @@ class Producer:
             # Java starts each topic's send index at a random point.
             counter = self._counters[topic] = itertools.count(random.randrange(1 << 16))
         return select_queue(queues, counter, last_broker)
+
+    async def _publish_queues(self, topic: str) -> list[MessageQueue]:
+        """The topic's writable queues; for a topic without a route, those the route of
+        ``create_topic_key`` stands in for (Java ``tryToFindTopicPublishInfo``): at most
+        ``default_topic_queue_nums`` per broker, on which the broker creates the topic."""
+        try:
+            return await self.instance.publish_queues(topic)
+        except NoRouteError as missing:
+            try:
+                template = await self.instance.update_route(self.options.create_topic_key)
+            except NoRouteError:
+                raise missing from None  # no broker creates topics: the topic's own error
+        n = self.options.default_topic_queue_nums
+        stand_in = dataclasses.replace(template, order_topic_conf=None, queue_datas=[
+            dataclasses.replace(qd, read_queue_nums=min(n, qd.read_queue_nums),
+                                write_queue_nums=min(n, qd.read_queue_nums))
+            for qd in template.queue_datas])
+        return producer_queues(stand_in, topic)
 
     async def send(self, msg: Message, *, queue: MessageQueue | None = None,
                    selector: QueueSelector | None = None) -> SendResult:

@@ -177,3 +177,32 @@ async def test_broker_killed_mid_request_then_reconnect(rocketmq) -> None:
         assert off >= 0
     finally:
         await instance.close()
+
+
+async def test_a_send_to_a_topic_without_a_route_lets_the_broker_create_it(rocketmq) -> None:
+    """Java's tryToFindTopicPublishInfo: a topic without a route is sent to through the route
+    of ``create_topic_key`` (TBW102), at most ``default_topic_queue_nums`` queues per broker,
+    and a broker that allows it (``autoCreateTopicEnable``, on in the dev broker as in a stock
+    one) creates the topic. The producer raised NoRouteError instead."""
+    topic = unique("T_autocreated")
+    async with Producer(unique("PG"), rocketmq.namesrv_addr, default_topic_queue_nums=3) as p:
+        first = await p.send(Message(topic, b"first"))
+        assert first.queue_id in range(3)
+        async with AdminClient(rocketmq.namesrv_addr) as admin:
+            deadline = time.monotonic() + 30
+            while True:  # the broker registers the new topic with the name server
+                try:
+                    queues = await admin.queues(topic)
+                    break
+                except Exception:
+                    assert time.monotonic() < deadline, "the created topic never got a route"
+                    await asyncio.sleep(0.2)
+            assert sorted(q.queue_id for q in queues) == [0, 1, 2]
+            second = await p.send(Message(topic, b"second"))
+            mq = MessageQueue(topic, first.broker_name, first.queue_id)
+            addr = await admin.instance.find_broker_master(mq.broker_name, topic)
+            r = await admin.instance.api.pull_message(
+                addr, group=unique("G_read"), mq=mq, queue_offset=0, suspend_timeout=0,
+                subscription="*")
+            assert b"first" in [m.body for m in r.decode()]
+            assert second.msg_id != first.msg_id

@@ -609,3 +609,40 @@ async def test_a_message_sent_again_keeps_its_id() -> None:
     assert msg.properties[PROPERTY_UNIQ_KEY] == api.calls[0]["msg_id"] == api.calls[1]["msg_id"]
     await producer.send(Message("T", b"x"))
     assert api.calls[2]["msg_id"] != api.calls[0]["msg_id"]  # a new message, a new id
+
+
+async def test_a_topic_without_a_route_uses_the_create_topic_key_route_when_there_is_one() -> None:
+    from rmq_async.client.errors import NoRouteError
+    from rmq_async.protocol.bodies import BrokerData, QueueData, TopicRouteData
+
+    producer, api = _fake_producer({}, default_topic_queue_nums=2)
+    template = TopicRouteData(
+        [QueueData("broker-a", 8, 8, 6), QueueData("broker-b", 1, 1, 6),
+         QueueData("broker-c", 8, 8, 4)],  # broker-c: not writable
+        [BrokerData("c", "broker-a", {0: "10.0.0.1:10911"}),
+         BrokerData("c", "broker-b", {0: "10.0.0.2:10911"}),
+         BrokerData("c", "broker-c", {0: "10.0.0.3:10911"})])
+    asked: list[str] = []
+
+    async def publish_queues(topic: str) -> list[MessageQueue]:
+        raise NoRouteError(topic, "no route")
+
+    async def update_route(topic: str) -> TopicRouteData:
+        asked.append(topic)
+        if topic != "TBW102":
+            raise NoRouteError(topic, "no route")
+        return template
+
+    producer.instance.publish_queues = publish_queues  # type: ignore[method-assign]
+    producer.instance.update_route = update_route  # type: ignore[method-assign]
+    queues = await producer._publish_queues("NEW")
+    assert [(q.topic, q.broker_name, q.queue_id) for q in queues] == [
+        ("NEW", "broker-a", 0), ("NEW", "broker-a", 1), ("NEW", "broker-b", 0)]
+    await producer.send(Message("NEW", b"x"))
+    assert api.calls[-1]["default_topic"] == "TBW102"
+    assert api.calls[-1]["default_topic_queue_nums"] == 2
+    template.queue_datas.clear()
+    template.broker_datas.clear()
+    producer.options.create_topic_key = "NO_SUCH_KEY"  # no broker creates topics
+    with pytest.raises(NoRouteError, match="'NEW'"):
+        await producer.send(Message("NEW", b"x"))
