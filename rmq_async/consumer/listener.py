@@ -161,6 +161,11 @@ def inspect_handler(fn: Callable[..., Any], *, batch: bool | None = None) -> Han
                         name=name)
 
 
+#: What a plain handler's thread returns when every body of a batch went to the dead-letter
+#: queue and the handler was not called.
+_NOTHING_TO_CALL = object()
+
+
 class ListenerAdapter:
     """Calls a user handler the same way whatever its shape.
 
@@ -170,8 +175,8 @@ class ListenerAdapter:
     services call it once per message); a batch handler with the list.
     """
 
-    __slots__ = ("batch", "context_param", "decode", "fn", "is_async", "name", "plain",
-                 "wants_context")
+    __slots__ = ("batch", "context_param", "decode", "decode_off_loop", "fn", "is_async",
+                 "name", "plain", "wants_context")
 
     def __init__(self, fn: Listener, *, batch: bool | None = None,
                  model: type[Any] | None = None,
@@ -188,6 +193,10 @@ class ListenerAdapter:
             else None)
         #: Called with the raw messages and nothing else: the fast path of the services.
         self.plain = self.is_async and not self.wants_context and self.decode is None
+        #: A ``decoder=`` of the user's may block (a schema registry, say): it runs in a worker
+        #: thread, as plain handlers do, never on the event loop. The built-in decoders of
+        #: ``model=`` alone (JSON, msgpack, msgspec, pydantic) run where the handler is called.
+        self.decode_off_loop = decoder is not None
 
     def _payload(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
         decode = self.decode
@@ -218,25 +227,34 @@ class ListenerAdapter:
         """
         ctx.messages = msgs
         ctx.message = None if self.batch else msgs[0]
-        payload = self._payload(msgs, ctx)
-        if self.batch and self.decode is not None and not payload:
-            return None
-        if self.context_param is None:
-            if self.is_async:
-                result: Awaitable[Any] = self.fn(payload)
-                return await result
-            raw = await anyio.to_thread.run_sync(self.fn, payload)
+        kwargs = {} if self.context_param is None else {self.context_param: ctx}
+        if not self.is_async:
+            # A plain handler: its payload is decoded in the same worker thread.
+            raw = await anyio.to_thread.run_sync(self._decode_and_call, msgs, ctx, kwargs)
+            if raw is _NOTHING_TO_CALL:
+                return None
         else:
-            kwargs = {self.context_param: ctx}
-            if self.is_async:
-                result = self.fn(payload, **kwargs)
-                return await result
-            raw = await anyio.to_thread.run_sync(functools.partial(self.fn, payload, **kwargs))
+            if self.decode_off_loop:
+                payload = await anyio.to_thread.run_sync(self._payload, msgs, ctx)
+            else:
+                payload = self._payload(msgs, ctx)
+            if self.batch and self.decode is not None and not payload:
+                return None
+            result: Awaitable[Any] = self.fn(payload, **kwargs)
+            return await result
         if inspect.isawaitable(raw):
             # A plain function that returns a coroutine (``lambda m: handle(m)``, a decorator
             # whose wrapper is a plain ``def``): its result is what the coroutine returns.
             raw = await raw
         return raw
+
+    def _decode_and_call(self, msgs: list[MessageExt], ctx: ConsumeContext,
+                         kwargs: dict[str, Any]) -> Any:
+        """A plain handler's call, in a worker thread: decode, then call."""
+        payload = self._payload(msgs, ctx)
+        if self.batch and self.decode is not None and not payload:
+            return _NOTHING_TO_CALL
+        return self.fn(payload, **kwargs)
 
     async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
         """Call the handler on ``msgs``: once for a batch handler, once per message otherwise

@@ -502,3 +502,62 @@ def test_an_optional_context_parameter_gets_the_context() -> None:
     async def other(msgs: list[MessageExt], extra: int | None = None) -> None: ...
 
     assert inspect_handler(other).context_param is None
+
+
+@pytest.mark.parametrize("kind", ["plain", "async", "plain-batch", "async-batch"])
+async def test_a_blocking_decoder_runs_off_the_event_loop(kind: str) -> None:
+    """A ``decoder=`` reaching a schema registry (as the docs suggest it may) ran on the event
+    loop, for plain handlers too, and stalled every pull and heartbeat for as long."""
+    import asyncio
+    import threading
+    import time
+
+    from rmq_async import MessageExt, MessageQueue
+    from rmq_async.consumer.listener import ListenerAdapter
+    from rmq_async.consumer.results import ConsumeContext
+
+    loop_thread = threading.get_ident()
+    decoded_on: list[int] = []
+
+    def registry_decoder(body: bytes) -> str:
+        decoded_on.append(threading.get_ident())
+        time.sleep(0.3)
+        return body.decode()
+
+    got: list[object] = []
+
+    def plain(payload: str) -> None:
+        got.append(payload)
+
+    async def coro(payload: str) -> None:
+        got.append(payload)
+
+    def plain_batch(payloads: list[str]) -> None:
+        got.append(payloads)
+
+    async def coro_batch(payloads: list[str]) -> None:
+        got.append(payloads)
+
+    fn = {"plain": plain, "async": coro, "plain-batch": plain_batch,
+          "async-batch": coro_batch}[kind]
+    adapter = ListenerAdapter(fn, decoder=registry_decoder)
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticking = asyncio.ensure_future(ticker())
+    try:
+        await asyncio.sleep(0.03)
+        await adapter.invoke([MessageExt("T", b"x", 0, 0)],
+                             ConsumeContext(MessageQueue("T", "b", 0)))
+    finally:
+        ticking.cancel()
+    assert got == ([["x"]] if "batch" in kind else ["x"])
+    assert decoded_on and loop_thread not in decoded_on
+    assert max(gaps) < 0.2, f"the event loop stalled {max(gaps):.2f} s"
