@@ -27,7 +27,13 @@ import structlog
 from rmq_async.client.api import SendResult
 from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError, NoRouteError
 from rmq_async.client.instance import ClientInstance
-from rmq_async.consumer.options import Credentials, InvalidOptionError, check_tls_options
+from rmq_async.consumer.options import (
+    Credentials,
+    InvalidOptionError,
+    check_group_name,
+    check_tls_options,
+    check_topic_name,
+)
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.errors import IllegalStateError, InvalidArgumentError, InvalidTypeError
@@ -89,6 +95,11 @@ def select_by_key(queues: list[MessageQueue], msg: Message) -> MessageQueue:
 
 
 _COMPRESSION_TYPES = {"ZLIB": COMPRESSION_ZLIB, "LZ4": COMPRESSION_LZ4, "ZSTD": COMPRESSION_ZSTD}
+#: The levels each compression takes (zlib's -1..9; zstd's fast levels down to -7 and 1..22;
+#: LZ4 ignores the level, as lz4-java does).
+_COMPRESS_LEVELS = {"ZLIB": (-1, 9), "ZSTD": (-7, 22), "LZ4": (-(2**31), 2**31 - 1)}
+#: Java ``MixAll.DEFAULT_PRODUCER_GROUP``: no producer may take it.
+DEFAULT_PRODUCER_GROUP = "DEFAULT_PRODUCER"
 
 
 @dataclass(slots=True)
@@ -148,6 +159,17 @@ class ProducerOptions:
                 or self.retry_times_when_send_failed < 0):
             raise InvalidOptionError("retry_times_when_send_failed",
                                      f"expected an int >= 0, got {self.retry_times_when_send_failed!r}")
+        # Checked here, not at the first send that needs them (an untyped error there).
+        for name, least in (("compress_over", 0), ("max_message_size", 1),
+                            ("default_topic_queue_nums", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidOptionError(name, f"expected an int >= {least}, got {value!r}")
+        low, high = _COMPRESS_LEVELS[ctype]
+        level = self.compress_level
+        if isinstance(level, bool) or not isinstance(level, int) or not low <= level <= high:
+            raise InvalidOptionError("compress_level", f"{ctype} takes a level from {low} to "
+                                                       f"{high}, got {level!r}")
 
     @property
     def tls_enabled(self) -> bool:
@@ -188,7 +210,8 @@ class Producer:
         if unknown:
             raise InvalidOptionError(", ".join(sorted(unknown)), "unknown producer option")
         self.options = opts = ProducerOptions(**options)
-        self.group = group
+        self.group = check_group_name(group, option="producer_group",
+                                      reserved=DEFAULT_PRODUCER_GROUP)
         self.client_id = f"127.0.0.1@{instance_name or f'producer-{os.getpid()}-{time.monotonic_ns()}'}"
         self.instance = ClientInstance(
             namesrv, self.client_id, api_timeout=opts.send_timeout,
@@ -318,9 +341,19 @@ class Producer:
         connection's write, with every frame queued beside it)."""
         if self._stopped:
             raise IllegalStateError(f"producer {self.group!r} is stopped")
+        check_topic_name(msg.topic)
         if not isinstance(msg.body, bytes | bytearray | memoryview):
             raise InvalidTypeError(f"a message body must be bytes, not {type(msg.body).__name__}"
                                    " (encode text first)")
+        if msg.tags is not None and not isinstance(msg.tags, str):
+            raise InvalidTypeError(f"tags must be a str, not {type(msg.tags).__name__}")
+        keys = [msg.keys] if isinstance(msg.keys, str) or msg.keys is None else msg.keys
+        if not all(isinstance(k, str) for k in keys if k is not None):
+            raise InvalidTypeError("keys must be a str or a list of str")
+        for name, value in msg.properties.items():
+            if not isinstance(name, str) or not isinstance(value, str):
+                raise InvalidTypeError(f"message properties must map str to str, not "
+                                       f"{name!r}: {type(value).__name__}")
         if queue is not None:
             if not isinstance(queue, MessageQueue):
                 raise InvalidTypeError(f"queue must be a MessageQueue, not "

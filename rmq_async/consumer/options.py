@@ -348,26 +348,46 @@ def build_client_id(
 # ---------------------------------------------------------------------- validation helpers
 
 
-def check_group_name(group: object) -> str:
-    """Java ``Validators.checkGroup`` plus the push consumer's reserved-name rule."""
+def check_group_name(group: object, *, option: str = "consumer_group",
+                     reserved: str = DEFAULT_CONSUMER_GROUP) -> str:
+    """Java ``Validators.checkGroup`` plus the reserved-name rule of the push consumer (or,
+    with ``reserved="DEFAULT_PRODUCER"``, of the producer)."""
     if not isinstance(group, str) or not group.strip():
-        raise InvalidOptionError("consumer_group", "the group name is blank")
+        raise InvalidOptionError(option, "the group name is blank")
     if len(group) > GROUP_MAX_LENGTH:
         raise InvalidOptionError(
-            "consumer_group",
+            option,
             f"{group!r} is longer than {GROUP_MAX_LENGTH} characters ({len(group)})",
         )
     if not _NAME_RE.match(group):
         raise InvalidOptionError(
-            "consumer_group",
+            option,
             f"{group!r} contains illegal characters, allowing only ^[%|a-zA-Z0-9_-]+$",
         )
-    if group == DEFAULT_CONSUMER_GROUP:
+    if group == reserved:
         raise InvalidOptionError(
-            "consumer_group",
-            f"{DEFAULT_CONSUMER_GROUP} is reserved by the broker, please specify another one",
+            option,
+            f"{reserved} is reserved by the broker, please specify another one",
         )
     return group
+
+
+#: Java ``TopicValidator.TOPIC_MAX_LENGTH``.
+TOPIC_MAX_LENGTH = 127
+
+
+def check_topic_name(topic: object) -> str:
+    """Java ``TopicValidator.validateTopic``: a non-blank name of at most 127 characters of
+    ``[%|a-zA-Z0-9_-]``."""
+    if not isinstance(topic, str) or not topic.strip():
+        raise InvalidArgumentError("the topic name is blank")
+    if len(topic) > TOPIC_MAX_LENGTH:
+        raise InvalidArgumentError(f"topic {topic[:40]!r}... is longer than {TOPIC_MAX_LENGTH} "
+                                   f"characters ({len(topic)})")
+    if not _NAME_RE.match(topic):
+        raise InvalidArgumentError(f"topic {topic!r} contains illegal characters, allowing only "
+                                   "^[%|a-zA-Z0-9_-]+$")
+    return topic
 
 
 def _default_consume_timestamp() -> datetime:

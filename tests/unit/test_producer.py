@@ -646,3 +646,32 @@ async def test_a_topic_without_a_route_uses_the_create_topic_key_route_when_ther
     producer.options.create_topic_key = "NO_SUCH_KEY"  # no broker creates topics
     with pytest.raises(NoRouteError, match="'NEW'"):
         await producer.send(Message("NEW", b"x"))
+
+
+def test_options_groups_and_messages_are_checked_before_any_send() -> None:
+    """These failed at the first send that needed them, untyped (zlib.error, ValueError,
+    TypeError), or not at all (a group of None sent messages)."""
+    from rmq_async.errors import InvalidArgumentError, InvalidTypeError
+
+    for options, said in [({"compress_level": 10}, "ZLIB takes a level from -1 to 9"),
+                          ({"compress_type": "ZSTD", "compress_level": 99}, "ZSTD takes"),
+                          ({"compress_over": "4k"}, "compress_over"),
+                          ({"max_message_size": None}, "max_message_size"),
+                          ({"default_topic_queue_nums": 0}, "default_topic_queue_nums")]:
+        with pytest.raises(InvalidOptionError, match=said):
+            Producer("PG", "127.0.0.1:1", **options)
+    for group, said in [(None, "blank"), ("", "blank"), ("a b", "illegal characters"),
+                        ("DEFAULT_PRODUCER", "reserved")]:
+        with pytest.raises(InvalidOptionError, match=f"producer_group: .*{said}"):
+            Producer(group, "127.0.0.1:1")  # type: ignore[arg-type]
+    producer, _ = _fake_producer({})
+    for msg, error, said in [
+            (Message("", b"x"), InvalidArgumentError, "topic name is blank"),
+            (Message("a b", b"x"), InvalidArgumentError, "illegal characters"),
+            (Message("t" * 128, b"x"), InvalidArgumentError, "longer than 127"),
+            (Message("T", b"x", properties={"n": 1}), InvalidTypeError,  # type: ignore[dict-item]
+             "str to str"),
+            (Message("T", b"x", keys=[1, 2]), InvalidTypeError, "keys"),  # type: ignore[list-item]
+            (Message("T", b"x", tags=7), InvalidTypeError, "tags")]:  # type: ignore[arg-type]
+        with pytest.raises(error, match=said):
+            producer._check_sendable(msg, None)
