@@ -622,13 +622,17 @@ class FrameDecoder:
         out: list[RemotingCommand] = []
         need = 0
         with memoryview(self._buf) as view:
-            while end - pos >= 4:
-                size = self._frame_size(view, pos)
-                if pos + size > end:
-                    need = size
-                    break
-                out.append(self._decode(view[pos + 4 : pos + size]))
-                pos += size
+            try:
+                while end - pos >= 4:
+                    size = self._frame_size(view, pos)
+                    if pos + size > end:
+                        need = size
+                        break
+                    out.append(self._decode(view[pos + 4 : pos + size]))
+                    pos += size
+            except ProtocolError as exc:
+                exc.decoded = out  # the frames before the bad one arrived whole
+                raise
         self._need = need
         if pos < end:
             self._start = pos
@@ -647,7 +651,11 @@ class FrameDecoder:
                 space = self.get_buffer()
                 n = min(len(space), total - pos)
                 space[:n] = src[pos : pos + n]
-                out.extend(self.buffer_updated(n))
+                try:
+                    out.extend(self.buffer_updated(n))
+                except ProtocolError as exc:
+                    exc.decoded = [*out, *exc.decoded]
+                    raise
                 pos += n
         return out
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from rmq_async.errors import RocketMQError
 
 __all__ = ["BodyDecompressionError", "ProtocolError"]
@@ -12,6 +15,10 @@ class ProtocolError(RocketMQError):
 
     The remoting layer treats it as fatal for the connection it came from.
     """
+
+    #: For a frame decoder's failure: the commands of the same read completed before the bad
+    #: frame (the peer's answers that did arrive), which the connection still delivers.
+    decoded: Sequence[Any] = ()
 
 
 class BodyDecompressionError(ProtocolError):

@@ -246,12 +246,14 @@ class Connection(asyncio.BufferedProtocol):
         if self._closed:
             return
         self.last_activity = asyncio.get_running_loop().time()
+        failure: ProtocolError | None = None
         try:
             commands = self._decoder.buffer_updated(nbytes)
         except ProtocolError as exc:
             log.error("remoting.protocol_error", addr=self.addr, error=str(exc))
-            self._shutdown(exc)
-            return
+            # The commands before the bad frame are delivered first (as Netty passes on each
+            # whole frame before the bad one closes the channel), then the connection closes.
+            commands, failure = list(exc.decoded), exc
         for cmd in commands:
             if cmd.is_response:
                 fut = self._pending.pop(cmd.opaque, None)
@@ -266,6 +268,9 @@ class Connection(asyncio.BufferedProtocol):
                     fut.set_result(cmd)
             else:
                 self._dispatch_request(cmd)
+        if failure is not None:
+            self._shutdown(failure)
+            return
         if self._close_when_idle:
             self._close_if_idle()
 

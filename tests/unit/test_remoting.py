@@ -782,3 +782,41 @@ async def test_an_answer_that_cannot_be_encoded_is_answered_system_error() -> No
         for w in writers:
             w.transport.abort()
         server.close()
+
+
+async def test_answers_that_arrived_before_a_bad_frame_are_delivered() -> None:
+    """Two whole answers and a bad frame in one read: the answers were discarded with the
+    decoder's failure, and their requests failed as if the connection had dropped."""
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        got: list[RemotingCommand] = []
+        while data := await reader.read(65536):
+            got.extend(dec.feed(data))
+            if len(got) == 3:
+                answers = b"".join(c.response_to(ResponseCode.SUCCESS).encode() for c in got[:2])
+                writer.write(answers + (2).to_bytes(4, "big"))  # then a length under 4
+                await writer.drain()
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    addr = f"{host}:{port}"
+    client = RemotingClient()
+    try:
+        calls = [asyncio.ensure_future(client.invoke(
+            addr, RemotingCommand.request(RequestCode.HEART_BEAT), 5)) for _ in range(3)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        answered = [r for r in results if isinstance(r, RemotingCommand)]
+        failed = [r for r in results if isinstance(r, Exception)]
+        assert len(answered) == 2 and all(r.code == ResponseCode.SUCCESS for r in answered)
+        assert len(failed) == 1 and isinstance(failed[0], ConnectionClosed)
+        assert addr not in client._connections
+    finally:
+        await client.close()
+        server.close()
+
+
+def test_a_frame_decoder_failure_carries_the_commands_before_it() -> None:
+    good = b"".join(RemotingCommand(code=0, opaque=i, flag=1).encode() for i in (1, 2))
+    with pytest.raises(ProtocolError, match="bad frame length 2") as failed:
+        FrameDecoder().feed(good + (2).to_bytes(4, "big"))
+    assert [c.opaque for c in failed.value.decoded] == [1, 2]
