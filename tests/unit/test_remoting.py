@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -662,6 +663,15 @@ async def _silent_reader() -> tuple[asyncio.Server, str, list[asyncio.StreamWrit
     return server, f"{host}:{port}", accepted
 
 
+async def _connected(client: RemotingClient,
+                     addr: str) -> tuple[Connection, asyncio.Transport, socket.socket]:
+    """The client's connection to ``addr``, its transport and its socket."""
+    conn = await client.connection(addr)
+    transport = conn._transport
+    assert transport is not None
+    return conn, transport, transport.get_extra_info("socket")
+
+
 async def _until(check: Callable[[], bool], seconds: float, what: str) -> None:
     deadline = time.monotonic() + seconds
     while not check():
@@ -676,10 +686,7 @@ async def test_a_request_timed_out_on_a_peer_that_stopped_reading_frees_the_sock
     server, addr, accepted = await _silent_reader()
     client = RemotingClient(connect_timeout=1)
     try:
-        conn = await client.connection(addr)
-        transport = conn._transport
-        assert transport is not None
-        sock = transport.get_extra_info("socket")
+        conn, _, sock = await _connected(client, addr)
         with pytest.raises(RemotingTimeout):
             await client.invoke(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
                                                               body=b"x" * 8_000_000), 0.5)
@@ -701,10 +708,7 @@ async def test_a_graceful_close_gives_a_peer_that_stopped_reading_a_moment_only(
     server, addr, accepted = await _silent_reader()
     client = RemotingClient(connect_timeout=1)
     try:
-        conn = await client.connection(addr)
-        transport = conn._transport
-        assert transport is not None
-        sock = transport.get_extra_info("socket")
+        _, transport, sock = await _connected(client, addr)
         await client.invoke_oneway(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
                                                                   body=b"x" * 8_000_000))
         await client.close()
