@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import math
 import os
 import random
 import ssl
@@ -95,9 +96,9 @@ def select_by_key(queues: list[MessageQueue], msg: Message) -> MessageQueue:
 
 
 _COMPRESSION_TYPES = {"ZLIB": COMPRESSION_ZLIB, "LZ4": COMPRESSION_LZ4, "ZSTD": COMPRESSION_ZSTD}
-#: The levels each compression takes (zlib's -1..9; zstd's fast levels down to -7 and 1..22;
+#: The levels each compression takes (zlib's -1..9; zstd's negative fast levels and 1..22;
 #: LZ4 ignores the level, as lz4-java does).
-_COMPRESS_LEVELS = {"ZLIB": (-1, 9), "ZSTD": (-7, 22), "LZ4": (-(2**31), 2**31 - 1)}
+_COMPRESS_LEVELS = {"ZLIB": (-1, 9), "ZSTD": (-(2**17), 22), "LZ4": (-(2**31), 2**31 - 1)}
 #: Java ``MixAll.DEFAULT_PRODUCER_GROUP``: no producer may take it.
 DEFAULT_PRODUCER_GROUP = "DEFAULT_PRODUCER"
 
@@ -163,6 +164,8 @@ class ProducerOptions:
         for name, least in (("compress_over", 0), ("max_message_size", 1),
                             ("default_topic_queue_nums", 1)):
             value = getattr(self, name)
+            if name == "compress_over" and value == math.inf:
+                continue  # never compress
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InvalidOptionError(name, f"expected an int >= {least}, got {value!r}")
         low, high = _COMPRESS_LEVELS[ctype]
@@ -323,7 +326,7 @@ class Producer:
         body = bytes(msg.body)
         if len(body) > self.options.max_message_size:  # as Java: checked before compressing
             raise InvalidArgumentError(f"message body of {len(body)} bytes exceeds max_message_size")
-        uniq_id = msg.properties.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id())
+        uniq_id = self._unique_id(msg)
         props = msg.all_properties()
         props.setdefault(PROPERTY_WAIT, "true")
         sys_flag = 0
@@ -334,6 +337,16 @@ class Producer:
             msg.topic, queue, msg, selector, body, encode_properties(props), sys_flag, msg.flag,
             batch=False, msg_id=uniq_id,
         )
+
+    def _unique_id(self, msg: Message) -> str:
+        """``msg``'s unique id, given it on its first send (Java ``setUniqID``). The message
+        gets a new properties dict holding it: the caller's dict, which other messages may
+        share, is not written to."""
+        uniq_id = msg.properties.get(PROPERTY_UNIQ_KEY)
+        if uniq_id is None:
+            uniq_id = self._uniq.next_id()
+            msg.properties = {**msg.properties, PROPERTY_UNIQ_KEY: uniq_id}
+        return uniq_id
 
     def _check_sendable(self, msg: Message, queue: MessageQueue | None) -> None:
         """What Java's ``send`` refuses before anything is sent, and what would otherwise fail
@@ -347,8 +360,9 @@ class Producer:
                                    " (encode text first)")
         if msg.tags is not None and not isinstance(msg.tags, str):
             raise InvalidTypeError(f"tags must be a str, not {type(msg.tags).__name__}")
-        keys = [msg.keys] if isinstance(msg.keys, str) or msg.keys is None else msg.keys
-        if not all(isinstance(k, str) for k in keys if k is not None):
+        keys = msg.keys
+        if not (keys is None or isinstance(keys, str) or (
+                isinstance(keys, list | tuple) and all(isinstance(k, str) for k in keys))):
             raise InvalidTypeError("keys must be a str or a list of str")
         for name, value in msg.properties.items():
             if not isinstance(name, str) or not isinstance(value, str):
@@ -387,7 +401,8 @@ class Producer:
                 raise InvalidArgumentError("a retry topic's messages cannot be sent in a batch")
             if m.properties.get(PROPERTY_DELAY, "0") not in ("", "0"):
                 raise InvalidArgumentError("a delayed message cannot be sent in a batch")
-            uniq_ids.append(m.properties.setdefault(PROPERTY_UNIQ_KEY, self._uniq.next_id()))
+        for m in msgs:  # every message checked first: a refused batch leaves them untouched
+            uniq_ids.append(self._unique_id(m))
             props = m.all_properties()
             props.setdefault(PROPERTY_WAIT, "true")
             prepared.append(Message(topic, bytes(m.body), properties=props, flag=m.flag))

@@ -675,3 +675,35 @@ def test_options_groups_and_messages_are_checked_before_any_send() -> None:
             (Message("T", b"x", tags=7), InvalidTypeError, "tags")]:  # type: ignore[arg-type]
         with pytest.raises(error, match=said):
             producer._check_sendable(msg, None)
+
+
+async def test_messages_sharing_a_properties_dict_get_ids_of_their_own() -> None:
+    """The id was written into the caller's properties dict: every later message built with
+    the same dict (a common habit) went out with the first one's id, and a batch's messages
+    all with one."""
+    producer, api = _fake_producer({})
+    common = {"source": "orders"}
+    for body in (b"a", b"b"):
+        await producer.send(Message("T", body, properties=common))
+    await producer.send_batch([Message("T", b"c", properties=common),
+                               Message("T", b"d", properties=common)])
+    ids = [api.calls[0]["msg_id"], api.calls[1]["msg_id"], *api.calls[2]["msg_id"].split(",")]
+    assert len(set(ids)) == 4 and common == {"source": "orders"}
+    from rmq_async.errors import InvalidArgumentError
+
+    refused = [Message("T", b"e", properties=common), Message("T", b"f", properties={"DELAY": "2"})]
+    with pytest.raises(InvalidArgumentError):
+        await producer.send_batch(refused)
+    assert PROPERTY_UNIQ_KEY not in refused[0].properties  # a refused batch leaves them alone
+
+
+def test_keys_and_levels_are_checked_as_documented() -> None:
+    from rmq_async.errors import InvalidTypeError
+
+    producer, _ = _fake_producer({})
+    for keys in (["k1", None], 5):
+        with pytest.raises(InvalidTypeError, match="keys"):
+            producer._check_sendable(Message("T", b"x", keys=keys), None)  # type: ignore[arg-type]
+    producer._check_sendable(Message("T", b"x", keys=("a", "b")), None)  # type: ignore[arg-type]
+    Producer("PG", "127.0.0.1:1", compress_type="ZSTD", compress_level=-50)  # zstd's fast levels
+    Producer("PG", "127.0.0.1:1", compress_over=float("inf"))  # never compress
