@@ -104,6 +104,8 @@ class Connection(asyncio.BufferedProtocol):
         self.on_started_go_away: Callable[[Connection], None] | None = None
         #: Called once the connection is closed (by anyone, for any reason), with itself.
         self.on_closed: Callable[[Connection], None] | None = None
+        self._lost = False  # the transport reported connection_lost
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._close_when_idle = False
         self.last_activity = asyncio.get_running_loop().time()
 
@@ -199,7 +201,8 @@ class Connection(asyncio.BufferedProtocol):
                 if transport.get_write_buffer_size():
                     # close() waits for the buffer to drain: a peer that stopped reading would
                     # hold the socket (and what is buffered) for good. The frames get a moment.
-                    asyncio.get_running_loop().call_later(CLOSE_FLUSH_GRACE, transport.abort)
+                    self._flush_timer = asyncio.get_running_loop().call_later(
+                        CLOSE_FLUSH_GRACE, self._abort_unflushed)
         self._decoder.release()
         reason = "connection closed" if exc is None else f"connection closed: {exc}"
         if self._sweep_handle is not None:
@@ -231,7 +234,17 @@ class Connection(asyncio.BufferedProtocol):
         self._transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        if self._flush_timer is not None:  # the buffer drained: nothing to abort
+            self._flush_timer.cancel()
+            self._flush_timer = None
         self._shutdown(exc if exc is not None else ConnectionResetError("peer closed"))
+
+    def _abort_unflushed(self) -> None:
+        """A graceful close's buffer did not drain in time: close the socket anyway."""
+        self._flush_timer = None
+        if self._transport is not None and not self._lost:
+            self._transport.abort()
 
     def pause_writing(self) -> None:
         self._can_write.clear()

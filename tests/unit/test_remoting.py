@@ -824,3 +824,35 @@ def test_a_frame_decoder_failure_carries_the_commands_before_it() -> None:
     with pytest.raises(ProtocolError, match="bad frame length 2") as failed:
         FrameDecoder().feed(good + (2).to_bytes(4, "big"))
     assert [c.opaque for c in failed.value.decoded] == [1, 2]
+
+
+async def test_a_graceful_close_whose_buffer_drains_in_time_leaves_no_timer_behind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grace timer fired after the transport had closed by itself and failed in the event
+    loop ('Exception in callback ... abort()')."""
+    import rmq_async.remoting.connection as connection_module
+
+    monkeypatch.setattr(connection_module, "CLOSE_FLUSH_GRACE", 0.5)
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+
+    async def late_reader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.1)
+        while await reader.read(1 << 20):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(late_reader, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        conn = await Connection.open(f"127.0.0.1:{port}")
+        await conn.send_oneway(RemotingCommand.request(RequestCode.HEART_BEAT,
+                                                       body=b"x" * (16 << 20)))
+        await conn.close()
+        await asyncio.sleep(1.0)
+        assert conn._flush_timer is None
+        assert errors == []
+    finally:
+        loop.set_exception_handler(None)
+        server.close()
