@@ -66,11 +66,31 @@ class ErrorReporter:
     def __init__(self) -> None:
         self.handlers: list[ErrorHandler] = []
         self.counts: Counter[tuple[str, str]] = Counter()  # (topic, kind) -> events
-        self.owner: TaskOwner | None = None  # runs the deliveries while the consumer runs
+        self._owner: TaskOwner | None = None  # runs the deliveries while the consumer runs
+        self._loop: asyncio.AbstractEventLoop | None = None  # the consumer's event loop
         self._pending: deque[ConsumerError] = deque()
         self._delivery: asyncio.Task[None] | None = None
 
+    @property
+    def owner(self) -> TaskOwner | None:
+        return self._owner
+
+    @owner.setter
+    def owner(self, owner: TaskOwner | None) -> None:
+        """Set by the consumer on its event loop when it starts (``None`` when it stops)."""
+        self._owner = owner
+        try:
+            self._loop = asyncio.get_running_loop() if owner is not None else None
+        except RuntimeError:
+            self._loop = None
+
     def report(self, event: ConsumerError) -> None:
+        loop = self._loop
+        if loop is not None and self._owner is not None and not _on_loop(loop):
+            # Reported from another thread (a plain handler calling report_error): the
+            # event is taken on the consumer's loop, where the delivery task lives.
+            loop.call_soon_threadsafe(self.report, event)
+            return
         self.counts[(event.topic, str(event.kind))] += 1
         level = log.info if event.kind is ConsumerErrorKind.PERMISSION_RESTORED else log.error
         level(f"consumer.{event.kind}", topic=event.topic,
@@ -118,6 +138,13 @@ class ErrorReporter:
 
     def topic_counts(self, topic: str) -> dict[str, int]:
         return {kind: n for (t, kind), n in self.counts.items() if t == topic}
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:  # no loop runs in this thread
+        return False
 
 
 def _handler_failed(handler: ErrorHandler, exc: BaseException) -> None:

@@ -214,3 +214,27 @@ async def test_error_delivery_resumes_on_a_consumer_started_again() -> None:
             await asyncio.sleep(0.01)
     await second.aclose()
     assert seen[-1] == 2
+
+
+async def test_an_error_reported_from_a_worker_thread_is_delivered() -> None:
+    """``report_error`` from a plain handler (a worker thread) tried to start the delivery
+    task there: RuntimeError (no running event loop) and the event stranded."""
+    import asyncio
+
+    import anyio
+
+    from rmq_async.consumer.events import ErrorReporter
+    from rmq_async.consumer.tasks import TaskOwner
+
+    reporter = ErrorReporter()
+    owner = TaskOwner("consumer[G]")
+    reporter.owner = owner
+    seen: list[int | None] = []
+    reporter.handlers.append(lambda e: seen.append(e.offset))
+    event = ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MQ, 7, "bad")
+    await anyio.to_thread.run_sync(reporter.report, event)
+    async with asyncio.timeout(5):
+        while seen != [7]:
+            await asyncio.sleep(0.01)
+    await owner.aclose()
+    assert reporter.topic_counts("T") == {"corrupt_record": 1}
