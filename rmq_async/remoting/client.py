@@ -204,9 +204,8 @@ class RemotingClient:
             if self.close_on_timeout and condemn and not conn.closed:
                 log.warning("remoting.closed_after_timeout", addr=addr, code=cmd.code,
                             timeout=timeout)
-                self._forget(addr, conn)
                 conn.abort()  # the peer is not answering: it may not be reading either
-                await conn.close()
+                await conn.close()  # (closed, it leaves the pool: _connection_closed)
             raise
         if response.code == ResponseCode.GO_AWAY:
             log.info("remoting.go_away", addr=addr, code=cmd.code)
@@ -245,8 +244,7 @@ class RemotingClient:
             return
         if not conn.closed:
             log.warning("remoting.closed_after_timeout", addr=conn.addr, timeout=timeout)
-        self._forget(conn.addr, conn)
-        conn.abort()
+        conn.abort()  # (closed, it leaves the pool: _connection_closed)
 
     def _after_started_go_away(self, conn: Connection) -> None:
         """A request kept in flight on ``conn`` was answered GO_AWAY: retire ``conn``."""
@@ -260,8 +258,7 @@ class RemotingClient:
         self._forget(conn.addr, conn)
         if conn.closed:
             return
-        self._retired = {c for c in self._retired if not c.closed}
-        self._retired.add(conn)
+        self._retired.add(conn)  # until it closes (_connection_closed)
         conn.close_when_idle()
 
     def _connection_closed(self, conn: Connection) -> None:
