@@ -29,6 +29,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from rmq_async.consumer.options import check_topic_name
 from rmq_async.errors import InvalidArgumentError
 
 from . import config as cfg
@@ -56,7 +57,6 @@ log = structlog.get_logger(__name__)
 #: Starts tried when a picked port was taken before the JVM bound it.
 _START_ATTEMPTS = 3
 
-_TOPIC_RE = re.compile(r"^[%|a-zA-Z0-9_-]{1,127}$")
 NAMESRV_READY = "The Name Server boot success"
 BROKER_READY = "boot success"
 BROKER_REGISTERED = "Registering current broker to name server completed"
@@ -718,8 +718,7 @@ class LocalRocketMQ:
                            timeout: float = 60.0) -> None:
         """Create (or update) ``name`` with ``queues`` read/write queues on the broker and wait
         until the name server serves its route."""
-        if not _TOPIC_RE.match(name):
-            raise InvalidArgumentError(f"invalid topic name: {name!r}")
+        check_topic_name(name)
         if not 1 <= queues <= 1024:
             raise InvalidArgumentError(f"queues must be within 1..1024, not {queues}")
         started = time.monotonic()

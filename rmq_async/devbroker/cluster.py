@@ -32,11 +32,12 @@ from typing import Any
 import anyio
 import structlog
 
+from rmq_async.consumer.options import check_topic_name
+
 from . import config as cfg
 from .admin_helper import AdminHelper
 from .broker import (
     _START_ATTEMPTS,
-    _TOPIC_RE,
     ADMIN_SOURCE,
     BROKER_READY,
     BROKER_REGISTERED,
@@ -613,8 +614,7 @@ class LocalCluster:
                            timeout: float = 60.0) -> None:
         """Create (or update) ``name`` with ``queues`` queues on every group's master (and its
         slaves) and wait until the name servers serve a route naming every group."""
-        if not _TOPIC_RE.match(name):
-            raise ValueError(f"invalid topic name: {name!r}")
+        check_topic_name(name)  # (an InvalidArgumentError, a ValueError too)
         if not 1 <= queues <= 1024:
             raise ValueError(f"queues must be within 1..1024, not {queues}")
         started = time.monotonic()
