@@ -21,6 +21,7 @@ from rmq_async.remoting import (
     RemotingTimeout,
 )
 from tests.fake_broker import FakeBroker, insecure_tls, silent_listener
+from tests.helpers import wait_until
 
 Script = Callable[[RemotingCommand, asyncio.StreamWriter], Awaitable[None]]
 
@@ -672,13 +673,6 @@ async def _connected(client: RemotingClient,
     return conn, transport, transport.get_extra_info("socket")
 
 
-async def _until(check: Callable[[], bool], seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.02)
-
-
 async def test_a_request_timed_out_on_a_peer_that_stopped_reading_frees_the_socket() -> None:
     """close() after a timeout waited for the write buffer to drain, which a peer that stopped
     reading never does: the socket and megabytes of unsent frames were held for good, one more
@@ -691,7 +685,7 @@ async def test_a_request_timed_out_on_a_peer_that_stopped_reading_frees_the_sock
             await client.invoke(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
                                                               body=b"x" * 8_000_000), 0.5)
         assert conn.closed
-        await _until(lambda: sock.fileno() == -1, 2, "the socket is still open")
+        await wait_until(lambda: sock.fileno() == -1, 2, interval=0.02, what="the socket to close")
         assert addr not in client.addresses
     finally:
         await client.close()
@@ -713,7 +707,7 @@ async def test_a_graceful_close_gives_a_peer_that_stopped_reading_a_moment_only(
                                                                   body=b"x" * 8_000_000))
         await client.close()
         assert transport.get_write_buffer_size() > 0  # the peer takes nothing
-        await _until(lambda: sock.fileno() == -1, 2, "the socket is still open")
+        await wait_until(lambda: sock.fileno() == -1, 2, interval=0.02, what="the socket to close")
     finally:
         for w in accepted:
             w.transport.abort()
