@@ -24,28 +24,25 @@ from rmq_async.protocol.bodies import (
     TopicRouteData,
 )
 from rmq_async.protocol.codes import RequestCode, ResponseCode
-from rmq_async.protocol.command import FrameDecoder
+from rmq_async.protocol.command import RemotingCommand
+from tests.fake_broker import FakeBroker
 
 ROUTE = TopicRouteData([QueueData("b", 4, 4, 6)], [BrokerData("c", "b", {0: "127.0.0.1:10911"})])
 
 
 @asynccontextmanager
 async def answering(body: bytes, seen: list[str] | None = None) -> AsyncIterator[str]:
-    """A server answering every request SUCCESS with ``body``; yields its address."""
-    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        dec = FrameDecoder()
-        while data := await reader.read(65536):
-            for cmd in dec.feed(data):
-                if seen is not None:
-                    seen.append(RequestCode(cmd.code).name)
-                writer.write(cmd.response_to(ResponseCode.SUCCESS, body=body).encode())
+    """A FakeBroker answering every request SUCCESS with ``body``; yields its address (and
+    puts the names of the requests it got into ``seen``)."""
+    async def answer(cmd: RemotingCommand, number: int) -> RemotingCommand:
+        return cmd.response_to(ResponseCode.SUCCESS, body=body)
 
-    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
-    host, port = server.sockets[0].getsockname()[:2]
-    try:
-        yield f"{host}:{port}"
-    finally:
-        server.close()
+    async with FakeBroker(answer) as broker:
+        try:
+            yield broker.addr
+        finally:
+            if seen is not None:
+                seen.extend(RequestCode(code).name for code in broker.codes())
 
 
 async def test_a_garbled_route_answer_fails_over_to_the_next_name_server() -> None:
