@@ -651,19 +651,6 @@ async def test_close_during_a_new_connect_fails_the_caller_with_connection_close
         assert not caller.cancelled()
 
 
-async def _silent_reader() -> tuple[asyncio.Server, str, list[asyncio.StreamWriter]]:
-    """A peer that accepts and never reads: what the client writes stays in its buffers."""
-    accepted: list[asyncio.StreamWriter] = []
-
-    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted.append(writer)
-        await asyncio.sleep(3600)
-
-    server = await asyncio.start_server(on_conn, "127.0.0.1", 0, limit=1024)
-    host, port = server.sockets[0].getsockname()[:2]
-    return server, f"{host}:{port}", accepted
-
-
 async def _connected(client: RemotingClient,
                      addr: str) -> tuple[Connection, asyncio.Transport, socket.socket]:
     """The client's connection to ``addr``, its transport and its socket."""
@@ -677,21 +664,19 @@ async def test_a_request_timed_out_on_a_peer_that_stopped_reading_frees_the_sock
     """close() after a timeout waited for the write buffer to drain, which a peer that stopped
     reading never does: the socket and megabytes of unsent frames were held for good, one more
     per reconnect-and-time-out."""
-    server, addr, accepted = await _silent_reader()
-    client = RemotingClient(connect_timeout=1)
-    try:
-        conn, _, sock = await _connected(client, addr)
-        with pytest.raises(RemotingTimeout):
-            await client.invoke(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
-                                                              body=b"x" * 8_000_000), 0.5)
-        assert conn.closed
-        await wait_until(lambda: sock.fileno() == -1, 2, interval=0.02, what="the socket to close")
-        assert addr not in client.addresses
-    finally:
-        await client.close()
-        for w in accepted:
-            w.transport.abort()
-        server.close()
+    async with silent_listener() as (addr, _):  # it never reads: the frames stay buffered
+        client = RemotingClient(connect_timeout=1)
+        try:
+            conn, _, sock = await _connected(client, addr)
+            with pytest.raises(RemotingTimeout):
+                await client.invoke(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
+                                                                  body=b"x" * 8_000_000), 0.5)
+            assert conn.closed
+            await wait_until(lambda: sock.fileno() == -1, 2, interval=0.02,
+                             what="the socket to close")
+            assert addr not in client.addresses
+        finally:
+            await client.close()
 
 
 async def test_a_graceful_close_gives_a_peer_that_stopped_reading_a_moment_only(
@@ -699,19 +684,15 @@ async def test_a_graceful_close_gives_a_peer_that_stopped_reading_a_moment_only(
     import rmq_async.remoting.connection as connection_module
 
     monkeypatch.setattr(connection_module, "CLOSE_FLUSH_GRACE", 0.2)
-    server, addr, accepted = await _silent_reader()
-    client = RemotingClient(connect_timeout=1)
-    try:
+    async with silent_listener() as (addr, _):
+        client = RemotingClient(connect_timeout=1)
         _, transport, sock = await _connected(client, addr)
         await client.invoke_oneway(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
                                                                   body=b"x" * 8_000_000))
         await client.close()
         assert transport.get_write_buffer_size() > 0  # the peer takes nothing
-        await wait_until(lambda: sock.fileno() == -1, 2, interval=0.02, what="the socket to close")
-    finally:
-        for w in accepted:
-            w.transport.abort()
-        server.close()
+        await wait_until(lambda: sock.fileno() == -1, 2, interval=0.02,
+                         what="the socket to close")
 
 
 async def test_a_connection_its_peer_closed_mid_frame_leaves_the_pool_and_its_buffer() -> None:
