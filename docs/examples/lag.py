@@ -24,7 +24,14 @@ async def main(namesrv: str, topic: str) -> int:
         for _ in range(3):
             await producer.send(Message(topic, b"later"))
 
+    # A broker indexes a stored message a moment after the send returns: ask until
+    # its queues hold all four.
     rows = await group_lag(namesrv, "lag-demo", topic)
+    for _ in range(100):
+        if sum(r.broker_offset for r in rows) == 4:
+            break
+        await asyncio.sleep(0.1)
+        rows = await group_lag(namesrv, "lag-demo", topic)
     print(format_lag(rows))
     return sum(r.diff for r in rows)  # 3
 

@@ -19,8 +19,15 @@ import pytest
 from rmq_async import ConsumeResult, PushConsumer
 from rmq_async.client.errors import MQBrokerError
 from rmq_async.devbroker import LocalRocketMQ
-from rmq_async.protocol.types import MessageExt
-from tests.helpers import AdminClient, produce, simple_messages, unique, wait_until
+from rmq_async.protocol.types import MessageExt, MessageQueue
+from tests.helpers import (
+    AdminClient,
+    produce,
+    simple_messages,
+    unique,
+    wait_until,
+    wait_until_async,
+)
 
 pytestmark = pytest.mark.broker
 
@@ -196,7 +203,14 @@ async def test_lag_prints_the_brokers_offsets(rocketmq: LocalRocketMQ, topic: st
         await wait_until(lambda: len(got) >= 40, 30, what="40 messages")
     await produce(ns, topic, simple_messages(topic, 12), batch=1, concurrency=4)
     async with AdminClient(ns) as admin:
-        maxes = await admin.max_offsets(topic)
+        maxes: dict[MessageQueue, int] = {}
+
+        async def indexed() -> bool:
+            # The broker indexes a message a moment after the send returns.
+            maxes.update(await admin.max_offsets(topic))
+            return sum(maxes.values()) == 52
+
+        await wait_until_async(indexed, 30, what="52 messages indexed")
         committed = await admin.committed_offsets(group, topic)
     cmd = await Command.start("lag", group, "--namesrv", ns, "--json")
     assert await cmd.wait(30) == 0, cmd.tail()
