@@ -83,7 +83,11 @@ class ServiceRouter:
     Orderly subscriptions go to the orderly service (which takes the messages from the
     ProcessQueue itself, in offset order), sink subscriptions to the sink service, the rest to
     the concurrent service. One pull of ``%RETRY%<group>`` can carry messages of several
-    subscribed topics: it is split by the topic each message was first sent to.
+    subscribed topics: it is split by the topic each message was first sent to, except that
+    the parts bound for one sink stay one chunk (in offset order). A sink's batch covers a
+    contiguous offset range per queue; two parts of one pull offered apart could fall into
+    two batches whose ranges of the retry queue interleave, and an idempotent write of one
+    range (``replaceWhere``) would then delete rows the other batch wrote.
     """
 
     def __init__(self, subscriptions: Subscriptions, *, concurrent: ConsumeService,
@@ -115,8 +119,20 @@ class ServiceRouter:
         by_origin: dict[str, list[MessageExt]] = {}
         for m in msgs:
             by_origin.setdefault(m.properties.get(PROPERTY_RETRY_TOPIC, topic), []).append(m)
+        if len(by_origin) == 1:
+            for origin, part in by_origin.items():
+                self._submit_to(origin, part, pq, mq, first)
+            return
+        by_sink: dict[int, list[MessageExt]] = {}
         for origin, part in by_origin.items():
-            self._submit_to(origin, part, pq, mq, first)
+            sink = self._subs.sink_for(origin)
+            if sink is None:
+                self._submit_to(origin, part, pq, mq, first)
+            else:
+                by_sink.setdefault(id(sink), []).extend(part)
+        for part in by_sink.values():
+            part.sort(key=_queue_offset)
+            self.sink.submit(part, pq, mq, first)
 
     def submit_stored(self, chunk: StoredChunk, pq: ProcessQueue, mq: MessageQueue,
                       first: bool) -> None:
@@ -130,6 +146,10 @@ class ServiceRouter:
             self.sink.submit(msgs, pq, mq, first)
             return
         self.concurrent.submit(msgs, pq, mq, first)
+
+
+def _queue_offset(msg: MessageExt) -> int:
+    return msg.queue_offset
 
 
 async def wait_all_idle(services: Iterable[ConsumeService], timeout: float) -> bool:

@@ -35,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+from collections import Counter
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import structlog
@@ -42,7 +44,7 @@ import structlog
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY
 from rmq_async.protocol.stored import StoredChunk
-from rmq_async.protocol.types import PROPERTY_MAX_OFFSET
+from rmq_async.protocol.types import PROPERTY_MAX_OFFSET, PROPERTY_RETRY_TOPIC
 from rmq_async.sinks import SinkClosedError
 
 if TYPE_CHECKING:
@@ -246,13 +248,22 @@ class SinkConsumeService:
             # messages come again: not counted).
             return
         if stored:
-            topic = (mq.topic if isinstance(msgs, StoredChunk)
-                     else rt.subscriptions.origin_topic(mq.topic, msgs))
-            rt.stats.record_consume(topic, len(msgs), 0, 0.0, calls=0)
+            self._record(msgs, mq, ok=True)
         offset = (pq.remove_chunk(msgs) if isinstance(msgs, StoredChunk)
                   else pq.remove_messages(msgs))
         if offset >= 0 and not pq.dropped:
             rt.offset_store.update(mq, offset, increase_only=True)
+
+    def _record(self, msgs: Chunk, mq: MessageQueue, *, ok: bool) -> None:
+        """Count a written (``ok``) or failed chunk under its subscribed topics (a chunk of
+        the retry queue can hold messages of several topics bound for one sink)."""
+        rt = self._rt
+        if isinstance(msgs, StoredChunk) or mq.topic != rt.retry_topic:
+            topics: Mapping[str, int] = {mq.topic: len(msgs)}
+        else:
+            topics = Counter(m.properties.get(PROPERTY_RETRY_TOPIC, mq.topic) for m in msgs)
+        for topic, n in topics.items():
+            rt.stats.record_consume(topic, n if ok else 0, 0 if ok else n, 0.0, calls=0)
 
     async def _failed(self, sink: SparkSink, chunk: Chunk, pq: ProcessQueue,
                       mq: MessageQueue) -> None:
@@ -260,16 +271,14 @@ class SinkConsumeService:
         rt = self._rt
         if pq.dropped:
             return  # its messages come again: not counted
+        self._record(chunk, mq, ok=False)
         if isinstance(chunk, StoredChunk):
-            rt.stats.record_consume(mq.topic, 0, chunk.count, 0.0, calls=0)
             # Its messages are handed back (and acknowledged) one by one from now on.
             msgs = chunk.messages()
             if not pq.unpack_chunk(chunk, msgs):
                 return
         else:
             msgs = chunk
-            rt.stats.record_consume(rt.subscriptions.origin_topic(mq.topic, msgs), 0, len(msgs),
-                                    0.0, calls=0)
         if pq.dropped or not msgs:
             return
         not_sent = msgs

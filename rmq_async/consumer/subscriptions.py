@@ -183,7 +183,8 @@ class Subscriptions:
         return bool(sub and sub.orderly)
 
     def origin_topic(self, topic: str, msgs: list[MessageExt]) -> str:
-        """The subscribed topic a chunk belongs to (the router keeps chunks single-origin)."""
+        """The subscribed topic a chunk belongs to: its first message's (the router keeps a
+        chunk single-origin, or bound for one sink: see ``ServiceRouter``)."""
         if topic == self.retry_topic and msgs:
             return msgs[0].properties.get(PROPERTY_RETRY_TOPIC, topic)
         return topic

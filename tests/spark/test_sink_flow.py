@@ -21,8 +21,9 @@ from rmq_async.consumer.sink_service import SinkConsumeService
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.message import encode_stored_message
 from rmq_async.protocol.stored import StoredChunk
-from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, MessageExt, MessageQueue
 from rmq_async.sinks.spark import BatchInfo, SparkSink
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.spark
 
@@ -433,6 +434,41 @@ async def test_a_sink_of_two_topics_hears_the_room_of_both(side: SinkSide) -> No
     assert sink.limits[-1] == (5 * 81, 5 * 100 * MiB)
     pull(side, audit, msgs(0, 8, topic="audit"))
     assert sink.limits[-1] == (5 * 81, 5 * 100 * MiB)
+
+
+async def test_a_retry_pull_for_two_topics_of_one_sink_is_one_chunk_counted_per_topic(
+        side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retried messages of two topics of one sink interleave in the retry queue: one chunk
+    (so one batch, whose range of the retry queue no other batch's interleaves), its messages
+    counted consumed, or failed, under the topic each came from."""
+    sink, _ = attach(side, queues=1)
+    side.consumer.subscribe("audit", sink=sink)  # type: ignore[arg-type]
+    monkeypatch.setattr(sink_service_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
+
+    async def send_back(msg: MessageExt, delay_level: int) -> bool:
+        return True
+
+    monkeypatch.setattr(side.rt, "send_message_back", send_back)
+    retry = MessageQueue(side.consumer.retry_topic, "broker-a", 0)
+    side.consumer.process_queues[retry] = ProcessQueue()
+    batch = msgs(10, 6, topic=retry.topic)
+    for m, origin in zip(batch, ["orders", "audit"] * 3, strict=True):
+        m.properties = {**m.properties, PROPERTY_RETRY_TOPIC: origin}
+    pull(side, retry, batch)
+    assert [[m.queue_offset for m in chunk] for chunk, _ in sink.offers] == [list(range(10, 16))]
+    sink.offers[0][1](True)
+    totals = side.consumer.stats.totals
+    assert (totals["orders"].consumed, totals["audit"].consumed) == (3, 3)
+    assert side.offset_store.read_memory(retry) == 16
+
+    audit_only = msgs(16, 3, topic=retry.topic)
+    for m in audit_only:
+        m.properties = {**m.properties, PROPERTY_RETRY_TOPIC: "audit"}
+    pull(side, retry, audit_only)
+    sink.offers[-1][1](False)
+    await wait_until(lambda: side.offset_store.read_memory(retry) == 19, 5, what="sent back")
+    assert (totals["orders"].failed, totals["audit"].failed) == (0, 3)
+    await side.rt.tasks.aclose()
 
 
 async def test_queue_over_its_threshold_expedites_the_sink(side: SinkSide) -> None:

@@ -70,3 +70,24 @@ def test_each_chunk_goes_to_the_service_of_its_topic() -> None:
     router.submit(msgs, ProcessQueue(), retry, False)
     assert concurrent.calls[-1] == (["L", "L"], retry, False)
     assert sink.calls[-1] == (["S", "S"], retry, False)
+
+
+def test_a_retry_pull_keeps_the_parts_bound_for_one_sink_together() -> None:
+    # Two topics land in one sink: their retried messages interleave in the retry queue. Offered
+    # apart, the two parts could fall into two batches whose ranges of that queue interleave
+    # (10-14 and 11-15), and a replaceWhere write of one range would delete the other's rows.
+    consumer = PushConsumer("G_dispatch", namesrv="127.0.0.1:9876")
+    shared, other = _Sink(), _Sink()
+    consumer.subscribe("A", sink=shared)  # type: ignore[arg-type]
+    consumer.subscribe("B", sink=shared)  # type: ignore[arg-type]
+    consumer.subscribe("C", sink=other)  # type: ignore[arg-type]
+    consumer.subscribe("L", listener=lambda msgs: ConsumeResult.SUCCESS)
+    router, concurrent, _, sink = _router(consumer)
+    retry = MessageQueue(consumer.retry_topic, "broker-a", 0)
+    origins = "ABLACBLB"
+    msgs = [MessageExt(consumer.retry_topic, b"", queue_offset=10 + i,
+                       properties={PROPERTY_RETRY_TOPIC: o}) for i, o in enumerate(origins)]
+    router.submit(msgs, ProcessQueue(), retry, False)
+    assert sorted(sink.calls) == [(["A", "B", "A", "B", "B"], retry, False),
+                                  (["C"], retry, False)]
+    assert concurrent.calls == [(["L", "L"], retry, False)]
