@@ -366,10 +366,12 @@ async def test_long_poll_at_rest_and_wakeup_latency(rocketmq) -> None:
         async with Producer(unique("PG"), rocketmq.namesrv_addr) as p:
             await p.send(Message(topic, b"wake"))
             sent = time.monotonic()
-        await wait_until(lambda: bool(arrived), 5, interval=0.005, what="the message")
+        await wait_until(lambda: bool(arrived), 15, interval=0.005, what="the message")
     latency = arrived[0] - sent
     print(f"idle queue to listener: {latency * 1000:.1f} ms")
-    assert latency < 0.2
+    # The held pull is woken by the message (tens of ms at rest); without the wake-up the
+    # broker would find it at its next 5 s check. The bound leaves room for a loaded machine.
+    assert latency < 1.0
 
 
 async def test_listener_example_runs_and_stops_on_ctrl_c(rocketmq) -> None:

@@ -124,9 +124,10 @@ async def test_long_poll_wakes_on_message_and_times_out(rocketmq) -> None:
                                    suspend_timeout=2.0, timeout=10.0, subscription="*")
         waited = time.monotonic() - started
         assert r.status.name == "NO_NEW_MSG"
-        assert 1.5 <= waited < 8.0, waited
+        assert 1.5 <= waited < 10.0, waited
 
-        # A message sent meanwhile wakes a 15 s long poll within 200 ms.
+        # A message sent meanwhile wakes a 15 s long poll at once (tens of ms at rest; without
+        # the wake-up the broker finds it at its next 5 s check).
         group = unique("G_lp")
         pull = asyncio.create_task(api.pull_message(
             addr, group=group, mq=mq, queue_offset=0, suspend_timeout=15.0, timeout=30.0,
@@ -136,12 +137,12 @@ async def test_long_poll_wakes_on_message_and_times_out(rocketmq) -> None:
         async with Producer(unique("PG"), rocketmq.namesrv_addr) as producer:
             await producer.send(Message(topic, b"wake up"))
             sent_at = time.monotonic()
-        r = await pull
-        latency = time.monotonic() - sent_at
+            r = await pull
+            latency = time.monotonic() - sent_at
         assert r.status.name == "FOUND"
         assert [m.body for m in r.decode()] == [b"wake up"]
         print(f"\nlong-poll wake-up latency after send returned: {latency * 1000:.1f} ms")
-        assert latency < 0.2, latency
+        assert latency < 1.0, latency
 
 
 async def test_broker_killed_mid_request_then_reconnect(rocketmq) -> None:

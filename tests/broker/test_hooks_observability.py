@@ -18,7 +18,7 @@ from rmq_async import ConsumeResult, Message, MessageExt, MessageQueue, PushCons
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.observability.prometheus import instrument, start_metrics_server
 from tests.chaos.proxy import FaultProxy
-from tests.helpers import AdminClient, produce, unique, wait_until
+from tests.helpers import AdminClient, produce, unique, wait_until, wait_until_async
 
 pytestmark = pytest.mark.broker
 
@@ -248,7 +248,15 @@ async def test_lag_matches_consumer_progress_and_metrics_endpoint(rocketmq: Loca
 
             await wait_until(settled, 10, what="lag() on the paused queues")
             # The broker has the committed offsets too (persist interval 0.5 s).
-            await asyncio.sleep(1.0)
+            async with AdminClient(ns) as admin:
+
+                async def persisted() -> bool:
+                    at_broker = {**await admin.committed_offsets(group, topic),
+                                 **await admin.committed_offsets(group, consumer.retry_topic)}
+                    return all(at_broker.get(mq) == ql.committed_offset
+                               for mq, ql in consumer.lag().items())
+
+                await wait_until_async(persisted, 10, what="the offsets persisted")
             out = await rocketmq.mqadmin("consumerProgress", "-g", group)
             rows = _progress_rows(out)
             lag = consumer.lag()
@@ -300,7 +308,7 @@ async def test_is_healthy_follows_the_brokers(rocketmq: LocalRocketMQ) -> None:
     broker = await FaultProxy(rocketmq.broker_addr, name="broker").start()
     namesrv = await FaultProxy(ns, name="namesrv",
                                rewrite={rocketmq.broker_addr: broker.addr}).start()
-    interval = 1.0
+    interval = 2.0
     consumer = PushConsumer(unique("G_health"), namesrv=namesrv.addr,
                             heartbeat_interval=interval, pull_time_delay_when_exception=0.2)
 
@@ -332,6 +340,7 @@ async def test_is_healthy_follows_the_brokers(rocketmq: LocalRocketMQ) -> None:
         await namesrv.close()
     print(f"\nhealth: unhealthy {to_unhealthy:.2f} s after the broker went away, healthy "
           f"{to_healthy:.2f} s after it came back (heartbeat interval {interval} s)")
-    # One heartbeat interval, plus a margin for a loaded CI machine.
-    assert to_unhealthy <= interval + 0.5
-    assert to_healthy <= interval + 0.5
+    # One heartbeat interval, plus a margin for a loaded CI machine (a second interval would
+    # pass it).
+    assert to_unhealthy <= interval + 1.0
+    assert to_healthy <= interval + 1.0

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from rmq_async import ConsumeContext, ConsumeResult, Message, MessageExt, Producer, PushConsumer
+from rmq_async.client.errors import MQClientError
 from rmq_async.consumer.admin import build_running_info
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.protocol.filter import java_string_hash
 from rmq_async.protocol.types import MessageQueue
-from tests.helpers import AdminClient, unique, wait_until
+from tests.helpers import AdminClient, unique, wait_until, wait_until_async
 
 pytestmark = pytest.mark.broker
 
@@ -242,8 +243,17 @@ async def test_suspend_retries_in_place_then_dlq(rocketmq: LocalRocketMQ) -> Non
     assert all(b - a >= suspend_ms / 1000 * 0.9 for a, b in itertools.pairwise(t3))
     # 6 fails every time: tried 1 + max_reconsume_times times, then sent to the DLQ, skipped.
     assert order[6:] == [4, 5, 6, 6, 6, 6, 7, 8, 9], order
+    dlq: list[MessageExt] = []
     async with AdminClient(ns) as admin:
-        dlq = await admin.read_all(f"%DLQ%{group}")
+
+        async def dead_lettered() -> bool:
+            try:
+                dlq[:] = await admin.read_all(f"%DLQ%{group}")
+            except MQClientError:  # the topic's route not yet at the name server
+                return False
+            return bool(dlq)
+
+        await wait_until_async(dead_lettered, 30, what="the DLQ copy")
         committed = await admin.committed_offsets(group, topic)
     assert [m.body for m in dlq] == [b"6"]
     assert list(committed.values()) == [10]

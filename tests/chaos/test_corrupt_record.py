@@ -14,7 +14,7 @@ from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
 from rmq_async.devbroker import LocalRocketMQ
 from tests.chaos.common import Tally, body_of, consumer, offsets_settled, report, wait_for
 from tests.chaos.proxy import FaultProxy
-from tests.helpers import AdminClient, produce, unique
+from tests.helpers import AdminClient, produce, unique, wait_until_async
 
 pytestmark = [pytest.mark.broker, pytest.mark.chaos]
 
@@ -27,8 +27,14 @@ async def test_corrupt_third_record_is_reported_skipped_and_the_queue_moves_on(
     n = 500
     keys = [body_of("corrupt", i).decode() for i in range(n)]
     await produce(rocketmq.namesrv_addr, topic, [Message(topic, k.encode()) for k in keys])
+    key_at: dict[int, str] = {}
     async with AdminClient(rocketmq.namesrv_addr) as admin:
-        key_at = {m.queue_offset: m.body.decode() for m in await admin.read_all(topic)}
+
+        async def all_indexed() -> bool:  # the broker indexes a message just after SEND_OK
+            key_at.update((m.queue_offset, m.body.decode()) for m in await admin.read_all(topic))
+            return len(key_at) == n
+
+        await wait_until_async(all_indexed, 30, what=f"{n} messages indexed")
 
     broker = await FaultProxy(rocketmq.broker_addr, name="broker", frames=True).start()
     namesrv = await FaultProxy(rocketmq.namesrv_addr, name="namesrv",

@@ -15,6 +15,7 @@ from rmq_async.protocol.command import FrameDecoder, RemotingCommand
 from rmq_async.remoting.client import RemotingClient
 from rmq_async.remoting.errors import ConnectionClosed, RemotingTimeout
 from tests.chaos.proxy import FaultProxy
+from tests.helpers import wait_until
 
 
 @contextlib.asynccontextmanager
@@ -120,8 +121,7 @@ async def test_stall_is_half_open_and_new_connections_work() -> None:
         assert await _roundtrip(proxy.addr, b"fresh") == b"fresh"
         # Closing the client end of a stalled connection closes its server side too.
         writer.close()
-        await asyncio.sleep(0.2)
-        assert proxy.open_connections == 0
+        await wait_until(lambda: proxy.open_connections == 0, 5, what="both sides closed")
 
 
 async def test_cut_mid_frame_forwards_part_of_one_frame_then_closes() -> None:
@@ -187,7 +187,7 @@ async def test_remoting_client_replaces_a_stalled_connection() -> None:
         with pytest.raises(RemotingTimeout):
             await client.invoke(proxy.addr, RemotingCommand.request(
                 RequestCode.PULL_MESSAGE, body=b"2"), 0.5)
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 3.0
         again = RemotingCommand.request(RequestCode.PULL_MESSAGE, body=b"3")
         assert (await client.invoke(proxy.addr, again, 5)).body == b"3"
         assert proxy.stats.accepted == 2
@@ -204,6 +204,6 @@ async def test_remoting_client_survives_cut_and_reset() -> None:
         ok = RemotingCommand.request(RequestCode.PULL_MESSAGE, body=b"ok")
         assert (await client.invoke(proxy.addr, ok, 5)).body == b"ok"
         await proxy.reset()
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: proxy.addr not in client.addresses, 5, what="the reset seen")
         ok2 = RemotingCommand.request(RequestCode.PULL_MESSAGE, body=b"ok2")
         assert (await client.invoke(proxy.addr, ok2, 5)).body == b"ok2"
