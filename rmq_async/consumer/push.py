@@ -448,7 +448,9 @@ class PushConsumer:
         unlocked, each in what is left of ``timeout`` as well (at least a second: a broker
         that stopped answering does not hold ``stop()`` up longer), the client is
         unregistered from the brokers and the connections are closed. Afterwards no task of
-        this consumer is left running, but for a hook that ignored its cancellation.
+        this consumer is left running, but for a hook that ignored its cancellation and a
+        sink write still running in its thread past the timeout (a Spark call cannot be
+        interrupted; that batch is not acknowledged, and its messages come again).
         """
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
@@ -471,12 +473,21 @@ class PushConsumer:
             # the timeout lasts; one still going then is cancelled with the other tasks.
             locked = await _acquire_by(self._persist_lock, _stage_deadline(stop_by, timeout))
             try:
-                await owner.aclose()  # the sinks' tasks and the sink send-backs among them
+                # The sinks' tasks and the sink send-backs among them. A sink's writer waits
+                # for a write running in its thread (a Spark call cannot be interrupted): it
+                # is given up, its batch unacknowledged, when the stage's time is up.
+                stage_end = _stage_deadline(stop_by, timeout)
+                await owner.aclose(
+                    abandon_after=stage_end - asyncio.get_running_loop().time())
             finally:
                 if locked:
                     self._persist_lock.release()
             self.errors.owner = None
-            await self.sink_service.aclose()
+            try:
+                async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):
+                    await self.sink_service.aclose()
+            except TimeoutError:
+                log.warning("consumer.sink_close_timeout", group=self.group)
             # 3. the rebalance listeners hear that every queue is given up, then what was
             # acknowledged is persisted and the queues are forgotten
             await self.hooks.fire_revoked(self.group, set(self.process_queues),

@@ -102,3 +102,55 @@ async def test_stop_is_bounded_when_the_broker_answers_no_offset_update(orderly:
     assert inst.api.updates == 4  # the final round's first write on each broker too
     if orderly:
         assert inst.api.unlocks == 2  # one request per broker, side by side
+
+
+class _WritingSinks:
+    """A sink service whose write never ends: flushing and closing wait for it."""
+
+    in_order = False
+
+    def __init__(self) -> None:
+        self.write_done = asyncio.Event()
+
+    async def wait_idle(self) -> None:
+        await self.write_done.wait()
+
+    async def aclose(self) -> None:
+        await self.write_done.wait()
+
+
+async def test_stop_is_bounded_by_its_timeout_when_a_sink_write_hangs() -> None:
+    # A Spark write that hangs (a lost executor, a stalled object store): the sink's writer
+    # waits for its thread through every cancellation. stop() held it for 60 s, then waited
+    # for the sink's close for as long as the write lasted.
+    c = PushConsumer("G", "127.0.0.1:9876")
+    c.subscribe("T", listener=lambda m: None)
+    inst = _Instance()
+    c.instance = cast(ClientInstance, inst)
+    c.offset_store = BrokerOffsetStore(cast(ClientInstance, inst), "G")
+    c._owner = TaskOwner("consumer[G]")
+    c._rt = cast(ConsumerRuntime, SimpleNamespace(stopping=False))
+    c.pull_service = cast(Any, _Idle())
+    c.consume_service = c.orderly_service = cast(Any, _Idle())
+    sinks = _WritingSinks()
+    c.sink_service = cast(Any, sinks)
+    c._started = True
+
+    async def writer() -> None:  # as the sink's writer awaits its write thread
+        while not sinks.write_done.is_set():
+            try:
+                await sinks.write_done.wait()
+            except asyncio.CancelledError:
+                pass
+
+    c._owner.spawn(writer(), name="sink-writer")
+    began = time.monotonic()
+    try:
+        async with asyncio.timeout(20):
+            await c.stop(timeout=1.0)
+        took = time.monotonic() - began
+    finally:
+        sinks.write_done.set()
+    # The listeners' and sinks' time: the timeout; the tasks, the sink's close: a second each.
+    assert took < 1.0 + 1.0 + 1.0 + 1.5, took
+    assert not c._started
