@@ -74,6 +74,14 @@ filtering or messages handed back to the broker leave holes, which no batch writ
 offered again after their batch failed, because the broker did not take them back, are
 written in batches of their own, one chunk per queue, so that no batch's range spans rows
 another batch wrote.)
+
+Both keys cover a batch written again at the same coordinates. A batch given up (its write
+failed ``write_retries`` times more) is handed back to the broker, and its messages come back
+through the group's retry topic: as rows of ``%RETRY%<group>``, with that queue's offsets
+(``properties['RETRY_TOPIC']`` names the topic they were first sent to). If such a write had
+in fact landed before it raised, the rows come again under new keys. To be idempotent across
+that too, merge on ``msg_id`` (the producer's unique key, which the redelivered copy keeps)
+instead.
 Plain Parquet appends (:func:`parquet_writer`) are at-least-once; deduplicate on the key when
 reading (``dropDuplicates``).
 """
