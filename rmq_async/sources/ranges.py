@@ -676,7 +676,8 @@ async def announce_group(opts: SourceOptions, group: str, addrs: Iterable[str],
 
 
 #: OFFSET_ILLEGAL answers in a row that a range reader takes for an offset reset handed out
-#: by the broker (the queue has the offset) before it treats the offset as gone.
+#: by the broker (the queue has the offset), or NO_MATCHED_MSG answers that do not move on
+#: for an offset the queue has, before it treats the offset as gone.
 MOVED_RETRIES = 3
 
 
@@ -784,6 +785,15 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
                 # which it does once. This read's range stands: pull the same offset again.
                 moved += 1
                 planned = offset
+                continue
+            if (status is PullStatus.NO_MATCHED_MSG and nxt <= offset and moved < MOVED_RETRIES
+                    and result.min_offset <= offset < result.max_offset):
+                # PULL_RETRY_IMMEDIATELY that does not move on, for an offset the queue has:
+                # the broker could not read it this time (a store read error; a static
+                # topic's switch to its next item). Retry, as the name says, a few times.
+                moved += 1
+                planned = offset
+                await asyncio.sleep(0.05 * moved)
                 continue
             moved = 0
             if status is PullStatus.NO_MATCHED_MSG and nxt > offset:

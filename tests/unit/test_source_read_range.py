@@ -198,6 +198,37 @@ async def test_an_offset_the_broker_keeps_refusing_is_not_pulled_for_ever() -> N
     assert sum(1 for at, _ in q.pulls if at == 64) == 4  # three more tries, then given up
 
 
+@pytest.mark.parametrize("fail", ["true", "false"])
+async def test_a_retry_immediately_answer_that_does_not_move_on_is_retried(fail: str) -> None:
+    """PULL_RETRY_IMMEDIATELY (NO_MATCHED_MSG) with the same next offset, for an offset the
+    queue has (a store read error on the broker): the offset is pulled again, not taken for
+    a queue whose max fell below the range; one the broker keeps answering so is given up."""
+
+    class Hiccup(FakeQueue):
+        stumbles = 2
+
+        def answer(self, at: int, want: int, expression: str) -> Answer:
+            if at == 64 and self.stumbles:
+                self.stumbles -= 1
+                return Answer(PullStatus.NO_MATCHED_MSG, at, [], self.low, self.high)
+            return super().answer(at, want, expression)
+
+    q = Hiccup(0, 100)
+    chunks = await read(q, options(failOnDataLoss=fail, pullDepth="1"), 0, 100)
+    assert [o for c in chunks for o in c] == list(range(100))
+    assert sum(1 for at, _ in q.pulls if at == 64) == 3
+
+    stuck = Hiccup(0, 100)
+    stuck.stumbles = 1_000
+    if fail == "true":
+        with pytest.raises(DataLossError, match=r"offsets 64\.\.99"):
+            await read(stuck, options(pullDepth="1"), 0, 100)
+    else:
+        got = await read(stuck, options(failOnDataLoss="false", pullDepth="1"), 0, 100)
+        assert [o for c in got for o in c] == list(range(64))
+    assert sum(1 for at, _ in stuck.pulls if at == 64) == 4
+
+
 async def test_entries_removed_from_the_commit_log_are_data_loss_without_a_filter() -> None:
     """A commit-log file deleted before its consume-queue entries: the broker answers
     NO_MATCHED_MSG (MESSAGE_WAS_REMOVING) past them, or FOUND with fewer messages than the
