@@ -381,6 +381,7 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._runner: asyncio.Runner | None = None
         self._client: ClientInstance | None = None
         self._target: dict[MessageQueue, int] | None = None
+        self._initial: dict[MessageQueue, int] | None = None  # initialOffset's, once resolved
         self._lows: dict[MessageQueue, int] = {}  # each queue's min offset, as last read
         self._went_down: dict[MessageQueue, int] = {}  # queues reported: the offset read
         self._group_offsets: dict[MessageQueue, int] = {}  # as written to commitToGroup
@@ -412,7 +413,11 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # run it, and again after a restart before batch 0 was committed), and the answers
         # must agree. "latest" would move between the calls, so it is answered by a marker;
         # the first latestOffset resolves it and carries the queues' offsets in batch 0's end
-        # (under LATEST_START_KEY), where partitions() reads batch 0's start from.
+        # (under LATEST_START_KEY), where partitions() reads batch 0's start from. Any other
+        # start is resolved once per reader: a queue out of the route at the second call (a
+        # broker restarting) would otherwise be missing from the start and read from its min.
+        if self._initial is not None:
+            return offsets_to_json(self._initial)
         starting = self.opts.starting
         if starting.kind == "latest" or (starting.kind == "offsets"
                                          and LATEST in starting.offsets.values()):
@@ -426,6 +431,7 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
         offsets = self._run(work)
         log.info("spark_source.initial_offsets", offsets=offsets_to_json(offsets))
+        self._initial = offsets
         return offsets_to_json(offsets)
 
     def getDefaultReadLimit(self) -> ReadLimit:

@@ -278,3 +278,24 @@ def test_available_now_keeps_a_queue_the_target_does_not_know_where_it_starts(
         start = r.latestOffset(start, limit)
         ends.append(spark_source._offsets(start).get(b))
     assert ends == [50, 50, 50]
+
+
+def test_a_start_is_resolved_once_even_when_a_queue_leaves_the_route_between_the_calls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spark asks ``initialOffset()`` again to run batch 0. broker-b left the route in between
+    (restarting): resolved again, the start lacked it, and batch 0 read it from its min,
+    below the start asked for."""
+    live = {A: (0, 1000), B: (0, 600)}
+
+    async def bounds(client: Any, opts: SourceOptions) -> dict[MessageQueue, tuple[int, int]]:
+        return dict(live)
+
+    monkeypatch.setattr(spark_source, "_bounds", bounds)
+    r = _stream(startingOffsets=json.dumps({"t": {"broker-a:0": 400, "broker-b:0": 500}}))
+    start0 = r.initialOffset()
+    end0 = r.latestOffset(start0, ReadAllAvailable())
+    del live[B]
+    assert r.initialOffset() == start0
+    plan = r.partitions(r.initialOffset(), end0)
+    assert sorted((p.broker_name, p.start, p.end) for p in plan) == [
+        ("broker-a", 400, 1000), ("broker-b", 500, 600)]
