@@ -269,8 +269,10 @@ def _read_partition(opts: SourceOptions, part: InputPartition) -> Iterator[pa.Re
                 rows += table.num_rows
                 yield from table.to_batches(max_chunksize=opts.chunk_rows)
         finally:
-            runner.run(chunks.aclose())
-            runner.run(client.close())
+            try:
+                runner.run(chunks.aclose())
+            finally:
+                runner.run(client.close())
     log.info("spark_source.partition_read", topic=mq.topic, queue=queue_key(mq),
              start=part.start, end=part.end, rows=rows, seconds=round(time.monotonic() - t0, 3),
              host=socket.gethostname(), pid=os.getpid())
