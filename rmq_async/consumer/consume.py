@@ -46,7 +46,7 @@ from rmq_async.consumer.results import (
 )
 from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY, PullRequest
 from rmq_async.consumer.subscriptions import reset_retry_topic
-from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.consumer.tasks import TaskOwner, being_cancelled
 from rmq_async.protocol.message import put_each
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 
@@ -191,7 +191,9 @@ class ConcurrentConsumeService:
             self._idle.clear()
             try:
                 await self._consume(req)
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and being_cancelled():
+                    raise
                 # A bug must not cost the consumer a worker. The chunk's messages are still
                 # cached (nothing was removed), so they are consumed again after a pause.
                 log.error("consume.chunk_failed", queue=str(req.mq), count=len(req.msgs),
@@ -260,11 +262,11 @@ class ConcurrentConsumeService:
                 if fast is not None:
                     try:
                         raw = await fast(m)
-                    except asyncio.CancelledError:
-                        raise
                     except DeadLetter as exc:
                         dead.append((m, exc.reason))
-                    except Exception as exc:
+                    except (Exception, asyncio.CancelledError) as exc:
+                        if isinstance(exc, asyncio.CancelledError) and being_cancelled():
+                            raise
                         if not isinstance(exc, RetryLater):
                             log.warning("consume.handler_raised", topic=topic, queue=str(mq),
                                         offsets=[m.queue_offset], msg_ids=[m.msg_id],
@@ -307,12 +309,12 @@ class ConcurrentConsumeService:
                     # delay level: a success acknowledges the whole call, a failure none.
                     try:
                         raw = await direct(batch)
-                    except asyncio.CancelledError:
-                        raise
                     except DeadLetter as exc:
                         dead.extend((m, exc.reason) for m in batch)
                         raw = success
-                    except Exception as exc:
+                    except (Exception, asyncio.CancelledError) as exc:
+                        if isinstance(exc, asyncio.CancelledError) and being_cancelled():
+                            raise
                         if not isinstance(exc, RetryLater):
                             log.warning("consume.handler_raised", topic=topic, queue=str(mq),
                                         offsets=[m.queue_offset for m in batch[:16]],
@@ -390,7 +392,11 @@ class ConcurrentConsumeService:
         interval = self._opts.consume_timeout
         while True:
             await asyncio.sleep(interval)
-            await self.clean_expired()
+            try:
+                await self.clean_expired()
+            except Exception as exc:  # a bug must not end consume-timeout handling for good
+                log.error("consume.expired_cleaner_failed",
+                          error=f"{type(exc).__name__}: {exc}", exc_info=exc)
 
     async def clean_expired(self) -> None:
         """Send back cached messages whose consumption started longer than consume_timeout ago.

@@ -38,6 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import structlog
 
+from rmq_async.consumer.tasks import being_cancelled
 from rmq_async.errors import InvalidTypeError
 from rmq_async.protocol.types import MessageQueue
 
@@ -61,12 +62,6 @@ class RebalanceListener(Protocol):
     def on_assigned(self, queues: frozenset[MessageQueue]) -> Any: ...
 
     def on_revoked(self, queues: frozenset[MessageQueue]) -> Any: ...
-
-
-def _cancelling() -> bool:
-    """Is the running task being cancelled (rather than a hook raising CancelledError)?"""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -133,7 +128,7 @@ class RebalanceHooks:
                 if not await self._within(deadline, group, which, hook, queues):
                     continue
             except asyncio.CancelledError as exc:
-                if _cancelling():
+                if being_cancelled():
                     raise
                 # The listener's own (it awaited a task it had cancelled, say): a failure of
                 # the listener like any other, not the end of the rebalance or of stop().
@@ -161,7 +156,7 @@ class RebalanceHooks:
             try:
                 await self._within(deadline, group, "shutdown", hook)
             except asyncio.CancelledError as exc:
-                if _cancelling():
+                if being_cancelled():
                     raise
                 log.error("consumer.shutdown_hook_failed", group=group, hook=_name(hook),
                           error="CancelledError raised by the hook", exc_info=exc)

@@ -35,6 +35,7 @@ from rmq_async.consumer.results import (
     RetryLater,
     normalize_result,
 )
+from rmq_async.consumer.tasks import being_cancelled
 from rmq_async.protocol.types import MessageExt, MessageQueue
 
 log = structlog.get_logger(__name__)
@@ -79,7 +80,7 @@ class Outcome:
     """Set when the call's messages go to the dead-letter queue (``DeadLetter``)."""
     acked: list[MessageExt] | None = None
     """Messages a middleware left out of the call (acknowledged whatever the result)."""
-    error: Exception | None = None
+    error: BaseException | None = None
     """The exception the handler (or a middleware) raised, other than ``RetryLater`` and
     ``DeadLetter``."""
     reached: bool = True
@@ -133,8 +134,6 @@ async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: Consum
     outcome: Outcome
     try:
         await chain(call)
-    except asyncio.CancelledError:
-        raise
     except DeadLetter as exc:
         outcome = Outcome(failed, dead_reason=exc.reason or "DeadLetter")
     except RetryLater as exc:
@@ -142,7 +141,11 @@ async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: Consum
         keep = exc.result is not ConsumeResult.RECONSUME_LATER if orderly \
             else exc.result is ConsumeResult.RECONSUME_LATER
         outcome = Outcome(exc.result if keep else failed)
-    except Exception as exc:
+    except (Exception, asyncio.CancelledError) as exc:
+        if isinstance(exc, asyncio.CancelledError) and being_cancelled():
+            raise
+        # A CancelledError of the handler's own (it awaited a task that was cancelled) is a
+        # failure like any other: raised on, it would end the worker and strand the queue.
         log.warning("consume.handler_raised", group=group, topic=topic, queue=str(queue),
                     handler=adapter.name, offsets=[m.queue_offset for m in msgs[:16]],
                     msg_ids=[m.msg_id for m in msgs[:8]], error=f"{type(exc).__name__}: {exc}")

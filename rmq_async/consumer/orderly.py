@@ -35,7 +35,7 @@ from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
 from rmq_async.consumer.subscriptions import Subscription, reset_retry_topic
-from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.consumer.tasks import TaskOwner, being_cancelled
 from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.message import put_each
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
@@ -129,7 +129,9 @@ class OrderlyConsumeService:
             self._idle.clear()
             try:
                 await self._run_turn(turn.mq, turn.pq)
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and being_cancelled():
+                    raise
                 # A bug must not cost the consumer a worker, nor the queue its turn (it would
                 # stay marked as consuming and never be scheduled again).
                 log.error("orderly.turn_failed", queue=str(turn.mq),

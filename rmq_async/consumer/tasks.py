@@ -21,6 +21,17 @@ RECANCEL_INTERVAL = 1.0
 ABANDON_AFTER = 60.0
 
 
+def being_cancelled() -> bool:
+    """Is the running task being cancelled, rather than user code raising ``CancelledError``
+    of its own (awaiting a task it cancelled, a library cancelling its futures)?
+
+    Code that calls user code re-raises a ``CancelledError`` only when this is true; any other
+    is a failure of that call like any exception.
+    """
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class TaskOwner:
     """Creates, keeps and ends a component's background tasks.
 

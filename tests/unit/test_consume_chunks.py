@@ -589,3 +589,59 @@ async def test_an_ack_index_that_is_not_an_int_is_read_not_fatal(
     ctx = ConsumeContext(MQ)
     ctx.ack_index = "one"  # type: ignore[assignment]
     assert ctx.acked_count(3, ConsumeResult.SUCCESS) == 0
+
+
+async def _cancelled_by_someone_else() -> None:
+    """What a handler sees when it awaits a task that other code cancelled."""
+    task = asyncio.ensure_future(asyncio.sleep(10))
+    await asyncio.sleep(0)
+    task.cancel()
+    await task
+
+
+@pytest.mark.parametrize("shape", ["one", "batch", "context"])
+async def test_a_handler_raising_cancelled_error_of_its_own_fails_its_call_only(
+        shape: str) -> None:
+    """A ``CancelledError`` that is not the consumer's cancellation (the handler awaited a task
+    that was cancelled) is a failure of that call: it ended the worker, and the chunk stayed
+    cached for good, holding the queue's offset (and, at the span limit, its pulls)."""
+    calls: list[int] = []
+
+    async def body(first: int) -> None:
+        calls.append(first)
+        if first == 1 and calls.count(1) == 1:
+            await _cancelled_by_someone_else()
+
+    async def one(msg: MessageExt) -> None:
+        await body(msg.queue_offset)
+
+    async def batch(msgs: list[MessageExt]) -> None:
+        await body(msgs[0].queue_offset)
+
+    async def context(msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeResult:
+        await body(msgs[0].queue_offset)
+        return ConsumeResult.SUCCESS
+
+    listener = {"one": one, "batch": batch, "context": context}[shape]
+    h = Harness(listener)
+    try:
+        h.start_chunk(4)
+        async with asyncio.timeout(5):
+            while h.updates != [4]:
+                await asyncio.sleep(0.005)
+        assert calls == [0, 1, 2, 3]
+        assert h.sent_back == [(1, 0)]  # the failed call's message goes back for a retry
+        assert h.pq.msg_count == 0
+        # Both workers are still there: two more chunks are consumed side by side.
+        for first in (4, 5):
+            more = [MessageExt("T", b"m", 0, first)]
+            h.pq.put_messages(more)
+            h.service.submit(more, h.pq, MQ)
+        async with asyncio.timeout(5):
+            while h.updates[-1] != 6:
+                await asyncio.sleep(0.005)
+        assert sum(":worker-" in t.get_name() and not t.done()
+                   for t in h.service._owner.tasks) == 2
+    finally:
+        await h.service.aclose()
+    assert sorted(calls) == [0, 1, 2, 3, 4, 5]

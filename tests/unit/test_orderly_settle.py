@@ -328,3 +328,29 @@ async def test_a_held_message_out_of_retries_is_not_handed_out_again_by_a_rollba
     assert calls == [0, 1, 1, 2, 0, 2]
     exhausted = [e for e in logs if e["event"] == "orderly.broadcast_retries_exhausted"]
     assert len(exhausted) == 1
+
+
+async def test_a_handler_raising_cancelled_error_of_its_own_suspends_the_queue_only() -> None:
+    """A ``CancelledError`` the handler raised itself (it awaited a task that was cancelled) is
+    a failure, retried in place: it ended the only worker with the queue marked as consuming,
+    and the queue was never consumed again."""
+    calls: list[int] = []
+
+    async def handler(msg: MessageExt) -> None:
+        calls.append(msg.queue_offset)
+        if msg.queue_offset == 1 and calls.count(1) == 1:
+            task = asyncio.ensure_future(asyncio.sleep(10))
+            await asyncio.sleep(0)
+            task.cancel()
+            await task
+
+    h = _Harness(handler)
+    h.service.start()
+    try:
+        h.put(range(0, 3))
+        await h.until(lambda: h.offsets.updates[-1:] == [3])
+        h.put(range(3, 5))
+        await h.until(lambda: h.offsets.updates[-1:] == [5])
+    finally:
+        await h.service.aclose()
+    assert calls == [0, 1, 1, 2, 3, 4]
