@@ -53,7 +53,7 @@ CONSUME_AFTER_LOCK_OK = 0.01     # ... then consume after 10 ms
 CONSUME_AFTER_LOCK_FAILED = 3.0  # ... or try again after 3 s
 YIELD_DELAY = 0.01               # after MAX_TIME_CONSUME_CONTINUOUSLY, resubmit after 10 ms
 NOT_LOCKED_PULL_DELAY = 3.0      # a queue not locked is not pulled; look again after 3 s
-UNLOCK_WAIT = 20.0               # longest wait for an in-flight batch before a forced unlock
+UNLOCK_WAIT = 20.0               # longest wait for an in-flight batch before giving a queue up
 
 
 @dataclass(slots=True)
@@ -444,25 +444,31 @@ class OrderlyConsumeService:
         self.submit_later(pq, mq, CONSUME_AFTER_LOCK_OK if ok else CONSUME_AFTER_LOCK_FAILED)
 
     async def release(self, mq: MessageQueue, pq: ProcessQueue) -> None:
-        """Give a queue up: wait for its in-flight batch, persist its offset, unlock it."""
+        """Give a queue up: wait for its in-flight batch, persist its offset, unlock it.
+
+        A batch still running after :data:`UNLOCK_WAIT` keeps the queue locked, at the broker
+        (where the lock expires after 60 s unrenewed, as Java's ``removeUnnecessaryMessageQueue``
+        leaves it) and here (the consume lock stays, so that
+        this client, taking the queue up again, waits for that batch): another consumer of the
+        queue beside the running batch would break the queue's order.
+        """
         rt = self._rt
         lock = self.consume_lock(mq)
         try:
             async with asyncio.timeout(UNLOCK_WAIT):
                 await lock.acquire()
         except TimeoutError:
-            log.warning("orderly.forced_unlock", queue=str(mq))
-            acquired = False
-        else:
-            acquired = True
+            log.warning("orderly.unlock_skipped_busy", queue=str(mq), waited=UNLOCK_WAIT)
+            await rt.offset_store.persist(mq)
+            pq.locked = False
+            return
         try:
             await rt.offset_store.persist(mq)
             if self.clustering:
                 await self.unlock(mq)
             pq.locked = False
         finally:
-            if acquired:
-                lock.release()
+            lock.release()
             self._consume_locks.pop(mq, None)
 
     async def pull_gate(self, req: PullRequest) -> float:

@@ -10,9 +10,11 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from structlog.testing import capture_logs
 
 from rmq_async import ConsumeContext, ConsumeResult, DeadLetter, PushConsumer
+from rmq_async.consumer import orderly as orderly_module
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.orderly import OrderlyConsumeService
 from rmq_async.consumer.process_queue import ProcessQueue
@@ -354,3 +356,50 @@ async def test_a_handler_raising_cancelled_error_of_its_own_suspends_the_queue_o
     finally:
         await h.service.aclose()
     assert calls == [0, 1, 1, 2, 3, 4]
+
+
+async def test_a_queue_given_up_while_its_batch_runs_is_not_unlocked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebalance gives a queue up while a batch of it is still running past UNLOCK_WAIT:
+    it was unlocked at the broker anyway (another client could consume the queue beside that
+    batch) and its consume lock dropped (this client, taking the queue again, consumed it
+    beside that batch). Java leaves the broker lock to expire."""
+    monkeypatch.setattr(orderly_module, "UNLOCK_WAIT", 0.2)
+    gate = asyncio.Event()
+    calls: list[int] = []
+
+    async def handler(msg: MessageExt) -> None:
+        calls.append(msg.queue_offset)
+        await gate.wait()
+
+    h = _Harness(handler)
+    unlocked: list[MessageQueue] = []
+
+    async def unlock(mq: MessageQueue) -> None:
+        unlocked.append(mq)
+
+    h.service.unlock = unlock  # type: ignore[method-assign]
+    h.offsets.persist = lambda mq: asyncio.sleep(0)  # type: ignore[attr-defined]
+    h.service.start()
+    try:
+        h.put(range(0, 1))
+        await h.until(lambda: calls == [0])
+        h.pq.dropped = True  # what the rebalancer does before it releases the queue
+        await h.service.release(MQ, h.pq)
+        assert unlocked == []
+        # Taken again by this client: its first turn waits for the batch still running.
+        again = ProcessQueue()
+        again.locked = True
+        again.last_lock_timestamp = time.monotonic() + 3600
+        h.rt.process_queues[MQ] = again
+        msgs = [MessageExt("T", b"m1", 0, 1)]
+        h.service.submit(msgs, again, MQ, again.put_messages(msgs))
+        await asyncio.sleep(0.3)
+        assert calls == [0]
+        gate.set()
+        await h.until(lambda: calls == [0, 1])
+        await h.service.release(MQ, again)
+        assert unlocked == [MQ]  # a queue whose batch ended is unlocked as before
+    finally:
+        gate.set()
+        await h.service.aclose()
