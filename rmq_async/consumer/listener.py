@@ -176,7 +176,7 @@ class ListenerAdapter:
     """
 
     __slots__ = ("batch", "context_param", "decode", "decode_off_loop", "fn", "is_async",
-                 "name", "plain", "wants_context")
+                 "limiter", "name", "plain", "wants_context")
 
     def __init__(self, fn: Listener, *, batch: bool | None = None,
                  model: type[Any] | None = None,
@@ -197,6 +197,11 @@ class ListenerAdapter:
         #: thread, as plain handlers do, never on the event loop. The built-in decoders of
         #: ``model=`` alone (JSON, msgpack, msgspec, pydantic) run where the handler is called.
         self.decode_off_loop = decoder is not None
+        #: The worker threads of plain handlers and decoders: the consumer's own (as many as
+        #: its ``consume_concurrency``, like Java's consume thread pool), so that handlers
+        #: never wait for, nor hold up, other users of anyio's shared default of 40 threads
+        #: (an offset file's write, a Spark write). ``None``: that default.
+        self.limiter: anyio.CapacityLimiter | None = None
 
     def _payload(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
         decode = self.decode
@@ -230,12 +235,14 @@ class ListenerAdapter:
         kwargs = {} if self.context_param is None else {self.context_param: ctx}
         if not self.is_async:
             # A plain handler: its payload is decoded in the same worker thread.
-            raw = await anyio.to_thread.run_sync(self._decode_and_call, msgs, ctx, kwargs)
+            raw = await anyio.to_thread.run_sync(self._decode_and_call, msgs, ctx, kwargs,
+                                                 limiter=self.limiter)
             if raw is _NOTHING_TO_CALL:
                 return None
         else:
             if self.decode_off_loop:
-                payload = await anyio.to_thread.run_sync(self._payload, msgs, ctx)
+                payload = await anyio.to_thread.run_sync(self._payload, msgs, ctx,
+                                                         limiter=self.limiter)
             else:
                 payload = self._payload(msgs, ctx)
             if self.batch and self.decode is not None and not payload:

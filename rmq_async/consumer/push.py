@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
+import anyio
 import structlog
 
 from rmq_async.client.errors import MQBrokerError, MQClientError, NoRouteError
@@ -108,6 +109,8 @@ class PushConsumer:
         self._owner: TaskOwner | None = None
         self._rt: ConsumerRuntime | None = None
         self._lag: LagMonitor | None = None
+        # Set by start(): the worker threads of the concurrent and the orderly handlers.
+        self._thread_limiters: tuple[anyio.CapacityLimiter, anyio.CapacityLimiter] | None = None
         # Set by start():
         self.instance: ClientInstance = None  # type: ignore[assignment]
         self.offset_store: OffsetStore = None  # type: ignore[assignment]
@@ -223,6 +226,7 @@ class PushConsumer:
                 user_fn=fn,
             ))
             if self._started:
+                self._give_threads()
                 self._subscription_changed()
 
         if sink is not None:
@@ -414,6 +418,9 @@ class PushConsumer:
                 await self.instance.close()
                 raise
             self.errors.owner = self._owner
+            self._thread_limiters = (anyio.CapacityLimiter(self.options.consume_concurrency),
+                                     anyio.CapacityLimiter(self.options.consume_concurrency))
+            self._give_threads()
             for service in self._services():
                 service.start()
             o = self.options
@@ -426,6 +433,16 @@ class PushConsumer:
             self._started = True
             log.info("consumer.started", group=self.group, client_id=self.client_id,
                      topics=list(self._subs), model=str(o.message_model))
+
+    def _give_threads(self) -> None:
+        """Each handler's worker threads: those of its consume service (concurrent, orderly),
+        as many as ``consume_concurrency`` each, as Java gives each its own thread pool."""
+        if self._thread_limiters is None:
+            return
+        concurrent, orderly = self._thread_limiters
+        for sub in self.subscriptions.topics.values():
+            if sub.listener is not None:
+                sub.listener.limiter = orderly if sub.orderly else concurrent
 
     def _services(self) -> tuple[SinkConsumeService, ConcurrentConsumeService,
                                  OrderlyConsumeService]:

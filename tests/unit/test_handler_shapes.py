@@ -562,3 +562,50 @@ async def test_a_blocking_decoder_runs_off_the_event_loop(kind: str) -> None:
     assert decoded_on and loop_thread not in decoded_on
     # On the loop, the ticker would stall the decoder's 0.6 s.
     assert max(gaps) < 0.45, f"the event loop stalled {max(gaps):.2f} s"
+
+
+async def test_plain_handlers_run_on_the_consumers_own_threads() -> None:
+    """Plain handlers took their threads from anyio's process-wide default of 40: forty slow
+    ones held up every other ``to_thread`` user (an offset file's write, a Spark write), and
+    a ``consume_concurrency`` above 40 was not reached. Each consume service has threads of
+    its own now, as many as ``consume_concurrency``."""
+    import asyncio
+    import threading
+
+    import anyio
+
+    from rmq_async import ConsumeResult, MessageExt, MessageQueue, PushConsumer
+    from rmq_async.consumer.results import ConsumeContext
+
+    consumer = PushConsumer("G_threads", namesrv="127.0.0.1:9876", consume_concurrency=3)
+    release = threading.Event()
+    inside: list[int] = []
+
+    def slow(msg: MessageExt) -> ConsumeResult:
+        inside.append(msg.queue_offset)
+        release.wait(10)
+        return ConsumeResult.SUCCESS
+
+    consumer.subscribe("T", listener=slow)
+    consumer.subscribe("O", listener=lambda m: None, orderly=True)
+    consumer._thread_limiters = (anyio.CapacityLimiter(3), anyio.CapacityLimiter(3))
+    consumer._give_threads()
+    concurrent, orderly = consumer._thread_limiters
+    adapter = consumer.subscriptions.topics["T"].listener
+    assert adapter is not None and adapter.limiter is concurrent
+    assert consumer.subscriptions.topics["O"].listener.limiter is orderly  # type: ignore[union-attr]
+
+    shared = anyio.to_thread.current_default_thread_limiter()
+    calls = [asyncio.ensure_future(adapter.invoke(
+        [MessageExt("T", b"x", 0, i)], ConsumeContext(MessageQueue("T", "b", 0))))
+        for i in range(4)]
+    try:
+        async with asyncio.timeout(5):
+            while len(inside) < 3:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert len(inside) == 3  # the fourth waits for one of the consumer's three threads
+        assert concurrent.borrowed_tokens == 3 and shared.borrowed_tokens == 0
+    finally:
+        release.set()
+    assert await asyncio.gather(*calls) == [ConsumeResult.SUCCESS] * 4
