@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -204,10 +205,15 @@ class OrderlyConsumeService:
         # Messages of earlier turns taken and left uncommitted (SUCCESS without auto-commit)
         # wait for the handler's COMMIT: nothing the handler did not answer itself commits them.
         holding = pq.consuming_count > len(msgs)
-        for adapter, part in _plan_calls(sub, msgs):
+        if mq.topic == rt.retry_topic:
+            # The retry queue holds messages of every subscribed topic: each to its own.
+            plan = _plan_by_topic(rt.subscriptions.topics, msgs)
+        else:
+            plan = [(sub, adapter, part) for adapter, part in _plan_calls(sub, msgs)]
+        for call_sub, adapter, part in plan:
             handed += len(part)
             if adapter is None:
-                if sub is not None and sub.by_tag:
+                if call_sub is not None and call_sub.by_tag:
                     log.info("orderly.no_handler_for_tag", queue=str(mq), tag=part[0].tags)
                     ok += len(part)
                     if not holding:
@@ -217,8 +223,8 @@ class OrderlyConsumeService:
                 break
             ctx = ConsumeContext(message_queue=mq)
             began = time.monotonic()
-            outcome = await run_call(adapter, part, ctx, group=rt.group, topic=topic, queue=mq,
-                                     orderly=True, middlewares=middlewares)
+            outcome = await run_call(adapter, part, ctx, group=rt.group, topic=part[0].topic,
+                                     queue=mq, orderly=True, middlewares=middlewares)
             elapsed += time.monotonic() - began
             calls += 1
             dead = list(ctx.dead_letters)
@@ -507,6 +513,20 @@ def _plan_calls(sub: Subscription | None, msgs: list[MessageExt],
         else:
             calls.append((adapter, [m]))
     return calls
+
+
+def _plan_by_topic(subs: Mapping[str, Subscription], msgs: list[MessageExt],
+                   ) -> list[tuple[Subscription | None, ListenerAdapter | None,
+                                   list[MessageExt]]]:
+    """:func:`_plan_calls` for each run of one topic of a retry-queue batch, in offset order."""
+    out: list[tuple[Subscription | None, ListenerAdapter | None, list[MessageExt]]] = []
+    start = 0
+    for i in range(1, len(msgs) + 1):
+        if i == len(msgs) or msgs[i].topic != msgs[start].topic:
+            sub = subs.get(msgs[start].topic)
+            out.extend((sub, adapter, part) for adapter, part in _plan_calls(sub, msgs[start:i]))
+            start = i
+    return out
 
 
 def _dropped(pq: ProcessQueue) -> bool:

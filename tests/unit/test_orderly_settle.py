@@ -19,7 +19,7 @@ from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.orderly import OrderlyConsumeService
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.stats import ConsumerStats
-from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, MessageExt, MessageQueue
 
 MQ = MessageQueue("T", "broker-a", 0)
 
@@ -403,3 +403,33 @@ async def test_a_queue_given_up_while_its_batch_runs_is_not_unlocked(
     finally:
         gate.set()
         await h.service.aclose()
+
+
+async def test_a_retry_queue_batch_goes_to_each_topics_own_handler() -> None:
+    """A consumer whose subscriptions are all orderly consumes its retry queue in order too;
+    a batch of it can hold messages of several topics, and each went to the first one's
+    handler (with ``model=``, a wrong model's decode failure dead-lettered it)."""
+    got: dict[str, list[int]] = {"T": [], "U": []}
+
+    def on_t(msgs: list[MessageExt]) -> None:
+        got["T"].extend(m.queue_offset for m in msgs)
+
+    def on_u(msgs: list[MessageExt]) -> None:
+        got["U"].extend(m.queue_offset for m in msgs)
+
+    h = _Harness(on_t, batch=True, batch_size=8)
+    consumer_subs = h.rt.subscriptions
+    other = PushConsumer("G_settle", namesrv="127.0.0.1:9876")
+    other.subscribe("U", listener=on_u, orderly=True, batch=True)
+    consumer_subs.add(other.subscriptions.topics["U"])
+    retry = MessageQueue(h.rt.retry_topic, "broker-a", 0)
+    h.rt.process_queues[retry] = h.pq
+    msgs = [MessageExt(h.rt.retry_topic, b"m", 0, i,
+                       properties={PROPERTY_RETRY_TOPIC: "TUUT"[i]}) for i in range(4)]
+    h.service.start()
+    try:
+        h.service.submit(msgs, h.pq, retry, h.pq.put_messages(msgs))
+        await h.until(lambda: h.offsets.updates[-1:] == [4])
+    finally:
+        await h.service.aclose()
+    assert got == {"T": [0, 3], "U": [1, 2]}
