@@ -41,17 +41,31 @@ __all__ = ["as_app", "load_target", "run_supervisor", "run_worker"]
 log = structlog.get_logger("rmq_async.cli")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: What a supervisor sends its workers to stop them: a signal of its own, so that a worker
+#: that gets a stop signal itself as well (systemd's ``KillMode=control-group`` sends SIGTERM
+#: to every process of the unit) takes the two for one request, not for a second, forcing one.
+SUPERVISOR_STOP = signal.SIGUSR1
+WORKER_SIGNALS = (*STOP_SIGNALS, SUPERVISOR_STOP)
 #: A worker's exit status for a usage error (its target could not be loaded), passed on.
 USAGE_STATUS = 2
 
 
-def _worker_preexec() -> Callable[[], None] | None:
-    """SIGTERM for a worker whose supervisor died (Linux; elsewhere nothing)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    from rmq_async.devbroker.procs import pdeathsig_preexec
+def _worker_preexec() -> Callable[[], None]:
+    """A worker's stop signals wait (blocked, pending) until its handlers are in place: one
+    sent while it starts is a stop request, not its death. SIGTERM for a worker whose
+    supervisor died (Linux)."""
+    pdeath: Callable[[], None] | None = None
+    if sys.platform.startswith("linux"):
+        from rmq_async.devbroker.procs import pdeathsig_preexec
 
-    return pdeathsig_preexec(os.getpid(), signal.SIGTERM)
+        pdeath = pdeathsig_preexec(os.getpid(), signal.SIGTERM)
+
+    def preexec() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_SIGNALS)
+        if pdeath is not None:
+            pdeath()
+
+    return preexec
 #: Seconds the supervisor gives its workers beyond ``--grace`` (their own drain is bounded by
 #: it) before it kills them.
 OVERRUN_MARGIN = 5.0
@@ -124,25 +138,39 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
     """Run the target in this process until a stop signal; the exit status."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    received: list[int] = []
+    sources: list[str] = []  # of each stop request: "supervisor" or "outside"
+    forced = False
     drain: asyncio.Task[None] | None = None
     this = asyncio.current_task()
 
     def on_signal(signum: int) -> None:
-        received.append(signum)
-        if len(received) == 1:
-            log.info("cli.stop_requested", signal=signal.Signals(signum).name, grace=grace)
+        nonlocal forced
+        name = signal.Signals(signum).name
+        source = "supervisor" if signum == SUPERVISOR_STOP else "outside"
+        if not sources:
+            sources.append(source)
+            log.info("cli.stop_requested", signal=name, grace=grace)
             stop.set()
-        elif drain is not None and not drain.done():
-            log.warning("cli.forced_exit", signal=signal.Signals(signum).name)
+            return
+        if source not in sources:
+            # The same stop, heard from the other side too (the supervisor forwards what
+            # reached the whole process group): not a second request.
+            sources.append(source)
+            return
+        if drain is not None and not drain.done():
+            forced = True
+            log.warning("cli.forced_exit", signal=name)
             drain.cancel()
         elif drain is None and this is not None:
             # Still starting (loading the target, app.start()): give that up at once.
-            log.warning("cli.forced_exit", signal=signal.Signals(signum).name)
+            forced = True
+            log.warning("cli.forced_exit", signal=name)
             this.cancel()
 
-    for sig in STOP_SIGNALS:
+    for sig in WORKER_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
+    # A supervisor's worker starts with them blocked: what came meanwhile is handled now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_SIGNALS)
     metrics: Any = None
     try:
         try:
@@ -155,7 +183,7 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
                 log.error("cli.start_failed", target=spec, error=repr(exc))
                 return 1
         except asyncio.CancelledError:
-            if len(received) < 2:  # not the second signal: this task itself was cancelled
+            if not forced:  # not the second signal: this task itself was cancelled
                 raise
             return 1
         log.info("cli.running", target=spec, pid=os.getpid(),
@@ -169,13 +197,13 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
             log.error("cli.drain_timeout", grace=grace)
             return 1
         except asyncio.CancelledError:
-            if len(received) < 2:  # this task itself was cancelled
+            if not forced:  # this task itself was cancelled
                 raise
             return 1  # a second signal cancelled the drain
         log.info("cli.stopped", took=round(time.monotonic() - t0, 3))
         return 0
     finally:
-        for sig in STOP_SIGNALS:
+        for sig in WORKER_SIGNALS:
             loop.remove_signal_handler(sig)
         if metrics is not None:
             await anyio.to_thread.run_sync(metrics.close)
@@ -200,7 +228,7 @@ async def run_supervisor(spec: str, workers: int, grace: float,
         for p in procs:
             if p.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signum)
+                    p.send_signal(SUPERVISOR_STOP)
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, forward, sig)
@@ -212,7 +240,8 @@ async def run_supervisor(spec: str, workers: int, grace: float,
             env = {**os.environ, WORKER_ENV: str(i)}
             port_args = [] if metrics_port is None else ["--metrics-port", str(metrics_port + i)]
             # Own sessions: a terminal's Ctrl-C reaches only the supervisor, which forwards it
-            # once (a second copy would force the workers out of their drain). Should the
+            # once, as SUPERVISOR_STOP (a worker that also gets the stop signal itself, as
+            # under systemd, takes the two for one request). Should the
             # supervisor die without forwarding (SIGKILL), Linux sends each worker SIGTERM:
             # it drains and ends instead of consuming on unsupervised.
             proc = await asyncio.create_subprocess_exec(
@@ -223,7 +252,7 @@ async def run_supervisor(spec: str, workers: int, grace: float,
             procs.append(proc)
             if stopping:  # the signal came while this one was being started
                 with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(stopping[0])
+                    proc.send_signal(SUPERVISOR_STOP)
         log.info("cli.workers_started", pids=[p.pid for p in procs])
         waits = {asyncio.create_task(p.wait(), name=f"worker-{i}"): i
                  for i, p in enumerate(procs)}

@@ -11,6 +11,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import structlog
@@ -258,3 +259,80 @@ async def test_a_second_signal_while_the_target_starts_exits_1_at_once(
         rc = await run_worker("cli_slow_start_mod:make", grace=5.0)
     assert rc == 1
     assert time.monotonic() - started < 3
+
+
+_DRAINING_APP = '''
+import asyncio, os, pathlib
+from rmq_async.app import App
+
+class Draining(App):
+    """Starts at once (or after START_DELAY s), and its drain takes a moment."""
+
+    @property
+    def consumers(self):
+        return []
+
+    async def start(self):
+        await asyncio.sleep(float(os.environ.get("START_DELAY", "0")))
+        pathlib.Path(os.environ["MARKS"], f"started-{os.getpid()}").touch()
+
+    async def stop(self, timeout=30.0):
+        await asyncio.sleep(0.5)
+        pathlib.Path(os.environ["MARKS"], f"drained-{os.getpid()}").touch()
+
+app = Draining()
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups as on Linux")
+@pytest.mark.parametrize("when", ["running", "starting"])
+async def test_workers_drain_when_every_process_gets_the_stop_signal(
+        when: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """systemd (``KillMode=control-group``) sends SIGTERM to the supervisor and its workers at
+    once: each worker took the supervisor's forwarded copy for a second signal and left its
+    drain (exit 1). And a SIGTERM while the workers were still starting killed them (their
+    handlers were not in place yet)."""
+    import asyncio
+    import signal
+    import time
+
+    from rmq_async.cli import run as run_module
+
+    (tmp_path / "draining_app_mod.py").write_text(_DRAINING_APP)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("MARKS", str(marks))
+    monkeypatch.setenv("START_DELAY", "0" if when == "running" else "1.5")
+    pids: list[int] = []
+    real_exec = asyncio.create_subprocess_exec
+
+    async def recorded(*args: Any, **kw: Any) -> asyncio.subprocess.Process:
+        proc = await real_exec(*args, **kw)
+        pids.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(run_module.asyncio, "create_subprocess_exec", recorded)
+
+    async def everyone_stops() -> None:
+        if when == "running":
+            async with asyncio.timeout(30):
+                while len(list(marks.glob("started-*"))) < 2:
+                    await asyncio.sleep(0.05)
+        else:
+            async with asyncio.timeout(30):
+                while len(pids) < 2:
+                    await asyncio.sleep(0.01)
+        for pid in (os.getpid(), *pids):
+            os.kill(pid, signal.SIGTERM)
+
+    killer = asyncio.ensure_future(everyone_stops())
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(60):
+            rc = await run_module.run_supervisor("draining_app_mod:app", 2, 10.0, [])
+    finally:
+        killer.cancel()
+    assert rc == 0
+    assert len(list(marks.glob("drained-*"))) == 2
+    assert time.monotonic() - started < 30
