@@ -30,7 +30,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from collections.abc import Sequence
+from typing import NoReturn
+
+import structlog
 
 from rmq_async.cli.common import (
     LOG_FORMATS,
@@ -42,7 +46,7 @@ from rmq_async.cli.common import (
 )
 from rmq_async.errors import RocketMQError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "console", "main"]
 
 
 def _positive(text: str) -> float:
@@ -140,6 +144,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rmq-async: {type(exc).__name__}: {exc}", file=sys.stderr)
         return FAILED
     raise AssertionError(f"unhandled command {args.command!r}")  # pragma: no cover
+
+
+#: How long the command waits, once done, for worker threads still running before it ends.
+THREADS_GRACE = 0.5
+
+
+def console() -> NoReturn:
+    """The ``rmq-async`` command: :func:`main`, then exit with its status.
+
+    A plain handler still running in its worker thread when ``run`` has drained (past its
+    grace period: its message was not acknowledged and comes again) would keep the process
+    alive until it returns, a second signal notwithstanding; the process ends at once instead,
+    with status 1, and says which threads it left.
+    """
+    import os
+    import threading
+
+    status = main()
+    deadline = time.monotonic() + THREADS_GRACE
+    left = []
+    for t in threading.enumerate():
+        if t is threading.main_thread() or t.daemon:
+            continue
+        t.join(max(deadline - time.monotonic(), 0.0))
+        if t.is_alive():
+            left.append(t.name)
+    if left:
+        structlog.get_logger("rmq_async.cli").error("cli.threads_left", threads=left)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status or FAILED)
+    sys.exit(status)
 
 
 def _broker(argv: Sequence[str], fmt: str, level: str) -> int:

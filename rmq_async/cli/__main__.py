@@ -1,5 +1,5 @@
 """``python -m rmq_async.cli``: the ``rmq-async`` command."""
 
-from rmq_async.cli import main
+from rmq_async.cli import console
 
-raise SystemExit(main())
+console()

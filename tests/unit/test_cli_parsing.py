@@ -336,3 +336,60 @@ async def test_workers_drain_when_every_process_gets_the_stop_signal(
     assert rc == 0
     assert len(list(marks.glob("drained-*"))) == 2
     assert time.monotonic() - started < 30
+
+
+_STUCK_HANDLER_APP = '''
+import asyncio, os, pathlib, threading, time
+import anyio
+from rmq_async.app import App
+
+class StuckHandler(App):
+    """A plain handler stuck in its worker thread: stop() gives up on it (cancelling the
+    task that awaits it), the thread runs on."""
+
+    @property
+    def consumers(self):
+        return []
+
+    async def start(self):
+        running = threading.Event()
+
+        def handler():
+            running.set()
+            time.sleep(60)
+
+        self.call = asyncio.ensure_future(anyio.to_thread.run_sync(handler))
+        while not running.is_set():
+            await asyncio.sleep(0.01)
+        pathlib.Path(os.environ["MARKS"], "started").touch()
+
+    async def stop(self, timeout=30.0):
+        self.call.cancel()
+        await asyncio.wait({self.call})
+
+app = StuckHandler()
+'''
+
+
+def test_a_handler_thread_left_running_ends_the_process_with_status_1(tmp_path: Path) -> None:
+    """``run`` drained (its stop gave up on a plain handler still running), but the process
+    waited for the handler's thread, whatever the signals, and then exited 0."""
+    import signal
+    import time
+
+    (tmp_path / "stuck_app_mod.py").write_text(_STUCK_HANDLER_APP)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "MARKS": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "rmq_async.cli", "run", "stuck_app_mod:app",
+                             "--grace", "2"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "started").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "cli.threads_left" in err
