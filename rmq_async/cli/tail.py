@@ -124,9 +124,13 @@ async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: boo
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        output.close()
+        await output.aclose()
     log.info("tail.stopped", topic=topic, printed=printed)
     return 0
+
+
+#: How long tail's last lines may take to reach a reader that reads on, once it stops.
+CLOSE_FLUSH_SECONDS = 5.0
 
 
 class _PipeProtocol(asyncio.Protocol):
@@ -136,6 +140,7 @@ class _PipeProtocol(asyncio.Protocol):
         self.writable = asyncio.Event()
         self.writable.set()
         self.lost = False
+        self.gone = asyncio.Event()  # set with ``lost``
         self.on_lost: Callable[[], None] | None = None
 
     def pause_writing(self) -> None:
@@ -149,6 +154,7 @@ class _PipeProtocol(asyncio.Protocol):
         # for that): tail then ends at once, not at the next message's write.
         self.lost = True
         self.writable.set()
+        self.gone.set()
         if self.on_lost is not None:
             self.on_lost()
 
@@ -207,12 +213,20 @@ class _Output:
         await self._protocol.writable.wait()
         return not self._protocol.lost
 
-    def close(self) -> None:
-        if self._transport is not None and self._protocol is not None:
-            if self._protocol.writable.is_set():
-                self._transport.close()  # after what is buffered
-            else:
-                self._transport.abort()  # its reader stopped reading: drop the rest
+    async def aclose(self) -> None:
+        """Close a pipe after what is buffered (up to :data:`CLOSE_FLUSH_SECONDS` of a reader
+        that reads on); a reader that stopped reading gets the rest dropped."""
+        transport, protocol = self._transport, self._protocol
+        if transport is None or protocol is None:
+            return
+        if not protocol.writable.is_set():
+            transport.abort()  # its reader stopped reading: drop the rest
+            return
+        transport.close()
+        try:
+            await asyncio.wait_for(protocol.gone.wait(), CLOSE_FLUSH_SECONDS)
+        except TimeoutError:
+            transport.abort()
 
 
 async def _wait_ready(consumer: PushConsumer, topic: str, limit: float = 10.0) -> None:
