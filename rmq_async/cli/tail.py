@@ -25,9 +25,9 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
-from typing import TextIO
+from typing import Any, TextIO
 
 import structlog
 
@@ -116,11 +116,16 @@ async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: boo
                 consumer.subscribe(topic, tags=tags, listener=show)
             except (InvalidArgumentError, InvalidTypeError) as exc:
                 raise CliError(str(exc)) from exc  # before any network I/O: a usage error
-            async with consumer:
-                await _wait_ready(consumer, topic)
-                log.info("tail.ready", topic=topic, queues=len(consumer.process_queues))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), seconds)
+            # A signal while it starts (a name server that does not answer, say) ends it too.
+            if await _unless(done, consumer.start()):
+                try:
+                    if await _unless(done, _wait_ready(consumer, topic)):
+                        log.info("tail.ready", topic=topic, queues=len(consumer.process_queues))
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(done.wait(), seconds)
+                finally:
+                    # A line in flight to a reader that stopped reading is not waited for.
+                    await consumer.stop(STOP_SECONDS)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -129,6 +134,8 @@ async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: boo
     return 0
 
 
+#: How long tail's consumer may take to stop (its listener prints; nothing else to wait for).
+STOP_SECONDS = 2.0
 #: How long tail's last lines may take to reach a reader that reads on, once it stops.
 CLOSE_FLUSH_SECONDS = 5.0
 
@@ -227,6 +234,25 @@ class _Output:
             await asyncio.wait_for(protocol.gone.wait(), CLOSE_FLUSH_SECONDS)
         except TimeoutError:
             transport.abort()
+
+
+async def _unless(done: asyncio.Event, work: Coroutine[Any, Any, Any]) -> bool:
+    """Run ``work`` until it ends, or until ``done`` is set first (it is then cancelled):
+    whether it ended. Its exceptions propagate."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(done.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False
+    task.result()
+    return True
 
 
 async def _wait_ready(consumer: PushConsumer, topic: str, limit: float = 10.0) -> None:

@@ -87,11 +87,10 @@ class FakeTailConsumer:
             offset += 1
             await asyncio.sleep(0.01)
 
-    async def __aenter__(self) -> FakeTailConsumer:
+    async def start(self) -> None:
         self.task = asyncio.create_task(self._deliver())
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def stop(self, timeout: float = 30.0) -> None:
         self.task.cancel()
 
 
@@ -119,6 +118,25 @@ async def test_tail_stops_with_status_0_when_its_reader_goes_away(
     # The message that met the closed pipe is not a failed message (no redelivery, no log
     # line per message); nothing is printed after it.
     assert consumer.outcomes and set(consumer.outcomes) == {ConsumeResult.SUCCESS}
+
+
+async def test_a_signal_while_tail_starts_ends_it_with_status_0() -> None:
+    """Ctrl-C while the name server does not answer: tail went on starting until the request
+    timed out (3 s), then failed (status 1)."""
+    import signal
+    import time
+
+    from tests.fake_broker import silent_listener
+
+    async with silent_listener() as (addr, _):
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.5, os.kill, os.getpid(), signal.SIGINT)
+        began = time.monotonic()
+        async with asyncio.timeout(10):
+            rc = await tail_module.tail(addr, "T", out=io.StringIO())
+        took = time.monotonic() - began
+    assert rc == 0
+    assert took < 2.5, took
 
 
 async def test_tail_points_a_closed_stream_at_devnull(
