@@ -34,7 +34,7 @@ import structlog
 
 from rmq_async.consumer.dead_letter import send_to_dlq
 from rmq_async.consumer.listener import Listener, ListenerAdapter
-from rmq_async.consumer.middleware import Outcome, run_call
+from rmq_async.consumer.middleware import Outcome, once_each, run_call
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import (
@@ -355,8 +355,9 @@ class ConcurrentConsumeService:
             rt.stats.record_consume(topic, 0, 0, elapsed, calls=calls)
             log.debug("consume.result_for_dropped_queue", queue=str(req.mq), count=len(handled))
             return
-        rt.stats.record_consume(topic, len(handled) - n_failed - req.skipped, n_failed, elapsed,
-                                calls=calls)
+        # (Never below zero: a middleware's copies dead-lettered beside their originals.)
+        ok = max(len(handled) - n_failed - req.skipped, 0)
+        rt.stats.record_consume(topic, ok, n_failed, elapsed, calls=calls)
         to_remove = handled
         if failed or dead:
             if self._opts.message_model == MessageModel.BROADCASTING:
@@ -478,9 +479,10 @@ def _apply_outcome(outcome: Outcome, batch: list[MessageExt], ctx: ConsumeContex
         skipped = {id(m) for m in outcome.acked}
         rest = [m for m in rest if id(m) not in skipped]
     if ctx.dead_letters:
-        dead.extend(ctx.dead_letters)
-        poison = {id(m) for m, _ in ctx.dead_letters}
-        rest = [m for m in rest if id(m) not in poison]
+        poison = once_each(ctx.dead_letters)
+        dead.extend(poison)
+        gone = {id(m) for m, _ in poison}
+        rest = [m for m in rest if id(m) not in gone]
     if outcome.dead_reason is not None:
         dead.extend((m, outcome.dead_reason) for m in rest)
         return

@@ -112,6 +112,15 @@ def _link(mw: Middleware, nxt: CallNext) -> CallNext:
     return step
 
 
+def once_each(dead_letters: Sequence[tuple[MessageExt, str]]) -> list[tuple[MessageExt, str]]:
+    """``ctx.dead_letters`` with each message once, under the first reason given (a handler
+    may list one twice: it would be dead-lettered, and counted, as often)."""
+    seen: dict[int, tuple[MessageExt, str]] = {}
+    for entry in dead_letters:
+        seen.setdefault(id(entry[0]), entry)
+    return list(seen.values())
+
+
 async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: ConsumeContext, *,
                    group: str, topic: str, queue: MessageQueue, orderly: bool,
                    middlewares: Sequence[Middleware]) -> Outcome:

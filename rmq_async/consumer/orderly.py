@@ -31,7 +31,7 @@ import structlog
 from rmq_async.client.errors import MQClientError
 from rmq_async.consumer.dead_letter import send_to_dlq
 from rmq_async.consumer.listener import ListenerAdapter
-from rmq_async.consumer.middleware import run_call
+from rmq_async.consumer.middleware import once_each, run_call
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
@@ -227,7 +227,7 @@ class OrderlyConsumeService:
                                      queue=mq, orderly=True, middlewares=middlewares)
             elapsed += time.monotonic() - began
             calls += 1
-            dead = list(ctx.dead_letters)
+            dead = once_each(ctx.dead_letters)
             result = outcome.result
             if outcome.dead_reason is not None:
                 poison = {id(m) for m, _ in dead}
@@ -256,7 +256,7 @@ class OrderlyConsumeService:
                     stop = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
                     failing = [m for m in part if id(m) not in gone]
                     break
-            ok += len(part) - len(dead)
+            ok += max(len(part) - len(dead), 0)
             failed += len(dead)
             last = part[-1].queue_offset
             seen = len(part) - len(outcome.acked or ())  # what the middlewares passed on

@@ -645,3 +645,30 @@ async def test_a_handler_raising_cancelled_error_of_its_own_fails_its_call_only(
     finally:
         await h.service.aclose()
     assert sorted(calls) == [0, 1, 2, 3, 4, 5]
+
+
+async def test_a_message_listed_twice_in_dead_letters_goes_once_and_counts_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler that put one message in ``ctx.dead_letters`` three times: three copies went
+    to the dead-letter queue and the consumed count went down by two (a Prometheus counter
+    going backwards)."""
+    from rmq_async.consumer import consume as consume_module
+
+    dead: list[tuple[int, str]] = []
+
+    async def to_dlq(rt: Any, msg: MessageExt, reason: str) -> bool:
+        dead.append((msg.queue_offset, reason))
+        return True
+
+    monkeypatch.setattr(consume_module, "send_to_dlq", to_dlq)
+
+    async def listener(msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeResult:
+        poison = msgs[1]
+        ctx.dead_letters.extend([(poison, "bad"), (poison, "still bad"), (poison, "bad")])
+        return ConsumeResult.SUCCESS
+
+    h = Harness(listener, consume_message_batch_max_size=5)
+    await h.run_chunk(5)
+    assert dead == [(1, "bad")] and h.sent_back == []
+    totals = h.stats.totals["T"]
+    assert (totals.consumed, totals.failed) == (4, 1)
