@@ -205,6 +205,8 @@ def test_a_worker_whose_supervisor_is_killed_gets_sigterm(tmp_path: Path) -> Non
               f"    pathlib.Path({str(mark)!r}).write_text('yes')\n"
               "    sys.exit(0)\n"
               "signal.signal(signal.SIGTERM, stop)\n"
+              # as run_worker does once its handlers are in place (they start blocked)
+              "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})\n"
               "print('ready', flush=True)\n"
               "time.sleep(60)\n")
     supervisor = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
