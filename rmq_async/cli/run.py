@@ -35,6 +35,7 @@ import structlog
 from rmq_async.app import App
 from rmq_async.cli.common import CliError, CommandFailed
 from rmq_async.consumer.push import PushConsumer
+from rmq_async.errors import RocketMQError
 
 __all__ = ["as_app", "load_target", "run_supervisor", "run_worker"]
 
@@ -83,8 +84,11 @@ def load_target(spec: str) -> object:
         sys.path.insert(0, cwd)
     try:
         obj: object = importlib.import_module(module_name)
-    except ImportError as exc:
+    except (ImportError, TypeError, ValueError) as exc:  # TypeError: a relative name (".m")
         raise CliError(f"cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # the module's own code failed (a SyntaxError among them)
+        raise CommandFailed(f"importing {module_name!r} failed: "
+                            f"{type(exc).__name__}: {exc}") from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -97,9 +101,15 @@ async def as_app(target: object) -> App:
     """The :class:`App` a target stands for (calling a factory first)."""
     obj = target
     if callable(obj) and not isinstance(obj, PushConsumer | App):
-        obj = obj()
-        if inspect.isawaitable(obj):
-            obj = await obj
+        try:
+            obj = obj()
+            if inspect.isawaitable(obj):
+                obj = await obj
+        except RocketMQError:
+            raise
+        except Exception as exc:
+            raise CommandFailed(f"the target's factory {_qualname(target)} failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
     if isinstance(obj, App):
         return obj
     if isinstance(obj, PushConsumer):
@@ -108,6 +118,10 @@ async def as_app(target: object) -> App:
         return App(*obj)
     raise CliError(f"the target is a {type(obj).__name__}; expected a PushConsumer, an App, a "
                    "list of PushConsumers or a callable returning one of those")
+
+
+def _qualname(fn: object) -> str:
+    return str(getattr(fn, "__qualname__", None) or repr(fn))
 
 
 def listener_timeout(grace: float) -> float:

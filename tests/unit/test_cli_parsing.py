@@ -77,6 +77,27 @@ def test_bad_targets_are_usage_errors(target_module: ModuleType) -> None:
         load_target("no_such_module_xyz:consumer")
     with pytest.raises(CliError, match="has no attribute 'missing'"):
         load_target("cli_target_mod:missing")
+    with pytest.raises(CliError, match="cannot import '.foo'"):  # was a TypeError traceback
+        load_target(".foo:consumer")
+
+
+async def test_a_target_that_fails_is_a_failed_command_not_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from rmq_async.cli.common import CommandFailed
+
+    (tmp_path / "cli_broken_mod.py").write_text("raise RuntimeError('no configuration')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(CommandFailed, match="importing 'cli_broken_mod' failed: RuntimeError"):
+        load_target("cli_broken_mod:consumer")
+    mod = ModuleType("cli_failing_factory_mod")
+
+    def make() -> PushConsumer:
+        raise ValueError("no such environment")
+
+    mod.make = make  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cli_failing_factory_mod", mod)
+    with pytest.raises(CommandFailed, match="make failed: ValueError: no such environment"):
+        await as_app(load_target("cli_failing_factory_mod:make"))
 
 
 def test_app_rejects_what_it_cannot_run() -> None:
