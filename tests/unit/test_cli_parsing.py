@@ -77,7 +77,7 @@ def test_bad_targets_are_usage_errors(target_module: ModuleType) -> None:
         load_target("no_such_module_xyz:consumer")
     with pytest.raises(CliError, match="has no attribute 'missing'"):
         load_target("cli_target_mod:missing")
-    with pytest.raises(CliError, match="cannot import '.foo'"):  # was a TypeError traceback
+    with pytest.raises(CliError, match=r"cannot import '\.foo'"):  # was a TypeError traceback
         load_target(".foo:consumer")
 
 
