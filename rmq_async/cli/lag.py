@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from rmq_async.cli.common import CliError, CommandFailed
 from rmq_async.client.errors import MQBrokerError, NoRouteError
 from rmq_async.client.instance import ClientInstance
-from rmq_async.consumer.options import default_client_ip
+from rmq_async.consumer.options import check_group_name, check_topic_name, default_client_ip
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
 from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.bodies import TopicRouteData
@@ -68,6 +68,9 @@ async def group_lag(namesrv: str, group: str, topic: str | None = None,
     """
     cid = f"{default_client_ip()}@rmq-async-lag-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     try:
+        check_group_name(group, option="group", reserved="")
+        if topic is not None:
+            check_topic_name(topic)
         instance = ClientInstance(namesrv, cid, api_timeout=timeout)
     except InvalidArgumentError as exc:
         raise CliError(str(exc)) from exc

@@ -31,7 +31,12 @@ from rmq_async.consumer.lag import LagMonitor, QueueLag
 from rmq_async.consumer.listener import ListenerAdapter
 from rmq_async.consumer.middleware import Middleware
 from rmq_async.consumer.offset_store import BrokerOffsetStore, LocalFileOffsetStore, OffsetStore
-from rmq_async.consumer.options import ConsumerOptions, MessageModel, build_client_id
+from rmq_async.consumer.options import (
+    ConsumerOptions,
+    MessageModel,
+    build_client_id,
+    check_topic_name,
+)
 from rmq_async.consumer.orderly import OrderlyConsumeService
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.pull import PullService
@@ -194,6 +199,7 @@ class PushConsumer:
 
         Subscribing after ``start()`` takes effect at once: a rebalance round is triggered.
         """
+        check_topic_name(topic)  # what no broker would create: an error now, not no route later
         if sql is not None:
             if tags != "*":
                 raise InvalidArgumentError("give either tags= or sql=, not both")

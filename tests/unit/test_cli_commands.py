@@ -486,6 +486,11 @@ def test_invalid_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) 
     assert "host:port" in capsys.readouterr().err
     assert main(["tail", "%RETRY%x", "--namesrv", NS]) == 2
     assert "retry topic" in capsys.readouterr().err
+    # Names no broker would create: before any network I/O (they reached the name server).
+    for argv, said in ((["tail", ""], "blank"), (["tail", "a b"], "illegal characters"),
+                       (["lag", ""], "blank"), (["lag", "G", "--topic", "a b"], "illegal")):
+        assert main([*argv, "--namesrv", "127.0.0.1:1"]) == 2, argv
+        assert said in capsys.readouterr().err, argv
     # A port outside 1-65535: an OverflowError traceback, or a connect to another port.
     for bad in ("127.0.0.1:99999", "localhost:99999", "127.0.0.1:0", "h:\u0663"):
         assert main(["lag", "G", "--namesrv", bad]) == 2, bad
