@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: Exit statuses of ``rmq-async`` (argparse exits with ``USAGE`` by itself).
 OK, FAILED, USAGE = 0, 1, 2
+#: A command interrupted by Ctrl-C (128 + SIGINT, as shells report it).
+INTERRUPTED = 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RocketMQError as exc:
         print(f"rmq-async: {type(exc).__name__}: {exc}", file=sys.stderr)
         return FAILED
+    except KeyboardInterrupt:  # Ctrl-C in a command without handlers of its own (lag)
+        print("rmq-async: interrupted", file=sys.stderr)
+        return INTERRUPTED
     raise AssertionError(f"unhandled command {args.command!r}")  # pragma: no cover
 
 
@@ -203,6 +208,9 @@ def _run(args: argparse.Namespace, fmt: str, level: str) -> int:
     from rmq_async.cli.run import WORKER_ENV, run_supervisor, run_worker
 
     worker = os.environ.get(WORKER_ENV)
+    if worker is not None and not worker.isdigit():
+        raise CliError(f"{WORKER_ENV}={worker!r} is not a worker index (it is set by "
+                       "run --workers for its workers)")
     configure_logging(fmt, level, **({"worker": int(worker)} if worker is not None else {}))
     if args.metrics_port is not None and args.metrics_port + args.workers - 1 > 65535:
         raise CliError(f"--metrics-port {args.metrics_port} with --workers {args.workers}: worker "

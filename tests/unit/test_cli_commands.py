@@ -550,3 +550,16 @@ def test_a_metrics_port_in_use_is_a_failure(capsys: pytest.CaptureFixture[str],
         assert main(["run", "cli_metrics_target_mod:consumer", "--metrics-port", str(port)]) == 1
     assert f"cannot serve metrics on port {port}" in capsys.readouterr().err
 
+
+
+def test_ctrl_c_in_lag_and_a_bad_worker_index_end_without_a_traceback(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    async def interrupted(*a: Any, **kw: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lag_module, "group_lag", interrupted)
+    assert main(["lag", "G", "--namesrv", NS]) == 130
+    assert capsys.readouterr().err.strip() == "rmq-async: interrupted"
+    monkeypatch.setenv("RMQ_ASYNC_WORKER", "first")
+    assert main(["run", "m:c"]) == 2
+    assert "RMQ_ASYNC_WORKER='first' is not a worker index" in capsys.readouterr().err
