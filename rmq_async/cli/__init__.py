@@ -161,20 +161,19 @@ def console() -> NoReturn:
     A plain handler still running in its worker thread when ``run`` has drained (past its
     grace period: its message was not acknowledged and comes again) would keep the process
     alive until it returns, a second signal notwithstanding; the process ends at once instead,
-    with status 1, and says which threads it left.
+    with status 1, and says which threads it left. (Other threads, a library's executor say,
+    end as the interpreter does.)
     """
     import os
-    import threading
+
+    from rmq_async.consumer.listener import HANDLER_THREADS
 
     status = main()
     deadline = time.monotonic() + THREADS_GRACE
-    left = []
-    for t in threading.enumerate():
-        if t is threading.main_thread() or t.daemon:
-            continue
-        t.join(max(deadline - time.monotonic(), 0.0))
-        if t.is_alive():
-            left.append(t.name)
+    while (busy := [t for t in list(HANDLER_THREADS) if t.is_alive()]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    left = [t.name for t in busy]
     if left:
         structlog.get_logger("rmq_async.cli").error("cli.threads_left", threads=left)
         sys.stdout.flush()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import inspect
+import threading
 import types
 import typing
 from collections.abc import Awaitable, Callable
@@ -165,6 +166,10 @@ def inspect_handler(fn: Callable[..., Any], *, batch: bool | None = None) -> Han
 #: queue and the handler was not called.
 _NOTHING_TO_CALL = object()
 
+#: The worker threads running a plain handler's call (or a decoder) right now. ``rmq-async
+#: run`` names them, and does not wait for them, once it has drained (``cli.console``).
+HANDLER_THREADS: set[threading.Thread] = set()
+
 
 class ListenerAdapter:
     """Calls a user handler the same way whatever its shape.
@@ -241,7 +246,7 @@ class ListenerAdapter:
                 return None
         else:
             if self.decode_off_loop:
-                payload = await anyio.to_thread.run_sync(self._payload, msgs, ctx,
+                payload = await anyio.to_thread.run_sync(self._payload_in_thread, msgs, ctx,
                                                          limiter=self.limiter)
             else:
                 payload = self._payload(msgs, ctx)
@@ -258,10 +263,23 @@ class ListenerAdapter:
     def _decode_and_call(self, msgs: list[MessageExt], ctx: ConsumeContext,
                          kwargs: dict[str, Any]) -> Any:
         """A plain handler's call, in a worker thread: decode, then call."""
-        payload = self._payload(msgs, ctx)
-        if self.batch and self.decode is not None and not payload:
-            return _NOTHING_TO_CALL
-        return self.fn(payload, **kwargs)
+        me = threading.current_thread()
+        HANDLER_THREADS.add(me)
+        try:
+            payload = self._payload(msgs, ctx)
+            if self.batch and self.decode is not None and not payload:
+                return _NOTHING_TO_CALL
+            return self.fn(payload, **kwargs)
+        finally:
+            HANDLER_THREADS.discard(me)
+
+    def _payload_in_thread(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
+        me = threading.current_thread()
+        HANDLER_THREADS.add(me)
+        try:
+            return self._payload(msgs, ctx)
+        finally:
+            HANDLER_THREADS.discard(me)
 
     async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
         """Call the handler on ``msgs``: once for a batch handler, once per message otherwise
