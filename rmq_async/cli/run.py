@@ -79,12 +79,15 @@ def load_target(spec: str) -> object:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise CliError(f"expected module:attribute (like examples.listener:consumer), got {spec!r}")
+    if module_name.startswith("."):
+        raise CliError(f"cannot import {module_name!r}: a relative name; give the module's "
+                       "full name")
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
     try:
         obj: object = importlib.import_module(module_name)
-    except (ImportError, TypeError, ValueError) as exc:  # TypeError: a relative name (".m")
+    except ImportError as exc:
         raise CliError(f"cannot import {module_name!r}: {exc}") from exc
     except Exception as exc:  # the module's own code failed (a SyntaxError among them)
         raise CommandFailed(f"importing {module_name!r} failed: "

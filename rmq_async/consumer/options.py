@@ -359,7 +359,7 @@ def check_group_name(group: object, *, option: str = "consumer_group",
             option,
             f"{group!r} is longer than {GROUP_MAX_LENGTH} characters ({len(group)})",
         )
-    if not _NAME_RE.match(group):
+    if not _NAME_RE.fullmatch(group):
         raise InvalidOptionError(
             option,
             f"{group!r} contains illegal characters, allowing only ^[%|a-zA-Z0-9_-]+$",
@@ -384,7 +384,7 @@ def check_topic_name(topic: object) -> str:
     if len(topic) > TOPIC_MAX_LENGTH:
         raise InvalidArgumentError(f"topic {topic[:40]!r}... is longer than {TOPIC_MAX_LENGTH} "
                                    f"characters ({len(topic)})")
-    if not _NAME_RE.match(topic):
+    if not _NAME_RE.fullmatch(topic):
         raise InvalidArgumentError(f"topic {topic!r} contains illegal characters, allowing only "
                                    "^[%|a-zA-Z0-9_-]+$")
     return topic

@@ -86,9 +86,13 @@ async def test_a_target_that_fails_is_a_failed_command_not_a_traceback(
     from rmq_async.cli.common import CommandFailed
 
     (tmp_path / "cli_broken_mod.py").write_text("raise RuntimeError('no configuration')\n")
+    (tmp_path / "cli_bad_port_mod.py").write_text("PORT = int('eighty')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(CommandFailed, match="importing 'cli_broken_mod' failed: RuntimeError"):
         load_target("cli_broken_mod:consumer")
+    # The module's own ValueError is its failure too, not a usage error.
+    with pytest.raises(CommandFailed, match="importing 'cli_bad_port_mod' failed: ValueError"):
+        load_target("cli_bad_port_mod:consumer")
     mod = ModuleType("cli_failing_factory_mod")
 
     def make() -> PushConsumer:

@@ -263,6 +263,7 @@ def test_long_poll_timeout_must_exceed_broker_suspend() -> None:
         ("has space", "illegal characters"),
         ("dot.ted", "illegal characters"),
         ("ümlaut", "illegal characters"),
+        ("trailing\n", "illegal characters"),  # Java's matches() takes the whole name
         ("x" * 121, "longer than 120"),
         ("DEFAULT_CONSUMER", "reserved"),
     ],
