@@ -447,8 +447,10 @@ class PushConsumer:
             return
         concurrent, orderly = self._thread_limiters
         for sub in self.subscriptions.topics.values():
-            if sub.listener is not None:
-                sub.listener.limiter = orderly if sub.orderly else concurrent
+            # (Handlers sharing a topic by tag are the subscription's parts.)
+            for adapter in (sub.listener, *sub.by_tag.values()):
+                if adapter is not None:
+                    adapter.limiter = orderly if sub.orderly else concurrent
 
     def _services(self) -> tuple[SinkConsumeService, ConcurrentConsumeService,
                                  OrderlyConsumeService]:

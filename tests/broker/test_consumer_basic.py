@@ -51,6 +51,10 @@ async def test_basic_delivery_commit_and_restart(rocketmq) -> None:
     assert not consumer2.is_running and consumer2.assignment() == frozenset()
     async with consumer2:
         assert consumer2.is_running
+        # A plain handler runs on the consumer's own threads (consume_concurrency of them).
+        handler = consumer2.subscriptions.topics[topic].listener
+        assert handler is not None and handler.limiter is not None
+        assert handler.limiter.total_tokens == consumer2.options.consume_concurrency
         await wait_until(lambda: sum(mq.topic == topic for mq in consumer2.assignment()) == 8, 30,
                          what="8 queues assigned")
         assert consumer2.assignment() >= {mq for mq in consumer2.process_queues if mq.topic == topic}

@@ -588,12 +588,16 @@ async def test_plain_handlers_run_on_the_consumers_own_threads() -> None:
 
     consumer.subscribe("T", listener=slow)
     consumer.subscribe("O", listener=lambda m: None, orderly=True)
+    consumer.subscribe("S", tags="a", listener=lambda m: None)  # two handlers, one topic
+    consumer.subscribe("S", tags="b", listener=lambda m: None)
     consumer._thread_limiters = (anyio.CapacityLimiter(3), anyio.CapacityLimiter(3))
     consumer._give_threads()
     concurrent, orderly = consumer._thread_limiters
     adapter = consumer.subscriptions.topics["T"].listener
     assert adapter is not None and adapter.limiter is concurrent
     assert consumer.subscriptions.topics["O"].listener.limiter is orderly  # type: ignore[union-attr]
+    shared_topic = consumer.subscriptions.topics["S"]
+    assert [a.limiter for a in shared_topic.by_tag.values()] == [concurrent, concurrent]
 
     shared = anyio.to_thread.current_default_thread_limiter()
     calls = [asyncio.ensure_future(adapter.invoke(
