@@ -136,8 +136,8 @@ async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: boo
 
 #: How long tail's consumer may take to stop (its listener prints; nothing else to wait for).
 STOP_SECONDS = 2.0
-#: How long tail's last lines may take to reach a reader that reads on, once it stops.
-CLOSE_FLUSH_SECONDS = 5.0
+#: How long tail's last lines may take to reach its reader, once it stops.
+CLOSE_FLUSH_SECONDS = 2.0
 
 
 class _PipeProtocol(asyncio.Protocol):
@@ -221,13 +221,11 @@ class _Output:
         return not self._protocol.lost
 
     async def aclose(self) -> None:
-        """Close a pipe after what is buffered (up to :data:`CLOSE_FLUSH_SECONDS` of a reader
-        that reads on); a reader that stopped reading gets the rest dropped."""
+        """Close a pipe after what is buffered, given :data:`CLOSE_FLUSH_SECONDS` to reach
+        the reader; what a reader that stopped reading (``| less``) has not taken by then is
+        dropped."""
         transport, protocol = self._transport, self._protocol
         if transport is None or protocol is None:
-            return
-        if not protocol.writable.is_set():
-            transport.abort()  # its reader stopped reading: drop the rest
             return
         transport.close()
         try:

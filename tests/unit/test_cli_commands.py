@@ -440,16 +440,16 @@ async def test_a_full_output_pipe_holds_the_listener_not_the_event_loop(
             stdout.close()
 
 
-async def test_tails_last_lines_reach_a_slow_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tails_last_lines_reach_a_slow_reader(monkeypatch: pytest.MonkeyPatch) -> None:
     """Closing the output dropped what its transport still held (up to 64 KiB of the last
-    lines) when the reader was slower than tail: the loop closed right after."""
+    lines) when the reader was slower than tail: the event loop ended right after."""
     import asyncio
     import os
     import threading
     import time
 
     read_fd, write_fd = os.pipe()
-    stdout = open(write_fd, "w")  # noqa: ASYNC230, SIM115 - the pipe as standard output
+    stdout = open(write_fd, "w")  # noqa: SIM115 - the pipe as standard output
     monkeypatch.setattr(sys, "stdout", stdout)
     got = bytearray()
 
@@ -459,22 +459,25 @@ async def test_tails_last_lines_reach_a_slow_reader(monkeypatch: pytest.MonkeyPa
             got.extend(chunk)
             time.sleep(0.002)
 
-    reader = threading.Thread(target=slow_reader)
-    reader.start()
-    try:
+    async def write_and_close() -> None:  # what tail() does, its loop ending with it
         output = await tail_module._Output.open(sys.stdout)
         assert output._transport is not None
         for i in range(2_000):
             assert await output.write(f"line {i:05d} " + "x" * 100)
         await output.aclose()
+
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    try:
+        asyncio.run(write_and_close())
         stdout.close()  # the last descriptor of the pipe's write end: the reader sees its end
-        await asyncio.to_thread(reader.join, 10)
+        reader.join(10)
     finally:
         with contextlib.suppress(OSError):
             stdout.close()
+        os.close(read_fd)
     lines = got.decode().splitlines()
     assert len(lines) == 2_000 and lines[-1].startswith("line 01999")
-    os.close(read_fd)
 
 
 # ---------------------------------------------------------------------------------- exit status
