@@ -42,11 +42,13 @@ __all__ = ["as_app", "load_target", "run_supervisor", "run_worker"]
 log = structlog.get_logger("rmq_async.cli")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-#: What a supervisor sends its workers to stop them: a signal of its own, so that a worker
-#: that gets a stop signal itself as well (systemd's ``KillMode=control-group`` sends SIGTERM
-#: to every process of the unit) takes the two for one request, not for a second, forcing one.
-SUPERVISOR_STOP = signal.SIGUSR1
-WORKER_SIGNALS = (*STOP_SIGNALS, SUPERVISOR_STOP)
+#: A supervisor stops its workers through a pipe of their own, not with a signal: a byte per
+#: stop request (its end when the supervisor is gone). A worker that gets a stop signal itself
+#: as well (systemd's ``KillMode=control-group`` sends SIGTERM to every process of the unit)
+#: then takes the two for one request, not for a second, forcing one; and no signal handler
+#: of the target's (``faulthandler.register``, say) can take the stop away. The pipe's
+#: descriptor in the worker:
+STOP_FD_ENV = "RMQ_ASYNC_STOP_FD"
 #: A worker's exit status for a usage error (its target could not be loaded), passed on.
 USAGE_STATUS = 2
 
@@ -62,7 +64,7 @@ def _worker_preexec() -> Callable[[], None]:
         pdeath = pdeathsig_preexec(os.getpid(), signal.SIGTERM)
 
     def preexec() -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         if pdeath is not None:
             pdeath()
 
@@ -160,10 +162,8 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
     drain: asyncio.Task[None] | None = None
     this = asyncio.current_task()
 
-    def on_signal(signum: int) -> None:
+    def request(source: str, name: str) -> None:
         nonlocal forced
-        name = signal.Signals(signum).name
-        source = "supervisor" if signum == SUPERVISOR_STOP else "outside"
         if not sources:
             sources.append(source)
             log.info("cli.stop_requested", signal=name, grace=grace)
@@ -184,10 +184,33 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
             log.warning("cli.forced_exit", signal=name)
             this.cancel()
 
-    for sig in WORKER_SIGNALS:
+    def on_signal(signum: int) -> None:
+        request("outside", signal.Signals(signum).name)
+
+    stop_fd = _stop_fd()
+
+    def on_stop_pipe() -> None:
+        assert stop_fd is not None
+        try:
+            data = os.read(stop_fd, 64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the supervisor is gone: a stop, once
+            loop.remove_reader(stop_fd)
+            request("supervisor", "supervisor-gone")
+            return
+        for _ in data:
+            request("supervisor", "supervisor")
+
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
+    if stop_fd is not None:
+        os.set_blocking(stop_fd, False)
+        loop.add_reader(stop_fd, on_stop_pipe)
     # A supervisor's worker starts with them blocked: what came meanwhile is handled now.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     metrics: Any = None
     try:
         try:
@@ -220,10 +243,26 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
         log.info("cli.stopped", took=round(time.monotonic() - t0, 3))
         return 0
     finally:
-        for sig in WORKER_SIGNALS:
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+        if stop_fd is not None:
+            loop.remove_reader(stop_fd)
         if metrics is not None:
             await anyio.to_thread.run_sync(metrics.close)
+
+
+def _stop_fd() -> int | None:
+    """This worker's end of its supervisor's stop pipe (None when not a supervisor's)."""
+    raw = os.environ.pop(STOP_FD_ENV, None)
+    if raw is None:
+        return None
+    try:
+        fd = int(raw)
+        os.fstat(fd)
+    except (ValueError, OSError) as exc:
+        raise CliError(f"{STOP_FD_ENV}={raw!r} is not an open descriptor (it is set by run "
+                       "--workers for its workers)") from exc
+    return fd
 
 
 async def run_supervisor(spec: str, workers: int, grace: float,
@@ -232,8 +271,13 @@ async def run_supervisor(spec: str, workers: int, grace: float,
     ``metrics_port`` P, worker ``i`` serves its metrics on port P + i."""
     loop = asyncio.get_running_loop()
     procs: list[asyncio.subprocess.Process] = []
+    stop_pipes: list[int] = []  # the write end of each worker's stop pipe
     stopping: list[int] = []
     stop_requested = asyncio.Event()  # starts the grace period's clock in the wait below
+
+    def tell_stop(i: int) -> None:
+        with contextlib.suppress(OSError):  # a worker that has ended: EPIPE
+            os.write(stop_pipes[i], b"s")
 
     def forward(signum: int) -> None:
         first = not stopping
@@ -242,10 +286,9 @@ async def run_supervisor(spec: str, workers: int, grace: float,
             log.info("cli.stop_requested", signal=signal.Signals(signum).name, grace=grace,
                      workers=len(procs))
             stop_requested.set()
-        for p in procs:
+        for i, p in enumerate(procs):
             if p.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(SUPERVISOR_STOP)
+                tell_stop(i)
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, forward, sig)
@@ -256,20 +299,27 @@ async def run_supervisor(spec: str, workers: int, grace: float,
                 break  # a stop signal during the start: no more workers
             env = {**os.environ, WORKER_ENV: str(i)}
             port_args = [] if metrics_port is None else ["--metrics-port", str(metrics_port + i)]
-            # Own sessions: a terminal's Ctrl-C reaches only the supervisor, which forwards it
-            # once, as SUPERVISOR_STOP (a worker that also gets the stop signal itself, as
-            # under systemd, takes the two for one request). Should the
-            # supervisor die without forwarding (SIGKILL), Linux sends each worker SIGTERM:
-            # it drains and ends instead of consuming on unsupervised.
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "rmq_async.cli", "run", spec, "--workers", "1",
-                "--grace", str(grace), *port_args, *child_args, env=env, start_new_session=True,
-                preexec_fn=_worker_preexec(),
-            )
+            # Own sessions: a terminal's Ctrl-C reaches only the supervisor, which passes it
+            # on once, through the worker's stop pipe (see STOP_FD_ENV). Should the supervisor
+            # die without doing so (SIGKILL), the pipe ends and Linux sends each worker
+            # SIGTERM: it drains and ends instead of consuming on unsupervised.
+            read_end, write_end = os.pipe()
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "rmq_async.cli", "run", spec, "--workers", "1",
+                    "--grace", str(grace), *port_args, *child_args,
+                    env={**env, STOP_FD_ENV: str(read_end)}, pass_fds=(read_end,),
+                    start_new_session=True, preexec_fn=_worker_preexec(),
+                )
+            except BaseException:
+                os.close(write_end)
+                raise
+            finally:
+                os.close(read_end)
             procs.append(proc)
+            stop_pipes.append(write_end)
             if stopping:  # the signal came while this one was being started
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(SUPERVISOR_STOP)
+                tell_stop(len(procs) - 1)
         log.info("cli.workers_started", pids=[p.pid for p in procs])
         waits = {asyncio.create_task(p.wait(), name=f"worker-{i}"): i
                  for i, p in enumerate(procs)}
@@ -324,3 +374,5 @@ async def run_supervisor(spec: str, workers: int, grace: float,
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
                 await p.wait()
+        for fd in stop_pipes:
+            os.close(fd)

@@ -289,8 +289,12 @@ async def test_a_second_signal_while_the_target_starts_exits_1_at_once(
 
 
 _DRAINING_APP = '''
-import asyncio, os, pathlib
+import asyncio, faulthandler, os, pathlib, signal
 from rmq_async.app import App
+
+if os.environ.get("TAKE_USR_SIGNALS"):  # the "dump the stacks" idiom
+    faulthandler.register(signal.SIGUSR1)
+    faulthandler.register(signal.SIGUSR2)
 
 class Draining(App):
     """Starts at once (or after START_DELAY s), and its drain takes a moment."""
@@ -312,13 +316,15 @@ app = Draining()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups as on Linux")
-@pytest.mark.parametrize("when", ["running", "starting"])
+@pytest.mark.parametrize("when", ["running", "starting", "target-took-sigusr"])
 async def test_workers_drain_when_every_process_gets_the_stop_signal(
         when: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """systemd (``KillMode=control-group``) sends SIGTERM to the supervisor and its workers at
     once: each worker took the supervisor's forwarded copy for a second signal and left its
     drain (exit 1). And a SIGTERM while the workers were still starting killed them (their
-    handlers were not in place yet)."""
+    handlers were not in place yet). The supervisor's stop reaches the workers through a pipe,
+    so a target that takes a signal for itself (faulthandler's stack dumps on SIGUSR1) does
+    not lose it; there only the supervisor gets the SIGTERM."""
     import asyncio
     import signal
     import time
@@ -330,7 +336,9 @@ async def test_workers_drain_when_every_process_gets_the_stop_signal(
     marks.mkdir()
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setenv("MARKS", str(marks))
-    monkeypatch.setenv("START_DELAY", "0" if when == "running" else "1.5")
+    monkeypatch.setenv("START_DELAY", "1.5" if when == "starting" else "0")
+    if when == "target-took-sigusr":
+        monkeypatch.setenv("TAKE_USR_SIGNALS", "1")
     pids: list[int] = []
     real_exec = asyncio.create_subprocess_exec
 
@@ -342,7 +350,7 @@ async def test_workers_drain_when_every_process_gets_the_stop_signal(
     monkeypatch.setattr(run_module.asyncio, "create_subprocess_exec", recorded)
 
     async def everyone_stops() -> None:
-        if when == "running":
+        if when != "starting":
             async with asyncio.timeout(30):
                 while len(list(marks.glob("started-*"))) < 2:
                     await asyncio.sleep(0.05)
@@ -350,7 +358,7 @@ async def test_workers_drain_when_every_process_gets_the_stop_signal(
             async with asyncio.timeout(30):
                 while len(pids) < 2:
                     await asyncio.sleep(0.01)
-        for pid in (os.getpid(), *pids):
+        for pid in (os.getpid(), *(pids if when != "target-took-sigusr" else ())):
             os.kill(pid, signal.SIGTERM)
 
     killer = asyncio.ensure_future(everyone_stops())
