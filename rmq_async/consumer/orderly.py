@@ -55,6 +55,7 @@ CONSUME_AFTER_LOCK_FAILED = 3.0  # ... or try again after 3 s
 YIELD_DELAY = 0.01               # after MAX_TIME_CONSUME_CONTINUOUSLY, resubmit after 10 ms
 NOT_LOCKED_PULL_DELAY = 3.0      # a queue not locked is not pulled; look again after 3 s
 UNLOCK_WAIT = 20.0               # longest wait for an in-flight batch before giving a queue up
+BROKER_LOCK_EXPIRY = 60.0        # a broker's queue lock lapses this long after its last renewal
 
 
 @dataclass(slots=True)
@@ -339,7 +340,8 @@ class OrderlyConsumeService:
         """Commit what was taken from ``pq`` up to offset ``through``.
 
         A dropped queue still commits while it is not held anew (its release waits for this
-        batch and persists afterwards); an offset frozen by a reset ignores the update.
+        batch, or defers to after it, and persists then); an offset frozen by a reset ignores
+        the update.
         """
         offset = pq.commit(through)
         if offset < 0:
@@ -453,10 +455,11 @@ class OrderlyConsumeService:
         """Give a queue up: wait for its in-flight batch, persist its offset, unlock it.
 
         A batch still running after :data:`UNLOCK_WAIT` keeps the queue locked, at the broker
-        (where the lock expires after 60 s unrenewed, as Java's ``removeUnnecessaryMessageQueue``
-        leaves it) and here (the consume lock stays, so that
-        this client, taking the queue up again, waits for that batch): another consumer of the
-        queue beside the running batch would break the queue's order.
+        and here (the consume lock stays, so that this client, taking the queue up again, waits
+        for that batch): another consumer of the queue beside the running batch would break
+        the queue's order. A task then waits for the batch (up to the broker's 60 s lock
+        expiry), persists the offset it committed and unlocks the queue, as Java's rebalance
+        retries ``removeUnnecessaryMessageQueue`` until the batch has ended.
         """
         rt = self._rt
         lock = self.consume_lock(mq)
@@ -464,9 +467,10 @@ class OrderlyConsumeService:
             async with asyncio.timeout(UNLOCK_WAIT):
                 await lock.acquire()
         except TimeoutError:
-            log.warning("orderly.unlock_skipped_busy", queue=str(mq), waited=UNLOCK_WAIT)
+            log.warning("orderly.unlock_deferred_busy", queue=str(mq), waited=UNLOCK_WAIT)
             await rt.offset_store.persist(mq)
             pq.locked = False
+            self._owner.spawn(self._release_when_idle(mq, lock), name=f"release:{mq}")
             return
         try:
             await rt.offset_store.persist(mq)
@@ -476,6 +480,29 @@ class OrderlyConsumeService:
         finally:
             lock.release()
             self._consume_locks.pop(mq, None)
+
+    async def _release_when_idle(self, mq: MessageQueue, lock: asyncio.Lock) -> None:
+        """The end of :meth:`release` for a queue whose batch ran on: once the batch ends,
+        persist what it committed and unlock the queue (unless this client holds it again)."""
+        rt = self._rt
+        try:
+            async with asyncio.timeout(BROKER_LOCK_EXPIRY):
+                await lock.acquire()
+        except TimeoutError:
+            log.warning("orderly.unlock_given_up_busy", queue=str(mq))
+            return  # the broker's lock has expired by now
+        try:
+            held_again = mq in rt.process_queues
+            await rt.offset_store.persist(mq)
+            if not held_again:
+                rt.offset_store.remove(mq)
+                if self.clustering:
+                    await self.unlock(mq)
+            log.info("orderly.unlocked_after_batch", queue=str(mq), held_again=held_again)
+        finally:
+            lock.release()
+            if mq not in rt.process_queues and self._consume_locks.get(mq) is lock:
+                del self._consume_locks[mq]
 
     async def pull_gate(self, req: PullRequest) -> float:
         """Clustering: pull only a locked queue; re-read its offset on the first locked pull."""

@@ -384,7 +384,8 @@ async def test_a_queue_given_up_while_its_batch_runs_is_not_unlocked(
     try:
         h.put(range(0, 1))
         await h.until(lambda: calls == [0])
-        h.pq.dropped = True  # what the rebalancer does before it releases the queue
+        del h.rt.process_queues[MQ]  # what the rebalancer does before it releases the queue
+        h.pq.dropped = True
         await h.service.release(MQ, h.pq)
         assert unlocked == []
         # Taken again by this client: its first turn waits for the batch still running.
@@ -433,3 +434,46 @@ async def test_a_retry_queue_batch_goes_to_each_topics_own_handler() -> None:
     finally:
         await h.service.aclose()
     assert got == {"T": [0, 3], "U": [1, 2]}
+
+
+
+async def test_a_busy_queue_given_up_is_unlocked_once_its_batch_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue given up while its batch ran on: once the batch ends, what it committed is
+    persisted and the queue unlocked (it stayed locked until the broker's lock expired, and
+    the batch's commit was never persisted: the next owner consumed it again)."""
+    monkeypatch.setattr(orderly_module, "UNLOCK_WAIT", 0.2)
+    gate = asyncio.Event()
+    calls: list[int] = []
+
+    async def handler(msg: MessageExt) -> None:
+        calls.append(msg.queue_offset)
+        await gate.wait()
+
+    h = _Harness(handler)
+    unlocked: list[MessageQueue] = []
+    persisted: list[list[int]] = []
+
+    async def unlock(mq: MessageQueue) -> None:
+        unlocked.append(mq)
+
+    async def persist(mq: MessageQueue) -> None:
+        persisted.append(list(h.offsets.updates))
+
+    h.service.unlock = unlock  # type: ignore[method-assign]
+    h.offsets.persist = persist  # type: ignore[attr-defined]
+    h.offsets.remove = lambda mq: None  # type: ignore[attr-defined]
+    h.service.start()
+    try:
+        h.put(range(0, 1))
+        await h.until(lambda: calls == [0])
+        del h.rt.process_queues[MQ]
+        h.pq.dropped = True
+        await h.service.release(MQ, h.pq)
+        assert unlocked == [] and persisted == [[]]
+        gate.set()
+        await h.until(lambda: unlocked == [MQ])
+        assert persisted[-1] == [1]  # the batch's commit, persisted before the unlock
+    finally:
+        gate.set()
+        await h.service.aclose()
