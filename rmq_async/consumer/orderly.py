@@ -211,7 +211,14 @@ class OrderlyConsumeService:
             plan = _plan_by_topic(rt.subscriptions.topics, msgs)
         else:
             plan = [(sub, adapter, part) for adapter, part in _plan_calls(sub, msgs)]
+        counted = topic  # the topic the counts below are of (one per run of a retry batch)
         for call_sub, adapter, part in plan:
+            if part[0].topic != counted:
+                if calls or ok or failed:
+                    rt.stats.record_consume(counted, ok, failed, elapsed, calls=calls)
+                ok = failed = calls = 0
+                elapsed = 0.0
+                counted = part[0].topic
             handed += len(part)
             if adapter is None:
                 if call_sub is not None and call_sub.by_tag:
@@ -280,7 +287,7 @@ class OrderlyConsumeService:
             # application committing every call would read a consume TPS of zero).
             failed += len(failing)
         if calls or ok or failed:
-            rt.stats.record_consume(topic, ok, failed, elapsed, calls=calls)
+            rt.stats.record_consume(counted, ok, failed, elapsed, calls=calls)
         pq.last_consume_timestamp = time.monotonic()
         if through >= 0:
             # Committed even when the queue was just given up: it is released (persisted, then

@@ -434,6 +434,9 @@ async def test_a_retry_queue_batch_goes_to_each_topics_own_handler() -> None:
     finally:
         await h.service.aclose()
     assert got == {"T": [0, 3], "U": [1, 2]}
+    # ... and each topic's statistics count its own.
+    assert {t: (h.stats.totals[t].consumed, h.stats.totals[t].failed) for t in "TU"} == {
+        "T": (2, 0), "U": (2, 0)}
 
 
 
