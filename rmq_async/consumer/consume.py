@@ -479,7 +479,7 @@ def _apply_outcome(outcome: Outcome, batch: list[MessageExt], ctx: ConsumeContex
         skipped = {id(m) for m in outcome.acked}
         rest = [m for m in rest if id(m) not in skipped]
     if ctx.dead_letters:
-        poison = once_each(ctx.dead_letters)
+        poison = once_each(ctx.dead_letters, batch)
         dead.extend(poison)
         gone = {id(m) for m, _ in poison}
         rest = [m for m in rest if id(m) not in gone]

@@ -112,12 +112,17 @@ def _link(mw: Middleware, nxt: CallNext) -> CallNext:
     return step
 
 
-def once_each(dead_letters: Sequence[tuple[MessageExt, str]]) -> list[tuple[MessageExt, str]]:
-    """``ctx.dead_letters`` with each message once, under the first reason given (a handler
-    may list one twice: it would be dead-lettered, and counted, as often)."""
+def once_each(dead_letters: Sequence[tuple[MessageExt, str]],
+              call: Sequence[MessageExt]) -> list[tuple[MessageExt, str]]:
+    """``ctx.dead_letters`` of a call of ``call``'s messages (one queue's): each message once,
+    under the first reason given (a handler may list one twice: it would be dead-lettered,
+    and counted, as often), and as the call's own message object (a middleware may have
+    handed the handler copies: matched by queue offset, as its acknowledgements are)."""
+    own = {m.queue_offset: m for m in call}
     seen: dict[int, tuple[MessageExt, str]] = {}
-    for entry in dead_letters:
-        seen.setdefault(id(entry[0]), entry)
+    for m, reason in dead_letters:
+        if m.queue_offset not in seen:
+            seen[m.queue_offset] = (own.get(m.queue_offset, m), reason)
     return list(seen.values())
 
 

@@ -235,7 +235,7 @@ class OrderlyConsumeService:
                                      queue=mq, orderly=True, middlewares=middlewares)
             elapsed += time.monotonic() - began
             calls += 1
-            dead = once_each(ctx.dead_letters)
+            dead = once_each(ctx.dead_letters, part)
             result = outcome.result
             if outcome.dead_reason is not None:
                 poison = {id(m) for m, _ in dead}

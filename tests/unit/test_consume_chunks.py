@@ -672,3 +672,39 @@ async def test_a_message_listed_twice_in_dead_letters_goes_once_and_counts_once(
     assert dead == [(1, "bad")] and h.sent_back == []
     totals = h.stats.totals["T"]
     assert (totals.consumed, totals.failed) == (4, 1)
+
+
+async def test_a_dead_letter_listed_as_a_middlewares_copy_is_the_calls_own_message(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A middleware hands the handler copies; the handler dead-letters one copy and
+    acknowledges only the first message (``ack_index``). The copy went to the dead-letter
+    queue and its original, not recognised, back for a retry as well."""
+    import dataclasses
+
+    from rmq_async.consumer import consume as consume_module
+    from rmq_async.consumer.middleware import ConsumeCall
+
+    dead: list[int] = []
+
+    async def to_dlq(rt: Any, msg: MessageExt, reason: str) -> bool:
+        dead.append(msg.queue_offset)
+        return True
+
+    monkeypatch.setattr(consume_module, "send_to_dlq", to_dlq)
+
+    async def copying(call: ConsumeCall, call_next: Any) -> None:
+        await call_next(dataclasses.replace(
+            call, messages=[dataclasses.replace(m) for m in call.messages]))
+
+    async def listener(msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeResult:
+        ctx.dead_letters.append((msgs[1], "poison"))
+        ctx.ack_index = 0
+        return ConsumeResult.SUCCESS
+
+    h = Harness(listener, consume_message_batch_max_size=4)
+    h.subscriptions.middlewares.append(copying)
+    await h.run_chunk(4)
+    assert dead == [1]
+    assert sorted(off for off, _ in h.sent_back) == [2, 3]  # not 1: it is dead-lettered
+    totals = h.stats.totals["T"]
+    assert (totals.consumed, totals.failed) == (1, 3)
