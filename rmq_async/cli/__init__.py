@@ -158,19 +158,20 @@ THREADS_GRACE = 0.5
 def console() -> NoReturn:
     """The ``rmq-async`` command: :func:`main`, then exit with its status.
 
-    A plain handler still running in its worker thread when ``run`` has drained (past its
-    grace period: its message was not acknowledged and comes again) would keep the process
-    alive until it returns, a second signal notwithstanding; the process ends at once instead,
-    with status 1, and says which threads it left. (Other threads, a library's executor say,
-    end as the interpreter does.)
+    User code still running in a worker thread when ``run`` has drained (a plain handler past
+    the grace period, whose message was not acknowledged and comes again; a plain hook over
+    its time; a sink's write given up) would keep the process alive until it returns, a
+    second signal notwithstanding; the process ends at once instead, with status 1, and says
+    which threads it left. (Other threads, a library's executor say, end as the interpreter
+    does.)
     """
     import os
 
-    from rmq_async.consumer.listener import HANDLER_THREADS
+    from rmq_async.consumer.tasks import USER_THREADS
 
     status = main()
     deadline = time.monotonic() + THREADS_GRACE
-    while (busy := [t for t in list(HANDLER_THREADS) if t.is_alive()]) \
+    while (busy := [t for t in list(USER_THREADS) if t.is_alive()]) \
             and time.monotonic() < deadline:
         time.sleep(0.02)
     left = [t.name for t in busy]

@@ -24,9 +24,10 @@ import importlib
 import inspect
 import os
 import signal
+import stat
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -53,22 +54,11 @@ STOP_FD_ENV = "RMQ_ASYNC_STOP_FD"
 USAGE_STATUS = 2
 
 
-def _worker_preexec() -> Callable[[], None]:
+def _worker_preexec() -> None:
     """A worker's stop signals wait (blocked, pending) until its handlers are in place: one
-    sent while it starts is a stop request, not its death. SIGTERM for a worker whose
-    supervisor died (Linux)."""
-    pdeath: Callable[[], None] | None = None
-    if sys.platform.startswith("linux"):
-        from rmq_async.devbroker.procs import pdeathsig_preexec
-
-        pdeath = pdeathsig_preexec(os.getpid(), signal.SIGTERM)
-
-    def preexec() -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        if pdeath is not None:
-            pdeath()
-
-    return preexec
+    sent while it starts is a stop request, not its death. (A worker whose supervisor dies
+    sees its stop pipe end: no parent-death signal, which Linux may send more than once.)"""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 #: Seconds the supervisor gives its workers beyond ``--grace`` (their own drain is bounded by
 #: it) before it kills them.
 OVERRUN_MARGIN = 5.0
@@ -158,12 +148,12 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     sources: list[str] = []  # of each stop request: "supervisor" or "outside"
-    forced = False
+    forced: list[str] = []  # the request that forced the exit (a list: set by request())
+    started = False
     drain: asyncio.Task[None] | None = None
     this = asyncio.current_task()
 
     def request(source: str, name: str) -> None:
-        nonlocal forced
         if not sources:
             sources.append(source)
             log.info("cli.stop_requested", signal=name, grace=grace)
@@ -174,15 +164,16 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
             # reached the whole process group): not a second request.
             sources.append(source)
             return
-        if drain is not None and not drain.done():
-            forced = True
-            log.warning("cli.forced_exit", signal=name)
+        if forced:
+            return
+        forced.append(name)
+        log.warning("cli.forced_exit", signal=name)
+        if drain is not None:
             drain.cancel()
-        elif drain is None and this is not None:
+        elif not started and this is not None:
             # Still starting (loading the target, app.start()): give that up at once.
-            forced = True
-            log.warning("cli.forced_exit", signal=name)
             this.cancel()
+        # (Started, the drain not begun yet: it is not begun.)
 
     def on_signal(signum: int) -> None:
         request("outside", signal.Signals(signum).name)
@@ -197,22 +188,23 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
             return
         except OSError:
             data = b""
-        if not data:  # the supervisor is gone: a stop, once
+        if not data:
+            # The supervisor is gone: a stop, unless it had asked for one (not a second).
             loop.remove_reader(stop_fd)
-            request("supervisor", "supervisor-gone")
+            if "supervisor" not in sources:
+                request("supervisor", "supervisor-gone")
             return
         for _ in data:
             request("supervisor", "supervisor")
 
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, on_signal, sig)
-    if stop_fd is not None:
-        os.set_blocking(stop_fd, False)
-        loop.add_reader(stop_fd, on_stop_pipe)
-    # A supervisor's worker starts with them blocked: what came meanwhile is handled now.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     metrics: Any = None
     try:
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, on_signal, sig)
+        if stop_fd is not None:
+            loop.add_reader(stop_fd, on_stop_pipe)
+        # A supervisor's worker starts with them blocked: what came meanwhile is handled now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         try:
             app = await as_app(load_target(spec))
             if metrics_port is not None:
@@ -226,9 +218,12 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
             if not forced:  # not the second signal: this task itself was cancelled
                 raise
             return 1
+        started = True
         log.info("cli.running", target=spec, pid=os.getpid(),
                  consumers=[c.group for c in app.consumers])
         await stop.wait()
+        if forced:  # two requests before this task went on: the second forces the exit
+            return 1
         t0 = time.monotonic()
         drain = asyncio.create_task(app.stop(listener_timeout(grace)), name="cli-drain")
         try:
@@ -247,6 +242,7 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
             loop.remove_signal_handler(sig)
         if stop_fd is not None:
             loop.remove_reader(stop_fd)
+            os.close(stop_fd)
         if metrics is not None:
             await anyio.to_thread.run_sync(metrics.close)
 
@@ -258,10 +254,13 @@ def _stop_fd() -> int | None:
         return None
     try:
         fd = int(raw)
-        os.fstat(fd)
+        if fd < 3 or not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            raise ValueError("not a pipe")
+        os.set_inheritable(fd, False)
+        os.set_blocking(fd, False)
     except (ValueError, OSError) as exc:
-        raise CliError(f"{STOP_FD_ENV}={raw!r} is not an open descriptor (it is set by run "
-                       "--workers for its workers)") from exc
+        raise CliError(f"{STOP_FD_ENV}={raw!r} is not the read end of a pipe (it is set by "
+                       "run --workers for its workers)") from exc
     return fd
 
 
@@ -301,15 +300,16 @@ async def run_supervisor(spec: str, workers: int, grace: float,
             port_args = [] if metrics_port is None else ["--metrics-port", str(metrics_port + i)]
             # Own sessions: a terminal's Ctrl-C reaches only the supervisor, which passes it
             # on once, through the worker's stop pipe (see STOP_FD_ENV). Should the supervisor
-            # die without doing so (SIGKILL), the pipe ends and Linux sends each worker
-            # SIGTERM: it drains and ends instead of consuming on unsupervised.
+            # die without doing so (SIGKILL), the pipe ends: each worker drains and ends
+            # instead of consuming on unsupervised.
             read_end, write_end = os.pipe()
+            os.set_blocking(write_end, False)  # a stalled worker never holds the supervisor
             try:
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "rmq_async.cli", "run", spec, "--workers", "1",
                     "--grace", str(grace), *port_args, *child_args,
                     env={**env, STOP_FD_ENV: str(read_end)}, pass_fds=(read_end,),
-                    start_new_session=True, preexec_fn=_worker_preexec(),
+                    start_new_session=True, preexec_fn=_worker_preexec,
                 )
             except BaseException:
                 os.close(write_end)

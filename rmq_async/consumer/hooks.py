@@ -38,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import structlog
 
-from rmq_async.consumer.tasks import being_cancelled
+from rmq_async.consumer.tasks import being_cancelled, in_user_thread
 from rmq_async.errors import InvalidTypeError
 from rmq_async.protocol.types import MessageQueue
 
@@ -82,7 +82,7 @@ async def call_user(fn: Callable[..., Any], *args: Any) -> None:
         return
     # A cancelled wait (a rebalance round cut short by stop(), a hook over stop()'s timeout)
     # does not wait for the thread: it cannot be interrupted, and finishes on its own.
-    result = await anyio.to_thread.run_sync(lambda: fn(*args), abandon_on_cancel=True)
+    result = await anyio.to_thread.run_sync(in_user_thread, fn, *args, abandon_on_cancel=True)
     if inspect.isawaitable(result):  # a plain function that returned an awaitable
         await result
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections.abc
 import functools
 import inspect
-import threading
 import types
 import typing
 from collections.abc import Awaitable, Callable
@@ -32,6 +31,7 @@ from typing import Any
 import anyio
 
 from rmq_async.consumer.results import ConsumeContext, DeadLetter
+from rmq_async.consumer.tasks import in_user_thread
 from rmq_async.errors import InvalidTypeError
 from rmq_async.payloads import PayloadDecodeError, build_payload_decoder
 from rmq_async.protocol.types import MessageExt
@@ -166,10 +166,6 @@ def inspect_handler(fn: Callable[..., Any], *, batch: bool | None = None) -> Han
 #: queue and the handler was not called.
 _NOTHING_TO_CALL = object()
 
-#: The worker threads running a plain handler's call (or a decoder) right now. ``rmq-async
-#: run`` names them, and does not wait for them, once it has drained (``cli.console``).
-HANDLER_THREADS: set[threading.Thread] = set()
-
 
 class ListenerAdapter:
     """Calls a user handler the same way whatever its shape.
@@ -240,14 +236,14 @@ class ListenerAdapter:
         kwargs = {} if self.context_param is None else {self.context_param: ctx}
         if not self.is_async:
             # A plain handler: its payload is decoded in the same worker thread.
-            raw = await anyio.to_thread.run_sync(self._decode_and_call, msgs, ctx, kwargs,
-                                                 limiter=self.limiter)
+            raw = await anyio.to_thread.run_sync(in_user_thread, self._decode_and_call, msgs,
+                                                 ctx, kwargs, limiter=self.limiter)
             if raw is _NOTHING_TO_CALL:
                 return None
         else:
             if self.decode_off_loop:
-                payload = await anyio.to_thread.run_sync(self._payload_in_thread, msgs, ctx,
-                                                         limiter=self.limiter)
+                payload = await anyio.to_thread.run_sync(in_user_thread, self._payload, msgs,
+                                                         ctx, limiter=self.limiter)
             else:
                 payload = self._payload(msgs, ctx)
             if self.batch and self.decode is not None and not payload:
@@ -263,23 +259,10 @@ class ListenerAdapter:
     def _decode_and_call(self, msgs: list[MessageExt], ctx: ConsumeContext,
                          kwargs: dict[str, Any]) -> Any:
         """A plain handler's call, in a worker thread: decode, then call."""
-        me = threading.current_thread()
-        HANDLER_THREADS.add(me)
-        try:
-            payload = self._payload(msgs, ctx)
-            if self.batch and self.decode is not None and not payload:
-                return _NOTHING_TO_CALL
-            return self.fn(payload, **kwargs)
-        finally:
-            HANDLER_THREADS.discard(me)
-
-    def _payload_in_thread(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
-        me = threading.current_thread()
-        HANDLER_THREADS.add(me)
-        try:
-            return self._payload(msgs, ctx)
-        finally:
-            HANDLER_THREADS.discard(me)
+        payload = self._payload(msgs, ctx)
+        if self.batch and self.decode is not None and not payload:
+            return _NOTHING_TO_CALL
+        return self.fn(payload, **kwargs)
 
     async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:
         """Call the handler on ``msgs``: once for a batch handler, once per message otherwise

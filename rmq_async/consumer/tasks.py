@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Hashable, Iterable
-from typing import Any
+import threading
+from collections.abc import Callable, Coroutine, Hashable, Iterable
+from typing import Any, TypeVar
 
 import structlog
 
@@ -19,6 +20,25 @@ RECANCEL_INTERVAL = 1.0
 #: Tasks that still refuse to end after this long are given up on, loudly (``task.abandoned``),
 #: so that closing never hangs.
 ABANDON_AFTER = 60.0
+
+
+_T = TypeVar("_T")
+
+#: The worker threads running user code right now: a plain handler or a decoder, a plain hook,
+#: a sink's write. ``rmq-async run`` names them, and does not wait for them, once it has
+#: drained (``rmq_async.cli.console``).
+USER_THREADS: set[threading.Thread] = set()
+
+
+def in_user_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` in the calling worker thread, which is in :data:`USER_THREADS` meanwhile
+    (pass this to ``anyio.to_thread.run_sync``)."""
+    me = threading.current_thread()
+    USER_THREADS.add(me)
+    try:
+        return fn(*args)
+    finally:
+        USER_THREADS.discard(me)
 
 
 def being_cancelled() -> bool:

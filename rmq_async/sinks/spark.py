@@ -112,6 +112,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from rmq_async.consumer.tasks import in_user_thread
 from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import MessageExt, MessageQueue
@@ -873,7 +874,7 @@ async def _run_in_thread(func: Callable[[_Job], None], job: _Job) -> None:
     ``anyio.to_thread``, so the thread call runs in an inner task that is always awaited to
     its end; a cancellation received meanwhile is raised afterwards.
     """
-    inner = asyncio.ensure_future(anyio.to_thread.run_sync(func, job))
+    inner = asyncio.ensure_future(anyio.to_thread.run_sync(in_user_thread, func, job))
     cancelled: asyncio.CancelledError | None = None
     while not inner.done():
         try:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -217,48 +217,46 @@ async def test_workers_that_cannot_load_the_target_make_a_usage_error() -> None:
     assert rc == 2
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_worker_whose_supervisor_is_killed_gets_sigterm(tmp_path: Path) -> None:
+def test_workers_whose_supervisor_is_killed_drain_and_end(tmp_path: Path) -> None:
     """The workers run in sessions of their own, so nothing reached them when the supervisor
-    died without forwarding a signal (SIGKILL): they consumed on, unsupervised."""
+    died without passing a stop on (SIGKILL): they consumed on, unsupervised. Their stop
+    pipes end with it: each drains and ends."""
     import signal
     import time
 
-    mark = tmp_path / "got-sigterm"
-    worker = ("import signal, sys, time, pathlib\n"
-              "def stop(*a):\n"
-              f"    pathlib.Path({str(mark)!r}).write_text('yes')\n"
-              "    sys.exit(0)\n"
-              "signal.signal(signal.SIGTERM, stop)\n"
-              # as run_worker does once its handlers are in place (they start blocked)
-              "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})\n"
-              "print('ready', flush=True)\n"
-              "time.sleep(60)\n")
-    supervisor = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import asyncio, sys
-        from rmq_async.cli.run import _worker_preexec
+    (tmp_path / "draining_app_mod.py").write_text(_DRAINING_APP)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "MARKS": str(marks)}
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "rmq_async.cli", "run", "draining_app_mod:app", "--workers", "2",
+         "--grace", "10"], env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while len(started := list(marks.glob("started-*"))) < 2:
+            assert time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.05)
+        supervisor.send_signal(signal.SIGKILL)
+        supervisor.wait()
+        pids = {int(p.name.split("-")[1]) for p in started}
+        while {int(p.name.split("-")[1]) for p in marks.glob("drained-*")} != pids:
+            assert time.monotonic() < deadline + 15, "the workers did not drain"
+            time.sleep(0.05)
+        for pid in pids:  # and they end
+            while os.path.exists(f"/proc/{pid}") and "zombie" not in _proc_state(pid):
+                assert time.monotonic() < deadline + 30, f"worker {pid} did not end"
+                time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            supervisor.kill()
 
-        async def main():
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", {worker!r}, stdout=asyncio.subprocess.PIPE,
-                start_new_session=True, preexec_fn=_worker_preexec())
-            await proc.stdout.readline()
-            print(proc.pid, flush=True)
-            await asyncio.sleep(60)
 
-        asyncio.run(main())
-    """)], stdout=subprocess.PIPE, text=True)
-    assert supervisor.stdout is not None
-    worker_pid = int(supervisor.stdout.readline())
-    supervisor.send_signal(signal.SIGKILL)
-    supervisor.wait()
-    deadline = time.monotonic() + 10
-    # (The file exists a moment before its text is written.)
-    while not (mark.exists() and mark.read_text() == "yes"):
-        assert time.monotonic() < deadline, "the worker never got SIGTERM"
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(worker_pid, signal.SIGKILL)
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((line for line in f if line.startswith("State:")), "").lower()
+    except OSError:
+        return "zombie"
 
 
 async def test_a_second_signal_while_the_target_starts_exits_1_at_once(
@@ -374,16 +372,17 @@ async def test_workers_drain_when_every_process_gets_the_stop_signal(
 
 
 _STUCK_HANDLER_APP = '''
-import asyncio, concurrent.futures, os, pathlib, threading, time
+import asyncio, concurrent.futures, contextlib, os, pathlib, threading, time
 from rmq_async.app import App
 from rmq_async.consumer.listener import ListenerAdapter
 from rmq_async.consumer.results import ConsumeContext
 from rmq_async.protocol.types import MessageExt, MessageQueue
 
 class StuckHandler(App):
-    """STUCK=1: a plain handler stuck in its worker thread; stop() gives up on it (cancelling
-    the task that awaits it), the thread runs on. STUCK=0: a library's executor thread, idle,
-    which ends with the interpreter."""
+    """STUCK=handler: a plain handler stuck in its worker thread; stop() gives up on it
+    (cancelling the task that awaits it), the thread runs on. STUCK=hook: the same of a
+    plain hook over its time. STUCK=no: a library's executor thread, idle, which ends with
+    the interpreter."""
 
     @property
     def consumers(self):
@@ -391,7 +390,7 @@ class StuckHandler(App):
 
     async def start(self):
         running = threading.Event()
-        if os.environ["STUCK"] == "1":
+        if os.environ["STUCK"] == "handler":
             def handler(msg):
                 running.set()
                 time.sleep(60)
@@ -410,14 +409,19 @@ class StuckHandler(App):
     async def stop(self, timeout=30.0):
         self.call.cancel()
         await asyncio.wait({self.call})
+        if os.environ["STUCK"] == "hook":  # a plain on_shutdown hook over its time
+            from rmq_async.consumer.hooks import call_user
+
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(call_user(time.sleep, 60), 0.3)
 
 app = StuckHandler()
 '''
 
 
-@pytest.mark.parametrize("stuck", [True, False])
+@pytest.mark.parametrize("stuck", ["handler", "hook", "no"])
 def test_a_handler_thread_left_running_ends_the_process_with_status_1(
-        tmp_path: Path, stuck: bool) -> None:
+        tmp_path: Path, stuck: str) -> None:
     """``run`` drained (its stop gave up on a plain handler still running), but the process
     waited for the handler's thread, whatever the signals, and then exited 0. Only handler
     threads count: a library's idle executor thread leaves a drained run at 0."""
@@ -425,8 +429,7 @@ def test_a_handler_thread_left_running_ends_the_process_with_status_1(
     import time
 
     (tmp_path / "stuck_app_mod.py").write_text(_STUCK_HANDLER_APP)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "MARKS": str(tmp_path),
-           "STUCK": "1" if stuck else "0"}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "MARKS": str(tmp_path), "STUCK": stuck}
     proc = subprocess.Popen([sys.executable, "-m", "rmq_async.cli", "run", "stuck_app_mod:app",
                              "--grace", "2"], env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -439,5 +442,51 @@ def test_a_handler_thread_left_running_ends_the_process_with_status_1(
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
-    assert proc.returncode == (1 if stuck else 0), err
-    assert ("cli.threads_left" in err) is stuck
+    assert proc.returncode == (0 if stuck == "no" else 1), err
+    assert ("cli.threads_left" in err) is (stuck != "no")
+
+
+class _SlowDrain(App):
+    @property
+    def consumers(self) -> list[PushConsumer]:
+        return []
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self, timeout: float | None = 30.0) -> None:
+        await asyncio.sleep(0.5)
+
+
+@pytest.mark.parametrize(("written", "close", "status"), [
+    (b"s", True, 0),    # a stop, then the supervisor dies while the worker drains: one stop
+    (b"", True, 0),     # the supervisor dies: a stop
+    (b"ss", False, 1),  # two stops at once: the second forces the exit (no traceback)
+])
+async def test_a_workers_stop_pipe(written: bytes, close: bool, status: int,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from rmq_async.cli import run as run_module
+
+    mod = ModuleType("cli_slow_drain_mod")
+    mod.app = _SlowDrain()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cli_slow_drain_mod", mod)
+    read_end, write_end = os.pipe()
+    monkeypatch.setenv(run_module.STOP_FD_ENV, str(read_end))
+    loop = asyncio.get_running_loop()
+
+    def supervisor() -> None:
+        if written:
+            os.write(write_end, written)
+        if close:
+            loop.call_later(0.2, os.close, write_end)  # during the drain
+
+    loop.call_later(0.3, supervisor)
+    try:
+        async with asyncio.timeout(10):
+            rc = await run_module.run_worker("cli_slow_drain_mod:app", grace=5.0)
+    finally:
+        if not close:
+            os.close(write_end)
+    assert rc == status
+    with pytest.raises(OSError):
+        os.fstat(read_end)  # closed by the worker
