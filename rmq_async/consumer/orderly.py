@@ -56,6 +56,7 @@ YIELD_DELAY = 0.01               # after MAX_TIME_CONSUME_CONTINUOUSLY, resubmit
 NOT_LOCKED_PULL_DELAY = 3.0      # a queue not locked is not pulled; look again after 3 s
 UNLOCK_WAIT = 20.0               # longest wait for an in-flight batch before giving a queue up
 BROKER_LOCK_EXPIRY = 60.0        # a broker's queue lock lapses this long after its last renewal
+LOCK_EXPIRY_MARGIN = 5.0         # a deferred release gives up this long before that
 
 
 @dataclass(slots=True)
@@ -78,6 +79,9 @@ class OrderlyConsumeService:
         self._owner = TaskOwner(f"orderly[{rt.group}]")
         # One lock per queue: held while a batch of that queue is with the listener.
         self._consume_locks: dict[MessageQueue, asyncio.Lock] = {}
+        # Queues given up while a batch of theirs ran on, until that batch has ended and the
+        # queue is persisted and unlocked (see release()).
+        self._releasing: dict[MessageQueue, asyncio.Task[None]] = {}
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -458,15 +462,19 @@ class OrderlyConsumeService:
         ok = await self.lock(mq)
         self.submit_later(pq, mq, CONSUME_AFTER_LOCK_OK if ok else CONSUME_AFTER_LOCK_FAILED)
 
-    async def release(self, mq: MessageQueue, pq: ProcessQueue) -> None:
+    async def release(self, mq: MessageQueue, pq: ProcessQueue) -> bool:
         """Give a queue up: wait for its in-flight batch, persist its offset, unlock it.
+        False when that is deferred (below): the offset store's entry is then the deferred
+        release's to drop.
 
         A batch still running after :data:`UNLOCK_WAIT` keeps the queue locked, at the broker
-        and here (the consume lock stays, so that this client, taking the queue up again, waits
-        for that batch): another consumer of the queue beside the running batch would break
-        the queue's order. A task then waits for the batch (up to the broker's 60 s lock
-        expiry), persists the offset it committed and unlocks the queue, as Java's rebalance
-        retries ``removeUnnecessaryMessageQueue`` until the batch has ended.
+        and here (the consume lock stays): another consumer of the queue beside the running
+        batch would break the queue's order. A task then waits for the batch, persists the
+        offset it committed and unlocks the queue, as Java's rebalance retries
+        ``removeUnnecessaryMessageQueue`` until the batch has ended; meanwhile this client does
+        not take the queue again (:meth:`releasing`). It gives up shortly before the broker's
+        lock lapses (another client may own the queue then), and ``stop()`` waits for it
+        within its timeout.
         """
         rt = self._rt
         lock = self.consume_lock(mq)
@@ -475,10 +483,10 @@ class OrderlyConsumeService:
                 await lock.acquire()
         except TimeoutError:
             log.warning("orderly.unlock_deferred_busy", queue=str(mq), waited=UNLOCK_WAIT)
-            await rt.offset_store.persist(mq)
             pq.locked = False
-            self._owner.spawn(self._release_when_idle(mq, lock), name=f"release:{mq}")
-            return
+            self._releasing[mq] = self._owner.spawn(
+                self._release_when_idle(mq, pq, lock), name=f"release:{mq}")
+            return False
         try:
             await rt.offset_store.persist(mq)
             if self.clustering:
@@ -487,29 +495,48 @@ class OrderlyConsumeService:
         finally:
             lock.release()
             self._consume_locks.pop(mq, None)
+        return True
 
-    async def _release_when_idle(self, mq: MessageQueue, lock: asyncio.Lock) -> None:
+    def releasing(self, mq: MessageQueue) -> bool:
+        """Is ``mq`` still being given up (its batch running on)? Not to be taken again yet."""
+        return mq in self._releasing
+
+    async def finish_releases(self, timeout: float) -> None:
+        """Wait, for at most ``timeout`` seconds, for the deferred releases (``stop()``)."""
+        if self._releasing:
+            await asyncio.wait(list(self._releasing.values()), timeout=max(timeout, 0.0))
+
+    async def _release_when_idle(self, mq: MessageQueue, pq: ProcessQueue,
+                                 lock: asyncio.Lock) -> None:
         """The end of :meth:`release` for a queue whose batch ran on: once the batch ends,
-        persist what it committed and unlock the queue (unless this client holds it again)."""
+        persist what it committed, unlock the queue and drop its offset entry."""
         rt = self._rt
         try:
-            async with asyncio.timeout(BROKER_LOCK_EXPIRY):
-                await lock.acquire()
-        except TimeoutError:
-            log.warning("orderly.unlock_given_up_busy", queue=str(mq))
-            return  # the broker's lock has expired by now
-        try:
-            held_again = mq in rt.process_queues
-            await rt.offset_store.persist(mq)
-            if not held_again:
-                rt.offset_store.remove(mq)
-                if self.clustering:
-                    await self.unlock(mq)
-            log.info("orderly.unlocked_after_batch", queue=str(mq), held_again=held_again)
+            lapse = pq.last_lock_timestamp + BROKER_LOCK_EXPIRY - LOCK_EXPIRY_MARGIN
+            try:
+                async with asyncio.timeout_at(
+                        asyncio.get_running_loop().time() + lapse - time.monotonic()):
+                    await lock.acquire()
+            except TimeoutError:
+                # The broker's lock lapses: another client may own the queue by now, and
+                # what this client would persist could be behind its progress.
+                log.warning("orderly.unlock_given_up_busy", queue=str(mq))
+                if mq not in rt.process_queues:
+                    rt.offset_store.remove(mq)
+                return
+            try:
+                await rt.offset_store.persist(mq)
+                if mq not in rt.process_queues:
+                    rt.offset_store.remove(mq)
+                    if self.clustering:
+                        await self.unlock(mq)
+                log.info("orderly.unlocked_after_batch", queue=str(mq))
+            finally:
+                lock.release()
+                if self._consume_locks.get(mq) is lock:
+                    del self._consume_locks[mq]
         finally:
-            lock.release()
-            if mq not in rt.process_queues and self._consume_locks.get(mq) is lock:
-                del self._consume_locks[mq]
+            self._releasing.pop(mq, None)
 
     async def pull_gate(self, req: PullRequest) -> float:
         """Clustering: pull only a locked queue; re-read its offset on the first locked pull."""

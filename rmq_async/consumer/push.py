@@ -492,6 +492,9 @@ class PushConsumer:
             if not await wait_all_idle(self._services(), timeout):
                 log.warning("consumer.stop_timeout", group=self.group, timeout=timeout)
             await self.consume_service.aclose()
+            # Orderly queues given up while a batch ran on: persisted and unlocked once it ended.
+            await self.orderly_service.finish_releases(
+                _stage_deadline(stop_by, timeout) - asyncio.get_running_loop().time())
             await self.orderly_service.aclose()
             # A periodic persist round still sending ends first (an older offset of it that
             # the broker applied after the final one would move the queue back), as long as

@@ -227,6 +227,11 @@ class Rebalancer:
 
     async def _queue_assigned(self, mq: MessageQueue) -> bool:
         """Called before a new queue is pulled: orderly clustering consumers lock it first."""
+        if self._orderly is not None and self._orderly.releasing(mq):
+            # Given up while a batch of it ran on: taken again once that batch has ended.
+            log.info("rebalance.queue_still_releasing", queue=str(mq))
+            self.retry_soon()
+            return False
         if self._needs_lock(mq) and not await self._orderly.lock(mq):
             log.info("rebalance.queue_lock_refused", queue=str(mq))
             self.retry_soon()
@@ -242,11 +247,13 @@ class Rebalancer:
         await self._pull.stop_queue(mq)
         if self._needs_lock(mq) or pq.locked:
             # Unlock only after the batch being consumed on this queue has finished (also when
-            # the topic was unsubscribed and no longer counts as orderly).
-            await self._orderly.release(mq, pq)
+            # the topic was unsubscribed and no longer counts as orderly). A release deferred
+            # past a batch running on drops the offset entry itself, once it has persisted it.
+            if await self._orderly.release(mq, pq):
+                rt.offset_store.remove(mq)
         else:
             await rt.offset_store.persist(mq)
-        rt.offset_store.remove(mq)
+            rt.offset_store.remove(mq)
         log.info("rebalance.queue_removed", group=rt.group, queue=str(mq), reason=reason)
 
     async def drop_unsubscribed(self, topics: set[str]) -> None:

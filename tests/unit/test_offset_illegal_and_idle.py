@@ -213,6 +213,37 @@ async def test_a_dropped_queue_left_without_a_pull_task_is_taken_again() -> None
         await pull.aclose()
 
 
+async def test_a_queue_still_being_given_up_is_not_taken_again_until_it_is() -> None:
+    """An orderly queue given up while a batch of it ran on is released (persisted, unlocked)
+    once that batch ends; taken again meanwhile, the release would unlock it under this
+    client's new lock, or persist an older offset over the new one."""
+    opts = ConsumerOptions.from_kwargs("G")
+    rt = runtime(opts, ProcessQueue())
+    rt.process_queues.clear()
+    _ready_to_take_queues(rt, start=7)
+    rt.offset_store = _SlowStore()
+    pull = PullService(rt, router([]), on_queue_forgotten=lambda: None)
+
+    async def never(req: PullRequest, offset: int) -> Any:
+        return Pending()
+
+    pull._send = never  # type: ignore[method-assign]
+    releasing = {MQ}
+    orderly = SimpleNamespace(releasing=lambda mq: mq in releasing)
+    rebalancer = Rebalancer(rt, pull, orderly=orderly)  # type: ignore[arg-type]
+    try:
+        with capture_logs() as logs:
+            await rebalancer.apply_allocation("T", {MQ})
+        assert MQ not in rt.process_queues
+        assert [e["event"] for e in logs if e["event"].startswith("rebalance.queue_still")] == [
+            "rebalance.queue_still_releasing"]
+        releasing.clear()
+        await rebalancer.apply_allocation("T", {MQ})
+        assert MQ in rt.process_queues and pull.is_pulling(MQ)
+    finally:
+        await pull.aclose()
+
+
 async def test_a_queue_whose_start_offset_is_unknown_leaves_the_round_unbalanced() -> None:
     """The round is balanced only when the working queues are the allocated ones (Java
     ``rebalanceByTopic``): a queue not taken because its start offset could not be read is

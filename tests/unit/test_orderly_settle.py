@@ -443,8 +443,9 @@ async def test_a_retry_queue_batch_goes_to_each_topics_own_handler() -> None:
 async def test_a_busy_queue_given_up_is_unlocked_once_its_batch_ends(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue given up while its batch ran on: once the batch ends, what it committed is
-    persisted and the queue unlocked (it stayed locked until the broker's lock expired, and
-    the batch's commit was never persisted: the next owner consumed it again)."""
+    persisted, then its offset entry dropped and the queue unlocked (it stayed locked until
+    the broker's lock expired, and the batch's commit was never persisted: the next owner
+    consumed it again). Meanwhile the queue is not to be taken again."""
     monkeypatch.setattr(orderly_module, "UNLOCK_WAIT", 0.2)
     gate = asyncio.Event()
     calls: list[int] = []
@@ -454,29 +455,29 @@ async def test_a_busy_queue_given_up_is_unlocked_once_its_batch_ends(
         await gate.wait()
 
     h = _Harness(handler)
-    unlocked: list[MessageQueue] = []
-    persisted: list[list[int]] = []
+    steps: list[tuple[str, object]] = []
 
     async def unlock(mq: MessageQueue) -> None:
-        unlocked.append(mq)
+        steps.append(("unlock", mq))
 
     async def persist(mq: MessageQueue) -> None:
-        persisted.append(list(h.offsets.updates))
+        steps.append(("persist", h.offsets.updates[-1] if h.offsets.updates else None))
 
     h.service.unlock = unlock  # type: ignore[method-assign]
     h.offsets.persist = persist  # type: ignore[attr-defined]
-    h.offsets.remove = lambda mq: None  # type: ignore[attr-defined]
+    h.offsets.remove = lambda mq: steps.append(("remove", mq))  # type: ignore[attr-defined]
     h.service.start()
     try:
         h.put(range(0, 1))
         await h.until(lambda: calls == [0])
         del h.rt.process_queues[MQ]
         h.pq.dropped = True
-        await h.service.release(MQ, h.pq)
-        assert unlocked == [] and persisted == [[]]
+        assert await h.service.release(MQ, h.pq) is False  # deferred
+        assert steps == [] and h.service.releasing(MQ)
         gate.set()
-        await h.until(lambda: unlocked == [MQ])
-        assert persisted[-1] == [1]  # the batch's commit, persisted before the unlock
+        await h.until(lambda: not h.service.releasing(MQ))
+        # The batch's commit (offset 1), persisted before the entry goes and the unlock.
+        assert steps == [("persist", 1), ("remove", MQ), ("unlock", MQ)]
     finally:
         gate.set()
         await h.service.aclose()

@@ -60,6 +60,9 @@ class _Idle:
     async def wait_idle(self) -> None:
         return None
 
+    async def finish_releases(self, timeout: float) -> None:
+        return None
+
     async def aclose(self) -> None:
         return None
 
@@ -85,6 +88,7 @@ async def test_stop_is_bounded_when_the_broker_answers_no_offset_update(orderly:
         c.orderly_service._rt = cast(Any, SimpleNamespace(instance=inst, group="G",
                                                           client_id="cid"))
         c.orderly_service.wait_idle = _Idle().wait_idle  # type: ignore[method-assign]
+        c.orderly_service._releasing = {}
         c.orderly_service.aclose = _Idle().aclose  # type: ignore[method-assign]
     else:
         c.orderly_service = cast(Any, _Idle())
