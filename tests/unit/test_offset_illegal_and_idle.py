@@ -189,13 +189,9 @@ async def test_a_failed_persist_of_an_offset_illegal_fix_still_forgets_the_queue
         "pull.offset_illegal", "pull.offset_fix_persist_failed"]
 
 
-async def test_a_dropped_queue_left_without_a_pull_task_is_taken_again() -> None:
-    """However a dropped queue came to stay in the table with no pull task, the next rebalance
-    round takes it out and back in (Java gets there through pull expiry)."""
-    opts = ConsumerOptions.from_kwargs("G")
-    pq = ProcessQueue()
-    pq.dropped = True
-    rt = runtime(opts, pq)
+def _quiet_pulls(rt: Any) -> PullService:
+    """A pull service for ``rt``, ready to take queues (start offset 7), whose pulls never
+    get an answer."""
     _ready_to_take_queues(rt, start=7)
     rt.offset_store = _SlowStore()
     pull = PullService(rt, router([]), on_queue_forgotten=lambda: None)
@@ -204,6 +200,17 @@ async def test_a_dropped_queue_left_without_a_pull_task_is_taken_again() -> None
         return Pending()
 
     pull._send = never  # type: ignore[method-assign]
+    return pull
+
+
+async def test_a_dropped_queue_left_without_a_pull_task_is_taken_again() -> None:
+    """However a dropped queue came to stay in the table with no pull task, the next rebalance
+    round takes it out and back in (Java gets there through pull expiry)."""
+    opts = ConsumerOptions.from_kwargs("G")
+    pq = ProcessQueue()
+    pq.dropped = True
+    rt = runtime(opts, pq)
+    pull = _quiet_pulls(rt)
     try:
         await Rebalancer(rt, pull, orderly=None).apply_allocation("T", {MQ})  # type: ignore[arg-type]
         taken = rt.process_queues[MQ]
@@ -220,14 +227,7 @@ async def test_a_queue_still_being_given_up_is_not_taken_again_until_it_is() -> 
     opts = ConsumerOptions.from_kwargs("G")
     rt = runtime(opts, ProcessQueue())
     rt.process_queues.clear()
-    _ready_to_take_queues(rt, start=7)
-    rt.offset_store = _SlowStore()
-    pull = PullService(rt, router([]), on_queue_forgotten=lambda: None)
-
-    async def never(req: PullRequest, offset: int) -> Any:
-        return Pending()
-
-    pull._send = never  # type: ignore[method-assign]
+    pull = _quiet_pulls(rt)
     releasing = {MQ}
     orderly = SimpleNamespace(releasing=lambda mq: mq in releasing)
     rebalancer = Rebalancer(rt, pull, orderly=orderly)  # type: ignore[arg-type]

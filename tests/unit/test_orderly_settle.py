@@ -358,12 +358,9 @@ async def test_a_handler_raising_cancelled_error_of_its_own_suspends_the_queue_o
     assert calls == [0, 1, 1, 2, 3, 4]
 
 
-async def test_a_queue_given_up_while_its_batch_runs_is_not_unlocked(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rebalance gives a queue up while a batch of it is still running past UNLOCK_WAIT:
-    it was unlocked at the broker anyway (another client could consume the queue beside that
-    batch) and its consume lock dropped (this client, taking the queue again, consumed it
-    beside that batch). Java leaves the broker lock to expire."""
+def _held_batch(monkeypatch: pytest.MonkeyPatch) -> tuple[_Harness, asyncio.Event, list[int]]:
+    """A harness whose handler holds each message until the event is set, with a short
+    UNLOCK_WAIT; and the offsets handed to it."""
     monkeypatch.setattr(orderly_module, "UNLOCK_WAIT", 0.2)
     gate = asyncio.Event()
     calls: list[int] = []
@@ -372,7 +369,16 @@ async def test_a_queue_given_up_while_its_batch_runs_is_not_unlocked(
         calls.append(msg.queue_offset)
         await gate.wait()
 
-    h = _Harness(handler)
+    return _Harness(handler), gate, calls
+
+
+async def test_a_queue_given_up_while_its_batch_runs_is_not_unlocked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebalance gives a queue up while a batch of it is still running past UNLOCK_WAIT:
+    it was unlocked at the broker anyway (another client could consume the queue beside that
+    batch) and its consume lock dropped (this client, taking the queue again, consumed it
+    beside that batch). Java leaves the broker lock to expire."""
+    h, gate, calls = _held_batch(monkeypatch)
     unlocked: list[MessageQueue] = []
 
     async def unlock(mq: MessageQueue) -> None:
@@ -446,15 +452,7 @@ async def test_a_busy_queue_given_up_is_unlocked_once_its_batch_ends(
     persisted, then its offset entry dropped and the queue unlocked (it stayed locked until
     the broker's lock expired, and the batch's commit was never persisted: the next owner
     consumed it again). Meanwhile the queue is not to be taken again."""
-    monkeypatch.setattr(orderly_module, "UNLOCK_WAIT", 0.2)
-    gate = asyncio.Event()
-    calls: list[int] = []
-
-    async def handler(msg: MessageExt) -> None:
-        calls.append(msg.queue_offset)
-        await gate.wait()
-
-    h = _Harness(handler)
+    h, gate, calls = _held_batch(monkeypatch)
     steps: list[tuple[str, object]] = []
 
     async def unlock(mq: MessageQueue) -> None:
