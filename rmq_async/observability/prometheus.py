@@ -107,6 +107,13 @@ _collectors: weakref.WeakKeyDictionary[CollectorRegistry, ConsumerCollector] = (
 _collectors_lock = threading.Lock()
 
 
+def _ended(consumer: PushConsumer) -> bool:
+    """Stopping or stopped, or its start failed: it began a start and does not run."""
+    return bool(getattr(consumer, "stopping", False)) or (
+        not getattr(consumer, "is_running", True)
+        and bool(getattr(consumer, "start_timestamp", 0)))
+
+
 class ConsumerCollector(Collector):
     """Yields the metrics of the consumers added to it, read when the registry is scraped.
 
@@ -121,9 +128,10 @@ class ConsumerCollector(Collector):
     def add(self, consumer: PushConsumer) -> None:
         with self._lock:
             # A stopped member of the group makes room for its successor (a supervisor that
-            # starts a new consumer object after stopping the old one, say).
+            # starts a new consumer object after stopping the old one, say), and so does one
+            # whose start() failed (it began a start and does not run).
             live = [c for c in self._live() if c is not consumer
-                    and not (c.group == consumer.group and getattr(c, "stopping", False))]
+                    and not (c.group == consumer.group and _ended(c))]
             if any(c.group == consumer.group for c in live):
                 raise InvalidArgumentError(f"a consumer of group {consumer.group!r} is already exported to "
                                  "this registry; give each member its own registry")

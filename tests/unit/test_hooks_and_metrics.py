@@ -242,6 +242,8 @@ class _FakeConsumer:
     process_queues: dict[MessageQueue, ProcessQueue] = field(default_factory=dict)
     lags: dict[MessageQueue, QueueLag] = field(default_factory=dict)
     healthy: bool = True
+    is_running: bool = False
+    start_timestamp: int = 0  # set when a start() begins
 
     def lag(self) -> dict[MessageQueue, QueueLag]:
         return self.lags
@@ -312,6 +314,17 @@ def test_one_collector_per_registry_and_one_member_per_group() -> None:
     successor = _FakeConsumer("A")
     prom.instrument(successor, registry)  # type: ignore[arg-type]
     assert prom._collectors[registry]._live() == [b, successor]
+    # So does one whose start() failed (it began a start and does not run): a retry with a
+    # new object was refused.
+    successor.start_timestamp = 1_700_000_000_000
+    retried = _FakeConsumer("A")
+    prom.instrument(retried, registry)  # type: ignore[arg-type]
+    assert prom._collectors[registry]._live() == [b, retried]
+    # One running, or never started, keeps its place.
+    retried.is_running = True
+    retried.start_timestamp = 1_700_000_000_001
+    with pytest.raises(InvalidArgumentError, match="already exported"):
+        prom.instrument(_FakeConsumer("A"), registry)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("module, extra, missing", [
