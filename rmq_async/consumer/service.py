@@ -116,23 +116,14 @@ class ServiceRouter:
         if topic != self._retry_topic:
             self._submit_to(topic, msgs, pq, mq, first)
             return
-        by_origin: dict[str, list[MessageExt]] = {}
+        # One part per origin topic, or per sink for the topics of one sink, in offset order.
+        parts: dict[str | int, tuple[str, list[MessageExt]]] = {}
         for m in msgs:
-            by_origin.setdefault(m.properties.get(PROPERTY_RETRY_TOPIC, topic), []).append(m)
-        if len(by_origin) == 1:
-            for origin, part in by_origin.items():
-                self._submit_to(origin, part, pq, mq, first)
-            return
-        by_sink: dict[int, list[MessageExt]] = {}
-        for origin, part in by_origin.items():
+            origin = m.properties.get(PROPERTY_RETRY_TOPIC, topic)
             sink = self._subs.sink_for(origin)
-            if sink is None:
-                self._submit_to(origin, part, pq, mq, first)
-            else:
-                by_sink.setdefault(id(sink), []).extend(part)
-        for part in by_sink.values():
-            part.sort(key=_queue_offset)
-            self.sink.submit(part, pq, mq, first)
+            parts.setdefault(origin if sink is None else id(sink), (origin, []))[1].append(m)
+        for origin, part in parts.values():
+            self._submit_to(origin, part, pq, mq, first)
 
     def submit_stored(self, chunk: StoredChunk, pq: ProcessQueue, mq: MessageQueue,
                       first: bool) -> None:
@@ -146,10 +137,6 @@ class ServiceRouter:
             self.sink.submit(msgs, pq, mq, first)
             return
         self.concurrent.submit(msgs, pq, mq, first)
-
-
-def _queue_offset(msg: MessageExt) -> int:
-    return msg.queue_offset
 
 
 async def wait_all_idle(services: Iterable[ConsumeService], timeout: float) -> bool:
