@@ -46,7 +46,7 @@ from rmq_async.consumer.results import (
 )
 from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY, PullRequest
 from rmq_async.consumer.subscriptions import reset_retry_topic
-from rmq_async.consumer.tasks import TaskOwner, being_cancelled
+from rmq_async.consumer.tasks import TaskOwner, is_cancellation
 from rmq_async.protocol.message import put_each
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 
@@ -192,7 +192,7 @@ class ConcurrentConsumeService:
             try:
                 await self._consume(req)
             except (Exception, asyncio.CancelledError) as exc:
-                if isinstance(exc, asyncio.CancelledError) and being_cancelled():
+                if is_cancellation(exc):
                     raise
                 # A bug must not cost the consumer a worker. The chunk's messages are still
                 # cached (nothing was removed), so they are consumed again after a pause.
@@ -265,7 +265,7 @@ class ConcurrentConsumeService:
                     except DeadLetter as exc:
                         dead.append((m, exc.reason))
                     except (Exception, asyncio.CancelledError) as exc:
-                        if isinstance(exc, asyncio.CancelledError) and being_cancelled():
+                        if is_cancellation(exc):
                             raise
                         if not isinstance(exc, RetryLater):
                             log.warning("consume.handler_raised", topic=topic, queue=str(mq),
@@ -313,7 +313,7 @@ class ConcurrentConsumeService:
                         dead.extend((m, exc.reason) for m in batch)
                         raw = success
                     except (Exception, asyncio.CancelledError) as exc:
-                        if isinstance(exc, asyncio.CancelledError) and being_cancelled():
+                        if is_cancellation(exc):
                             raise
                         if not isinstance(exc, RetryLater):
                             log.warning("consume.handler_raised", topic=topic, queue=str(mq),

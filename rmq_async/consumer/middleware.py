@@ -35,7 +35,7 @@ from rmq_async.consumer.results import (
     RetryLater,
     normalize_result,
 )
-from rmq_async.consumer.tasks import being_cancelled
+from rmq_async.consumer.tasks import is_cancellation
 from rmq_async.protocol.types import MessageExt, MessageQueue
 
 log = structlog.get_logger(__name__)
@@ -156,7 +156,7 @@ async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: Consum
             else exc.result is ConsumeResult.RECONSUME_LATER
         outcome = Outcome(exc.result if keep else failed)
     except (Exception, asyncio.CancelledError) as exc:
-        if isinstance(exc, asyncio.CancelledError) and being_cancelled():
+        if is_cancellation(exc):
             raise
         # A CancelledError of the handler's own (it awaited a task that was cancelled) is a
         # failure like any other: raised on, it would end the worker and strand the queue.

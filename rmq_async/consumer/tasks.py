@@ -52,6 +52,12 @@ def being_cancelled() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+def is_cancellation(exc: BaseException) -> bool:
+    """Is ``exc``, caught around user code, the running task's own cancellation (to raise
+    on), rather than a failure of that code (see :func:`being_cancelled`)?"""
+    return isinstance(exc, asyncio.CancelledError) and being_cancelled()
+
+
 class TaskOwner:
     """Creates, keeps and ends a component's background tasks.
 
