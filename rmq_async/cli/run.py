@@ -59,6 +59,8 @@ def _worker_preexec() -> None:
     sent while it starts is a stop request, not its death. (A worker whose supervisor dies
     sees its stop pipe end: no parent-death signal, which Linux may send more than once.)"""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
 #: Seconds the supervisor gives its workers beyond ``--grace`` (their own drain is bounded by
 #: it) before it kills them.
 OVERRUN_MARGIN = 5.0

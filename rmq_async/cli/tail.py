@@ -146,9 +146,12 @@ class _PipeProtocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.writable = asyncio.Event()
         self.writable.set()
-        self.lost = False
-        self.gone = asyncio.Event()  # set with ``lost``
+        self.gone = asyncio.Event()  # the connection is lost
         self.on_lost: Callable[[], None] | None = None
+
+    @property
+    def lost(self) -> bool:
+        return self.gone.is_set()
 
     def pause_writing(self) -> None:
         self.writable.clear()
@@ -159,9 +162,8 @@ class _PipeProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         # Also when the reader closes its end with nothing being written (a pipe is watched
         # for that): tail then ends at once, not at the next message's write.
-        self.lost = True
-        self.writable.set()
         self.gone.set()
+        self.writable.set()
         if self.on_lost is not None:
             self.on_lost()
 

@@ -514,8 +514,7 @@ class OrderlyConsumeService:
         try:
             lapse = pq.last_lock_timestamp + BROKER_LOCK_EXPIRY - LOCK_EXPIRY_MARGIN
             try:
-                async with asyncio.timeout_at(
-                        asyncio.get_running_loop().time() + lapse - time.monotonic()):
+                async with asyncio.timeout(lapse - time.monotonic()):
                     await lock.acquire()
             except TimeoutError:
                 # The broker's lock lapses: another client may own the queue by now, and

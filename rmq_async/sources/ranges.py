@@ -778,22 +778,19 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
                 continue
             # Anything but FOUND: settle this offset alone, then plan again from where it ends.
             drop_inflight()
-            if (status is PullStatus.OFFSET_ILLEGAL and moved < MOVED_RETRIES
+            stuck = status is PullStatus.NO_MATCHED_MSG and nxt <= offset
+            if ((status is PullStatus.OFFSET_ILLEGAL or stuck) and moved < MOVED_RETRIES
                     and result.min_offset <= offset < result.max_offset):
-                # The queue has this offset: the answer is the broker handing out an admin
-                # offset reset of the pull group (PULL_OFFSET_MOVED, useServerSideResetOffset),
-                # which it does once. This read's range stands: pull the same offset again.
+                # The queue has this offset, so this read's range stands: pull it again.
+                # OFFSET_ILLEGAL: the broker handing out an admin offset reset of the pull
+                # group (PULL_OFFSET_MOVED, useServerSideResetOffset), which it does once.
+                # NO_MATCHED_MSG that does not move on (PULL_RETRY_IMMEDIATELY): it could not
+                # read the offset this time (a store read error; a static topic's switch to
+                # its next item); retried, as the name says, after a moment.
                 moved += 1
                 planned = offset
-                continue
-            if (status is PullStatus.NO_MATCHED_MSG and nxt <= offset and moved < MOVED_RETRIES
-                    and result.min_offset <= offset < result.max_offset):
-                # PULL_RETRY_IMMEDIATELY that does not move on, for an offset the queue has:
-                # the broker could not read it this time (a store read error; a static
-                # topic's switch to its next item). Retry, as the name says, a few times.
-                moved += 1
-                planned = offset
-                await asyncio.sleep(0.05 * moved)
+                if stuck:
+                    await asyncio.sleep(0.05 * moved)
                 continue
             moved = 0
             if status is PullStatus.NO_MATCHED_MSG and nxt > offset:
