@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from rmq_async.protocol import message as message_codec
 from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import (
     PROPERTY_CONSUME_START_TIME,
@@ -140,14 +141,22 @@ class ProcessQueue:
         matters for orderly consumption, where one task drains a queue and
         :meth:`take_messages` clears the mark once the cache is empty).
         """
+        if type(msgs) is not list:
+            msgs = list(msgs)
         msgs_map = self._msgs
         consuming = self._consuming
-        added = 0
-        size = 0
-        last: MessageExt | None = None
+        offsets = self._offsets
         top = self.queue_offset_max
-        for msg in msgs:
-            last = msg
+        # The common case, a chunk above everything cached, in one step; the rest (a message
+        # consumed again lands below) one by one.
+        i, run, size = message_codec.cache_run(msgs, msgs_map, consuming,
+                                               offsets[-1] if offsets else -1)
+        added = len(run)
+        if added:
+            offsets.extend(run)
+            if run[-1] > top:
+                top = run[-1]
+        for msg in msgs[i:] if i < len(msgs) else ():
             offset = msg.queue_offset
             if offset in msgs_map or offset in consuming:
                 continue
@@ -164,7 +173,8 @@ class ProcessQueue:
         self.queue_offset_max = top
         self.msg_count += added
         self.msg_size += size
-        if last is not None:
+        if msgs:
+            last = msgs[-1]
             max_offset = last.get_property(PROPERTY_MAX_OFFSET)
             if max_offset is not None:
                 try:
@@ -287,14 +297,8 @@ class ProcessQueue:
         msgs_map = self._msgs
         if not msgs_map:
             return -1
-        removed = 0
-        size = 0
-        for msg in msgs:
-            cached = msgs_map.get(msg.queue_offset)
-            if cached is not None and not isinstance(cached, StoredChunk):
-                del msgs_map[msg.queue_offset]
-                removed += 1
-                size += len(cached.body)
+        removed, size = message_codec.uncache(msgs if type(msgs) is list else list(msgs),
+                                              msgs_map, StoredChunk)
         if removed:
             self.msg_count -= removed
             self.msg_size = 0 if self.msg_count == 0 else self.msg_size - size

@@ -444,6 +444,54 @@ cdef _put_each(list msgs, dict values):
         _put(msg, S_PROPS_PENDING, last_new)
 
 
+cdef inline object _slot_or_attr(object msg, int slot, str name):
+    """A slot of a MessageExt read directly; any other object's attribute (or an unset slot's
+    AttributeError) the usual way."""
+    cdef object value
+    if type(msg) is _message_type:
+        value = _get(msg, slot)
+        if value is not None:
+            return value
+    return getattr(msg, name)
+
+
+def cache_run(list msgs not None, dict cache not None, dict taken not None, object last):
+    """Compiled ``_cache_run``: the same, reading the slots directly."""
+    cdef Py_ssize_t i = 0, size = 0
+    cdef list added = []
+    cdef object msg, offset
+    while i < PyList_GET_SIZE(msgs):  # read each time: other types run code of their own
+        msg = <object> PyList_GET_ITEM(msgs, i)
+        offset = _slot_or_attr(msg, S_QUEUE_OFFSET, "queue_offset")
+        if offset in cache or (taken and offset in taken):
+            i += 1
+            continue
+        if offset <= last:
+            break
+        cache[offset] = msg
+        PyList_Append(added, offset)
+        size += len(_slot_or_attr(msg, S_BODY, "body"))
+        last = offset
+        i += 1
+    return i, added, size
+
+
+def uncache(list msgs not None, dict cache not None, type keep not None):
+    """Compiled ``_uncache``: the same, reading the slots directly."""
+    cdef Py_ssize_t i = 0, removed = 0, size = 0
+    cdef object msg, offset, cached
+    while i < PyList_GET_SIZE(msgs):  # read each time: other types run code of their own
+        msg = <object> PyList_GET_ITEM(msgs, i)
+        i += 1
+        offset = _slot_or_attr(msg, S_QUEUE_OFFSET, "queue_offset")
+        cached = cache.get(offset)
+        if cached is not None and not isinstance(cached, keep):
+            del cache[offset]
+            removed += 1
+            size += len(_slot_or_attr(cached, S_BODY, "body"))
+    return removed, size
+
+
 def decode_records(bytes data not None, list out not None, bint decompress, bint unwrap_batch,
                    max_body_size, Py_ssize_t limit):
     """Compiled ``_decode_records``: append the messages of ``data`` to ``out``."""

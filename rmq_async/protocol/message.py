@@ -758,6 +758,46 @@ def _put_each(msgs: list[MessageExt], values: dict[str, str]) -> None:
         m._set_pending(last_new)
 
 
+def _cache_run(msgs: list[MessageExt], cache: dict[int, Any], taken: dict[int, Any],
+               last: int) -> tuple[int, list[int], int]:
+    """File the leading run of ``msgs`` whose offsets go up from ``last`` in ``cache`` (the
+    :class:`~rmq_async.consumer.process_queue.ProcessQueue` dict by offset), skipping offsets
+    already in ``cache`` or ``taken``.
+
+    Returns where the run stopped (``len(msgs)``, or the index of the first message whose offset
+    is not cached and not above the highest one filed so far: the caller files the rest one by
+    one), the offsets filed in order, and their body bytes."""
+    added: list[int] = []
+    append = added.append
+    size = 0
+    for i, m in enumerate(msgs):
+        offset = m.queue_offset
+        if offset in cache or (taken and offset in taken):
+            continue
+        if offset <= last:
+            return i, added, size
+        cache[offset] = m
+        append(offset)
+        size += len(m.body)
+        last = offset
+    return len(msgs), added, size
+
+
+def _uncache(msgs: list[MessageExt], cache: dict[int, Any], keep: type) -> tuple[int, int]:
+    """Take the messages cached under the offsets of ``msgs`` out of ``cache``, but no entry that
+    is an instance of ``keep`` (a sink's stored chunk); returns how many and their body bytes."""
+    removed = 0
+    size = 0
+    for m in msgs:
+        offset = m.queue_offset
+        cached = cache.get(offset)
+        if cached is not None and not isinstance(cached, keep):
+            del cache[offset]
+            removed += 1
+            size += len(cached.body)
+    return removed, size
+
+
 # ---------------------------------------------------------------------------------------------
 # Implementation: the compiled twin (rmq_async/protocol/_cmessage.pyx) when it can be imported
 # and RMQ_ASYNC_NO_EXTENSIONS is not set, else the pure-Python functions above.
@@ -778,6 +818,15 @@ put_each: Callable[[list[MessageExt], dict[str, str]], None] = _put_each
 """Add ``values`` to the properties of every message of a chunk (the consume start time), one
 pending dict per chunk (compiled when the extension is in use)."""
 
+cache_run: Callable[[list[MessageExt], dict[int, Any], dict[int, Any], int],
+                    tuple[int, list[int], int]] = _cache_run
+"""A ProcessQueue's filing of a pulled chunk in offset order (compiled when the extension is in
+use; see :func:`_cache_run`)."""
+
+uncache: Callable[[list[MessageExt], dict[int, Any], type], tuple[int, int]] = _uncache
+"""A ProcessQueue's removal of consumed messages (compiled when the extension is in use; see
+:func:`_uncache`)."""
+
 message_columns: Callable[[list[MessageExt]], dict[str, Any] | None] | None = None
 """The compiled converter of messages to the buffers of the sink's Arrow columns, or None
 without the extension (see ``rmq_async.sinks._arrow``)."""
@@ -792,13 +841,26 @@ record_columns: Callable[[list[tuple[bytes, str, dict[str, str] | None]], int,
 without the extension."""
 
 
+_COMPILED_NAMES = (
+    "install", "decode_records", "decode_properties", "parse_raw_properties",
+    "find_raw_property", "json_header", "message_columns", "stamp_delivered", "put_each",
+    "cache_run", "uncache", "scan_records", "record_columns",
+)
+
+
 def _use_compiled() -> bool:
     global _records, _decode_properties_impl, message_columns, put_each, stamp_delivered
-    global scan_records, record_columns
+    global scan_records, record_columns, cache_run, uncache
     if os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0"):
         return False
     try:
         import rmq_async.protocol._cmessage as _cmessage
+
+        # An extension built from an older source (not rebuilt after an update) lacks a
+        # function: it is not used at all, rather than half.
+        missing = [name for name in _COMPILED_NAMES if not hasattr(_cmessage, name)]
+        if missing:
+            raise ImportError(f"the built extension is out of date (no {', '.join(missing)})")
     except ImportError as exc:
         structlog.get_logger(__name__).warning(
             "rmq_async.extensions_unavailable",
@@ -814,6 +876,8 @@ def _use_compiled() -> bool:
     message_columns = _cmessage.message_columns
     stamp_delivered = _cmessage.stamp_delivered
     put_each = _cmessage.put_each
+    cache_run = _cmessage.cache_run
+    uncache = _cmessage.uncache
     scan_records = _cmessage.scan_records
     record_columns = _cmessage.record_columns
     return True

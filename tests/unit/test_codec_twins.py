@@ -460,6 +460,34 @@ def test_missing_extension_falls_back_with_one_log_line() -> None:
 
 
 @needs_compiled
+def test_an_out_of_date_extension_is_not_used_at_all() -> None:
+    # An extension built from an older source lacks a function the pure module now expects:
+    # the process uses the pure twins throughout, with the one log line, and does not fail.
+    stale = (
+        "import sys\n"
+        "from importlib.machinery import PathFinder\n"
+        "class Stale:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name != 'rmq_async.protocol._cmessage':\n"
+        "            return None\n"
+        "        spec = PathFinder.find_spec(name, path)\n"
+        "        run = spec.loader.exec_module\n"
+        "        def exec_module(module):\n"
+        "            run(module)\n"
+        "            del module.uncache\n"
+        "        spec.loader.exec_module = exec_module\n"
+        "        return spec\n"
+        "sys.meta_path.insert(0, Stale())\n"
+    )
+    result = _implementation({}, prelude=stale)
+    assert result.returncode == 0, result.stderr
+    assert "IMPLEMENTATION=python" in result.stdout
+    output = result.stdout + result.stderr
+    lines = [line for line in output.splitlines() if "rmq_async.extensions_unavailable" in line]
+    assert len(lines) == 1 and "out of date (no uncache)" in lines[0], output
+
+
+@needs_compiled
 def test_compiled_messages_are_not_tracked_by_the_cycle_collector() -> None:
     import gc
 
