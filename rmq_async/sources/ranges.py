@@ -48,7 +48,13 @@ from rmq_async.protocol.bodies import ConsumerData, HeartbeatData
 from rmq_async.protocol.codes import RequestCode, ResponseCode
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.filter import SubscriptionData, build_subscription, tag_matches
-from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.protocol.message import stamp_delivered
+from rmq_async.protocol.types import (
+    PROPERTY_MAX_OFFSET,
+    PROPERTY_MIN_OFFSET,
+    MessageExt,
+    MessageQueue,
+)
 from rmq_async.remoting.errors import RemotingError
 
 __all__ = [
@@ -697,7 +703,8 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
                      fresh_queue: bool = False) -> AsyncGenerator[list[MessageExt], None]:
     """The messages of ``mq`` at offsets ``[start, end)``, in chunks of about ``chunk_rows``.
 
-    Each message has ``broker_name`` set. Offsets the broker no longer has (below its min
+    Each message has ``broker_name`` set, and the ``MIN_OFFSET`` / ``MAX_OFFSET`` properties of
+    the pull that brought it, as a consumer delivers it. Offsets the broker no longer has (below its min
     offset, or a hole) raise :class:`DataLossError`, or with ``failOnDataLoss=false`` are logged
     (``spark_source.data_loss``) and skipped; so is a queue whose max fell below ``end``.
     ``fresh_queue``: the queue appeared after the query started and is read from its first
@@ -749,6 +756,7 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
             if status is PullStatus.FOUND:
                 msgs = result.decode()
                 expect = offset
+                kept: list[MessageExt] = []
                 for m in msgs:
                     off = m.queue_offset
                     if off >= end:
@@ -760,8 +768,15 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
                     expect = off + 1
                     if filtered and not tag_matches(sub, m.tags):
                         continue
-                    m.broker_name = mq.broker_name
-                    chunk.append(m)
+                    kept.append(m)
+                if kept:
+                    # As a consumer delivers them (Java's processPullResult), so that a row
+                    # read here is the row a sink lands: the queue's broker name and the
+                    # pull's MIN_OFFSET / MAX_OFFSET properties.
+                    stamp_delivered(kept, mq.broker_name, {
+                        PROPERTY_MIN_OFFSET: str(result.min_offset),
+                        PROPERTY_MAX_OFFSET: str(result.max_offset)})
+                    chunk.extend(kept)
                 top = msgs[-1].queue_offset + 1 if msgs else offset
                 if not filtered and top < nxt and top < end:
                     # Without a filter the broker skips entries only when their messages are

@@ -29,7 +29,8 @@ SparkSession, then read as with any other format::
              .start())
 
 Rows have the Spark sink's schema (:data:`rmq_async.sinks.spark.SPARK_SCHEMA`), so code written
-against one works on the other; a user-given schema must equal it.
+against one works on the other; a user-given schema must equal it. Their properties are those a
+consumer delivers, the pull's ``MIN_OFFSET`` and ``MAX_OFFSET`` included, as in the sink's rows.
 
 How it works
 ------------

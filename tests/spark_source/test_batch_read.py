@@ -18,7 +18,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from rmq_async.devbroker import LocalRocketMQ
-from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.protocol.message import stamp_delivered
+from rmq_async.protocol.types import (
+    PROPERTY_MAX_OFFSET,
+    PROPERTY_MIN_OFFSET,
+    MessageExt,
+    MessageQueue,
+)
 from rmq_async.sinks._arrow import messages_to_arrow
 from rmq_async.sinks.spark import SPARK_SCHEMA
 from rmq_async.sources.ranges import DataLossError, SourceOptions, read_range_all
@@ -41,10 +47,17 @@ def _sorted(table: pa.Table) -> pa.Table:
 
 
 def _expected(msgs: list[MessageExt], start: dict[MessageQueue, int],
-              end: dict[MessageQueue, int]) -> pa.Table:
-    picked = [m for m in msgs
-              if start[MessageQueue(m.topic, m.broker_name, m.queue_id)] <= m.queue_offset
-              < end[MessageQueue(m.topic, m.broker_name, m.queue_id)]]
+              end: dict[MessageQueue, int], maxes: dict[MessageQueue, int]) -> pa.Table:
+    """The rows of ``msgs`` in the ranges, as delivered: each with its queue's MIN_OFFSET (0,
+    a fresh topic) and MAX_OFFSET (the topic is complete before the read) properties."""
+    picked: list[MessageExt] = []
+    for mq in sorted(start):
+        in_range = [m for m in msgs
+                    if MessageQueue(m.topic, m.broker_name, m.queue_id) == mq
+                    and start[mq] <= m.queue_offset < end[mq]]
+        stamp_delivered(in_range, mq.broker_name, {PROPERTY_MIN_OFFSET: "0",
+                                                   PROPERTY_MAX_OFFSET: str(maxes[mq])})
+        picked.extend(in_range)
     return _sorted(messages_to_arrow(picked).cast(spark_arrow_schema()))
 
 
@@ -92,7 +105,7 @@ async def test_batch_read_between_offsets_gives_exactly_those_rows(
     assert df.schema == SPARK_SCHEMA
     got = _sorted(df.toArrow())
     read_s = time.monotonic() - t1
-    want = _expected(everything, start, end)
+    want = _expected(everything, start, end, maxes)
     assert got.num_rows == sum(end[mq] - start[mq] for mq in queues)
     assert got.schema.equals(want.schema), (got.schema, want.schema)
     assert got.equals(want)

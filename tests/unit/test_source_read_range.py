@@ -327,3 +327,22 @@ def test_an_executor_that_holds_a_chunk_longer_than_the_timeout_reads_on() -> No
         assert rows == 64
     finally:
         broker.stop()
+
+
+def test_rows_carry_the_pulls_min_and_max_offset_as_a_consumers_messages_do() -> None:
+    # Java's processPullResult stamps every delivered message with the pull's MIN_OFFSET and
+    # MAX_OFFSET, and so does the push consumer feeding a sink: a source row is the same row.
+    queue = FakeQueue(low=5, high=90, cap=8, tags={7: "a"})
+    got: list[MessageExt] = []
+
+    async def collect() -> None:
+        async for chunk in read_range(FakeClient(queue), options(), MQ, 5, 40,  # type: ignore[arg-type]
+                                      chunk_rows=10):
+            got.extend(chunk)
+
+    asyncio.run(collect())
+    assert [m.queue_offset for m in got] == list(range(5, 40))
+    for m in got:
+        assert m.broker_name == "broker-a"
+        assert m.properties["MIN_OFFSET"] == "5" and m.properties["MAX_OFFSET"] == "90"
+    assert got[2].properties["TAGS"] == "a"  # the message's own properties are kept
