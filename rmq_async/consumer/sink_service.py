@@ -159,9 +159,15 @@ class SinkConsumeService:
             await sink.flush()
 
     async def aclose(self) -> None:
-        for sink in self._sinks():
+        """Close every sink side by side: one whose last write hangs does not keep the others
+        from writing their last batch (the caller bounds the whole by its timeout, and a
+        cancellation reaches every close still running)."""
+
+        async def close(sink: SparkSink) -> None:
             with contextlib.suppress(Exception):
                 await sink.aclose()
+
+        await asyncio.gather(*(close(sink) for sink in self._sinks()))
 
     # ------------------------------------------------------------------ offer / acknowledge
 

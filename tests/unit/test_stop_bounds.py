@@ -158,3 +158,33 @@ async def test_stop_is_bounded_by_its_timeout_when_a_sink_write_hangs() -> None:
     # The listeners' and sinks' time: the timeout; the tasks, the sink's close: a second each.
     assert took < 1.0 + 1.0 + 1.0 + 1.5, took
     assert not c._started
+
+
+async def test_one_hung_sink_does_not_keep_the_others_from_closing() -> None:
+    # stop() bounds the sinks' close by what is left of its timeout. Closed one after the
+    # other, a sink whose last write hung used all of it, and the sinks after it never wrote
+    # their last batch (their rows came again after a restart).
+    from rmq_async.consumer.sink_service import SinkConsumeService
+
+    class Sink:
+        def __init__(self, how: str) -> None:
+            self.how = how
+            self.closed = False
+
+        async def aclose(self) -> None:
+            if self.how == "hangs":
+                await asyncio.Event().wait()
+            if self.how == "raises":
+                raise RuntimeError("the last write failed")
+            self.closed = True
+
+    hung, failing, other = Sink("hangs"), Sink("raises"), Sink("closes")
+    rt = SimpleNamespace(options=SimpleNamespace(),
+                         subscriptions=SimpleNamespace(sinks=lambda: [hung, failing, other]))
+    service = SinkConsumeService(cast(ConsumerRuntime, rt))
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.5):
+            await service.aclose()
+    assert other.closed
+    assert time.monotonic() - began < 2.0
