@@ -4,7 +4,9 @@ The target is a :class:`~rmq_async.PushConsumer`, an :class:`~rmq_async.App`, a 
 consumers, or a callable (sync or async) returning one of those. On the first SIGTERM or SIGINT
 the consumers stop: pulling ends at once, listener calls in flight finish within the grace
 period and their offsets are persisted; the process exits 0. A second signal, or a drain that
-overruns the grace period, exits 1 at once.
+overruns the grace period, exits 1 at once; a drain that ended in time but left work undone
+(a consumer's ``stop_shortfalls``: listener calls given up, offsets not persisted, orderly
+locks not given back, a sink not closed) exits 1 after it.
 
 With ``--workers N`` (N > 1) the process supervises N worker processes, each running the same
 command with its own import of the target (so its own consumer instances, members of the same
@@ -238,6 +240,13 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
                 raise
             return 1  # a second signal cancelled the drain
         log.info("cli.stopped", took=round(time.monotonic() - t0, 3))
+        undone = {c.group: list(c.stop_shortfalls) for c in app.consumers if c.stop_shortfalls}
+        if undone:
+            # Within the grace period, but not all of it done: listener calls given up (their
+            # messages come again), offsets or orderly locks not handed back. A supervisor
+            # (systemd, Kubernetes) sees it in the status.
+            log.error("cli.drain_incomplete", left_undone=undone)
+            return 1
         return 0
     finally:
         for sig in STOP_SIGNALS:

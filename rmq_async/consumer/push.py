@@ -109,6 +109,11 @@ class PushConsumer:
         self._paused: set[str] = set()
         self.process_queues: dict[MessageQueue, ProcessQueue] = {}
         self.stats = ConsumerStats()
+        self.stop_shortfalls: tuple[str, ...] = ()
+        """What the last :meth:`stop` left undone within its timeout: ``"listeners"`` (listener
+        calls or sink writes still running), ``"sinks"`` (a sink not closed), ``"offsets"``
+        (the final offsets not all persisted) and ``"unlocks"`` (orderly locks not given
+        back). Empty after a clean stop."""
         self._started = False
         self._start_lock = asyncio.Lock()
         self._owner: TaskOwner | None = None
@@ -485,12 +490,14 @@ class PushConsumer:
             assert self._owner is not None and self._rt is not None
             stop_by = asyncio.get_running_loop().time() + timeout
             self._rt.stopping = True
+            shortfalls: list[str] = []
             owner = self._owner
             # 1. no new rebalances, heartbeats or pulls
             await self.pull_service.aclose()
             # 2. sinks flush what they hold; running listeners finish (side by side)
             if not await wait_all_idle(self._services(), timeout):
                 log.warning("consumer.stop_timeout", group=self.group, timeout=timeout)
+                shortfalls.append("listeners")
             await self.consume_service.aclose()
             # Orderly queues given up while a batch ran on: persisted and unlocked once it ended.
             await self.orderly_service.finish_releases(
@@ -516,6 +523,7 @@ class PushConsumer:
                     await self.sink_service.aclose()
             except TimeoutError:
                 log.warning("consumer.sink_close_timeout", group=self.group)
+                shortfalls.append("sinks")
             # 3. the rebalance listeners hear that every queue is given up, then what was
             # acknowledged is persisted and the queues are forgotten
             await self.hooks.fire_revoked(self.group, set(self.process_queues),
@@ -525,13 +533,16 @@ class PushConsumer:
                     await self.offset_store.persist_all(set(self.process_queues), oneway=False)
             except TimeoutError:
                 log.warning("consumer.persist_on_stop_timeout", group=self.group)
+                shortfalls.append("offsets")
             except Exception as exc:
                 log.warning("consumer.persist_on_stop_failed", error=str(exc))
+                shortfalls.append("offsets")
             try:
                 async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):
                     await self._unlock_all_on_stop()
             except TimeoutError:
                 log.warning("consumer.unlock_on_stop_timeout", group=self.group)
+                shortfalls.append("unlocks")
             for pq in self.process_queues.values():
                 pq.dropped = True
             self.process_queues.clear()
@@ -542,7 +553,9 @@ class PushConsumer:
             self._owner = None
             self._lag = None
             self._started = False
-            log.info("consumer.stopped", group=self.group, client_id=self.client_id)
+            self.stop_shortfalls = tuple(shortfalls)
+            log.info("consumer.stopped", group=self.group, client_id=self.client_id,
+                     **({"left_undone": list(shortfalls)} if shortfalls else {}))
 
     async def _unlock_all_on_stop(self) -> None:
         """Orderly consumers give their broker locks back."""

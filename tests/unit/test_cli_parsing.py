@@ -10,11 +10,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 import structlog
+from structlog.testing import capture_logs
 
 from rmq_async import App, IllegalStateError, InvalidTypeError, PushConsumer
 from rmq_async.cli import build_parser, main
@@ -490,3 +491,49 @@ async def test_a_workers_stop_pipe(written: bytes, close: bool, status: int,
     assert rc == status
     with pytest.raises(OSError):
         os.fstat(read_end)  # closed by the worker
+
+
+class _UndoneDrain(App):
+    """Stops in time, but its consumer's final offsets did not all go out."""
+
+    def __init__(self, shortfalls: tuple[str, ...]) -> None:
+        super().__init__()
+        self._member = SimpleNamespace(group="G1", stop_shortfalls=())
+        self._shortfalls = shortfalls
+
+    @property
+    def consumers(self) -> list[PushConsumer]:
+        return [self._member]  # type: ignore[list-item]
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self, timeout: float | None = 30.0) -> None:
+        self._member.stop_shortfalls = self._shortfalls
+
+
+@pytest.mark.parametrize(("shortfalls", "status"), [((), 0), (("offsets", "unlocks"), 1)])
+async def test_a_drain_that_left_work_undone_exits_1(shortfalls: tuple[str, ...], status: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # A drain within the grace period whose final offsets timed out (or whose listener calls
+    # were given up) exited 0, as if everything had been handed back.
+    from rmq_async.cli import run as run_module
+
+    mod = ModuleType("cli_undone_drain_mod")
+    mod.app = _UndoneDrain(shortfalls)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cli_undone_drain_mod", mod)
+    read_end, write_end = os.pipe()
+    monkeypatch.setenv(run_module.STOP_FD_ENV, str(read_end))
+    asyncio.get_running_loop().call_later(0.3, os.write, write_end, b"s")
+    try:
+        with capture_logs() as logs:
+            async with asyncio.timeout(10):
+                rc = await run_module.run_worker("cli_undone_drain_mod:app", grace=5.0)
+    finally:
+        os.close(write_end)
+    assert rc == status
+    undone = [e for e in logs if e["event"] == "cli.drain_incomplete"]
+    if status:
+        assert undone and undone[0]["left_undone"] == {"G1": ["offsets", "unlocks"]}
+    else:
+        assert not undone

@@ -106,6 +106,8 @@ async def test_stop_is_bounded_when_the_broker_answers_no_offset_update(orderly:
     assert inst.api.updates == 4  # the final round's first write on each broker too
     if orderly:
         assert inst.api.unlocks == 2  # one request per broker, side by side
+    # What was left undone is there for the caller (`rmq-async run` exits 1 on it).
+    assert c.stop_shortfalls == (("offsets", "unlocks") if orderly else ("offsets",))
 
 
 class _WritingSinks:
@@ -158,6 +160,7 @@ async def test_stop_is_bounded_by_its_timeout_when_a_sink_write_hangs() -> None:
     # The listeners' and sinks' time: the timeout; the tasks, the sink's close: a second each.
     assert took < 1.0 + 1.0 + 1.0 + 1.5, took
     assert not c._started
+    assert c.stop_shortfalls == ("listeners", "sinks")
 
 
 async def test_one_hung_sink_does_not_keep_the_others_from_closing() -> None:
