@@ -113,7 +113,7 @@ class PushConsumer:
         """What the last :meth:`stop` left undone within its timeout: ``"listeners"`` (listener
         calls or sink writes still running), ``"sinks"`` (a sink not closed), ``"offsets"``
         (the final offsets not all persisted) and ``"unlocks"`` (orderly locks not given
-        back). Empty after a clean stop."""
+        back), or ``"failed"`` (the stop raised part-way). Empty after a clean stop."""
         self._started = False
         self._start_lock = asyncio.Lock()
         self._owner: TaskOwner | None = None
@@ -491,6 +491,7 @@ class PushConsumer:
             stop_by = asyncio.get_running_loop().time() + timeout
             self._rt.stopping = True
             shortfalls: list[str] = []
+            self.stop_shortfalls = ("failed",)  # until this stop has gone through
             owner = self._owner
             # 1. no new rebalances, heartbeats or pulls
             await self.pull_service.aclose()

@@ -191,3 +191,26 @@ async def test_one_hung_sink_does_not_keep_the_others_from_closing() -> None:
             await service.aclose()
     assert other.closed
     assert time.monotonic() - began < 2.0
+
+
+async def test_a_stop_that_raises_part_way_is_a_shortfall() -> None:
+    # `rmq-async run` reads stop_shortfalls after the drain: a consumer whose stop() raised
+    # (App.stop logs it and goes on) must not read as a clean stop.
+    class _Failing(_Idle):
+        async def aclose(self) -> None:
+            raise RuntimeError("a bug in a service's close")
+
+    c = PushConsumer("G", "127.0.0.1:9876")
+    c.subscribe("T", listener=lambda m: None)
+    inst = _Instance()
+    c.instance = cast(ClientInstance, inst)
+    c.offset_store = BrokerOffsetStore(cast(ClientInstance, inst), "G")
+    c._owner = TaskOwner("consumer[G]")
+    c._rt = cast(ConsumerRuntime, SimpleNamespace(stopping=False))
+    c.pull_service = cast(Any, _Failing())
+    c.consume_service = c.orderly_service = c.sink_service = cast(Any, _Idle())
+    c._started = True
+    with pytest.raises(RuntimeError):
+        await c.stop(timeout=1.0)
+    assert c.stop_shortfalls == ("failed",)
+    await c._owner.aclose()
