@@ -125,10 +125,9 @@ class _WritingSinks:
         await self.write_done.wait()
 
 
-async def test_stop_is_bounded_by_its_timeout_when_a_sink_write_hangs() -> None:
-    # A Spark write that hangs (a lost executor, a stalled object store): the sink's writer
-    # waits for its thread through every cancellation. stop() held it for 60 s, then waited
-    # for the sink's close for as long as the write lasted.
+def _running_consumer(*, pull: Any, sinks: Any) -> PushConsumer:
+    """A consumer as start() leaves it, with these pull and sink services, idle consume
+    services and a broker that answers nothing."""
     c = PushConsumer("G", "127.0.0.1:9876")
     c.subscribe("T", listener=lambda m: None)
     inst = _Instance()
@@ -136,11 +135,20 @@ async def test_stop_is_bounded_by_its_timeout_when_a_sink_write_hangs() -> None:
     c.offset_store = BrokerOffsetStore(cast(ClientInstance, inst), "G")
     c._owner = TaskOwner("consumer[G]")
     c._rt = cast(ConsumerRuntime, SimpleNamespace(stopping=False))
-    c.pull_service = cast(Any, _Idle())
+    c.pull_service = cast(Any, pull)
     c.consume_service = c.orderly_service = cast(Any, _Idle())
-    sinks = _WritingSinks()
     c.sink_service = cast(Any, sinks)
     c._started = True
+    return c
+
+
+async def test_stop_is_bounded_by_its_timeout_when_a_sink_write_hangs() -> None:
+    # A Spark write that hangs (a lost executor, a stalled object store): the sink's writer
+    # waits for its thread through every cancellation. stop() held it for 60 s, then waited
+    # for the sink's close for as long as the write lasted.
+    sinks = _WritingSinks()
+    c = _running_consumer(pull=_Idle(), sinks=sinks)
+    assert c._owner is not None
 
     async def writer() -> None:  # as the sink's writer awaits its write thread
         while not sinks.write_done.is_set():
@@ -200,17 +208,10 @@ async def test_a_stop_that_raises_part_way_is_a_shortfall() -> None:
         async def aclose(self) -> None:
             raise RuntimeError("a bug in a service's close")
 
-    c = PushConsumer("G", "127.0.0.1:9876")
-    c.subscribe("T", listener=lambda m: None)
-    inst = _Instance()
-    c.instance = cast(ClientInstance, inst)
-    c.offset_store = BrokerOffsetStore(cast(ClientInstance, inst), "G")
-    c._owner = TaskOwner("consumer[G]")
-    c._rt = cast(ConsumerRuntime, SimpleNamespace(stopping=False))
-    c.pull_service = cast(Any, _Failing())
-    c.consume_service = c.orderly_service = c.sink_service = cast(Any, _Idle())
-    c._started = True
+    c = _running_consumer(pull=_Failing(), sinks=_Idle())
+    owner = c._owner
+    assert owner is not None
     with pytest.raises(RuntimeError):
         await c.stop(timeout=1.0)
     assert c.stop_shortfalls == ("failed",)
-    await c._owner.aclose()
+    await owner.aclose()
