@@ -704,9 +704,10 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
     """The messages of ``mq`` at offsets ``[start, end)``, in chunks of about ``chunk_rows``.
 
     Each message has ``broker_name`` set, and the ``MIN_OFFSET`` / ``MAX_OFFSET`` properties of
-    the pull that brought it, as a consumer delivers it. Offsets the broker no longer has (below its min
-    offset, or a hole) raise :class:`DataLossError`, or with ``failOnDataLoss=false`` are logged
-    (``spark_source.data_loss``) and skipped; so is a queue whose max fell below ``end``.
+    the pull that brought it, as a consumer delivers it. Offsets the broker no longer has
+    (below its min offset, or a hole) raise :class:`DataLossError`, or with
+    ``failOnDataLoss=false`` are logged (``spark_source.data_loss``) and skipped; so is a queue
+    whose max fell below ``end``.
     ``fresh_queue``: the queue appeared after the query started and is read from its first
     offset, so offsets below its min are not a loss.
 
