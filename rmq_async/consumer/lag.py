@@ -7,7 +7,9 @@ consumerProgress`` shows (its ``Diff``) give or take what was acknowledged since
 round. Each round asks every assigned queue's master broker for its max offset
 (GET_MAX_OFFSET); the committed offset is the consumer's own (the offset store's in-memory
 value, which is what the persist round sends). A broker that does not answer keeps that
-queue's previous figures and the failure is logged (``lag.refresh_failed``).
+queue's previous figures and the failure is logged (``lag.refresh_failed``). Figures belong to
+the queue's current hold: a queue given up and taken again between two rounds shows nothing
+until the next round reads it anew.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.errors import RemotingError
 
 if TYPE_CHECKING:
+    from rmq_async.consumer.process_queue import ProcessQueue
     from rmq_async.consumer.runtime import ConsumerRuntime
 
 log = structlog.get_logger(__name__)
@@ -54,15 +57,18 @@ class LagMonitor:
 
     def __init__(self, rt: ConsumerRuntime) -> None:
         self._rt = rt
-        self._lags: dict[MessageQueue, QueueLag] = {}
+        # Each queue's figures with the ProcessQueue they were read for: a queue given up and
+        # taken again gets a new one, and the old figures are not shown for it.
+        self._lags: dict[MessageQueue, tuple[ProcessQueue, QueueLag]] = {}
         self._lock = asyncio.Lock()
         self.rounds = 0
 
     def snapshot(self) -> dict[MessageQueue, QueueLag]:
-        """The last figures of the queues assigned now (queues given up are left out)."""
+        """The last figures of the queues assigned now (queues given up are left out, and so
+        are queues taken again since their figures were read)."""
         # Copies first (atomic in CPython): a metrics endpoint reads this from its own thread.
-        held = set(self._rt.process_queues)
-        return {mq: lag for mq, lag in dict(self._lags).items() if mq in held}
+        held = dict(self._rt.process_queues)
+        return {mq: lag for mq, (pq, lag) in dict(self._lags).items() if held.get(mq) is pq}
 
     async def run(self) -> None:
         """Refresh every ``persist_offset_interval`` seconds until cancelled."""
@@ -90,8 +96,8 @@ class LagMonitor:
                 if committed is not None and committed < 0:
                     committed = None
                 lag = None if committed is None else max(0, max_offset - committed)
-                self._lags[mq] = QueueLag(max_offset, committed, lag, pq.msg_count, now)
-            for mq in [m for m in self._lags if m not in rt.process_queues]:
+                self._lags[mq] = (pq, QueueLag(max_offset, committed, lag, pq.msg_count, now))
+            for mq in [m for m, (pq, _) in self._lags.items() if rt.process_queues.get(m) is not pq]:
                 del self._lags[mq]
             self.rounds += 1
             return self.snapshot()
