@@ -6,7 +6,8 @@ the consumers stop: pulling ends at once, listener calls in flight finish within
 period and their offsets are persisted; the process exits 0. A second signal, or a drain that
 overruns the grace period, exits 1 at once; a drain that ended in time but left work undone
 (a consumer's ``stop_shortfalls``: listener calls given up, offsets not persisted, orderly
-locks not given back, a sink not closed) exits 1 after it.
+locks not given back, a sink not closed) exits 1 after it. The grace period counts from the
+signal: one that comes while the target is still starting leaves the drain what is left of it.
 
 With ``--workers N`` (N > 1) the process supervises N worker processes, each running the same
 command with its own import of the target (so its own consumer instances, members of the same
@@ -154,12 +155,14 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
     sources: list[str] = []  # of each stop request: "supervisor" or "outside"
     forced: list[str] = []  # the request that forced the exit (a list: set by request())
     started = False
+    requested_at: list[float] = []  # monotonic time of the first stop request
     drain: asyncio.Task[None] | None = None
     this = asyncio.current_task()
 
     def request(source: str, name: str) -> None:
         if not sources:
             sources.append(source)
+            requested_at.append(time.monotonic())
             log.info("cli.stop_requested", signal=name, grace=grace)
             stop.set()
             return
@@ -229,11 +232,15 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
         if forced:  # two requests before this task went on: the second forces the exit
             return 1
         t0 = time.monotonic()
-        drain = asyncio.create_task(app.stop(listener_timeout(grace)), name="cli-drain")
+        # The grace period runs from the stop request, as the supervisor's (and systemd's or
+        # Kubernetes') clock does: a request that came while the target was starting leaves
+        # the drain what the start did not use.
+        budget = max(grace - (t0 - requested_at[0]), 0.0)
+        drain = asyncio.create_task(app.stop(listener_timeout(budget)), name="cli-drain")
         try:
-            await asyncio.wait_for(drain, grace)  # cancels the drain when it overruns
+            await asyncio.wait_for(drain, budget)  # cancels the drain when it overruns
         except TimeoutError:
-            log.error("cli.drain_timeout", grace=grace)
+            log.error("cli.drain_timeout", grace=grace, drain_budget=round(budget, 3))
             return 1
         except asyncio.CancelledError:
             if not forced:  # this task itself was cancelled

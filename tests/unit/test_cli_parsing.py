@@ -537,3 +537,59 @@ async def test_a_drain_that_left_work_undone_exits_1(shortfalls: tuple[str, ...]
         assert undone and undone[0]["left_undone"] == {"G1": ["offsets", "unlocks"]}
     else:
         assert not undone
+
+
+class _SlowStart(App):
+    """Takes 1.5 s to start; its drain takes 1 s and records the listener timeout it got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop_timeouts: list[float | None] = []
+
+    @property
+    def consumers(self) -> list[PushConsumer]:
+        return []
+
+    async def start(self) -> None:
+        await asyncio.sleep(1.5)
+
+    async def stop(self, timeout: float | None = 30.0) -> None:
+        self.stop_timeouts.append(timeout)
+        await asyncio.sleep(1.0)
+
+
+async def test_the_grace_period_counts_from_a_signal_that_came_during_the_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker counted --grace from the end of its start, the supervisor (and systemd or
+    # Kubernetes) from the signal: a worker stopped during a slow start drained past the
+    # supervisor's deadline and was killed and reported as failed.
+    from rmq_async.cli import run as run_module
+
+    app = _SlowStart()
+    mod = ModuleType("cli_slow_start_app_mod")
+    mod.app = app  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cli_slow_start_app_mod", mod)
+    read_end, write_end = os.pipe()
+    monkeypatch.setenv(run_module.STOP_FD_ENV, str(read_end))
+    loop = asyncio.get_running_loop()
+    signalled: list[float] = []
+
+    def supervisor() -> None:
+        signalled.append(loop.time())
+        os.write(write_end, b"s")
+
+    loop.call_later(0.2, supervisor)  # during the start
+    grace = 2.0
+    try:
+        with capture_logs() as logs:
+            async with asyncio.timeout(10):
+                rc = await run_module.run_worker("cli_slow_start_app_mod:app", grace=grace)
+    finally:
+        os.close(write_end)
+    ended = loop.time()
+    # 1.3 s of the 2 s went to the start: the 1 s drain does not fit in what is left.
+    assert rc == 1
+    assert ended - signalled[0] < grace + 0.3, "drained past the grace period's end"
+    assert [e["event"] for e in logs if e["event"] == "cli.drain_timeout"]
+    (given,) = app.stop_timeouts
+    assert given is not None and given < run_module.listener_timeout(1.0)
