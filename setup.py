@@ -7,6 +7,7 @@ package installs with its pure-Python decoder, which ``rmq_async`` then uses by 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from typing import Any
@@ -57,11 +58,23 @@ class OptionalBuildExt(build_ext):
             self._failed.add(ext.name)
 
 
+def source_digest(path: str) -> str:
+    """The digest of the codec's source that the built extension carries (``SOURCE_DIGEST``).
+
+    :mod:`rmq_async.protocol.message` compares it with the ``.pyx`` installed beside the
+    extension and does not use an extension built from another version of it.
+    """
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
 def _extensions() -> list[Extension]:
     if SKIP:
         return []
+    digest = source_digest(os.path.join(HERE, PYX))
     ext = Extension("rmq_async.protocol._cmessage", [PYX], extra_compile_args=["-O2"]
-                    if sys.platform != "win32" else [])
+                    if sys.platform != "win32" else [],
+                    define_macros=[("RMQ_ASYNC_PYX_DIGEST", f'"{digest}"')])
     try:
         from Cython.Build import cythonize
     except ImportError:

@@ -4,6 +4,8 @@ from typing import Any
 
 from .types import MessageExt
 
+SOURCE_DIGEST: str
+
 def install(
     decompress: Callable[[bytes, int, int], bytes],
     host6: Callable[[bytes, int], tuple[str, str]],

@@ -47,6 +47,18 @@ from libc.string cimport memcmp, memcpy, memset
 
 from types import MemberDescriptorType
 
+cdef extern from *:
+    """
+    #ifndef RMQ_ASYNC_PYX_DIGEST
+    #define RMQ_ASYNC_PYX_DIGEST ""
+    #endif
+    """
+    const char *RMQ_ASYNC_PYX_DIGEST
+
+#: The digest of the ``.pyx`` this module was built from (``setup.py``), empty when built
+#: without it; :mod:`rmq_async.protocol.message` does not use a module built from another source.
+SOURCE_DIGEST = (<bytes> RMQ_ASYNC_PYX_DIGEST).decode("ascii")
+
 from .errors import ProtocolError
 from .types import MessageExt
 

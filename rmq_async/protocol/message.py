@@ -15,6 +15,7 @@ buffer before slicing, and raises :class:`ProtocolError` for anything malformed.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import itertools
 import os
@@ -24,6 +25,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import lz4.frame as lz4_frame
@@ -848,6 +850,11 @@ _COMPILED_NAMES = (
 )
 
 
+def _source_digest(path: Path) -> str:
+    """The digest ``setup.py`` builds into the extension (``SOURCE_DIGEST``) for its source."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def _use_compiled() -> bool:
     global _records, _decode_properties_impl, message_columns, put_each, stamp_delivered
     global scan_records, record_columns, cache_run, uncache
@@ -861,6 +868,13 @@ def _use_compiled() -> bool:
         missing = [name for name in _COMPILED_NAMES if not hasattr(_cmessage, name)]
         if missing:
             raise ImportError(f"the built extension is out of date (no {', '.join(missing)})")
+        # One whose functions kept their names but not their arguments: its source differs
+        # from the .pyx installed beside it (a checkout updated without rebuilding).
+        built_from = getattr(_cmessage, "SOURCE_DIGEST", None)
+        source = Path(__file__).with_name("_cmessage.pyx")
+        if built_from and source.is_file() and built_from != _source_digest(source):
+            raise ImportError("the built extension is out of date (built from another "
+                              "_cmessage.pyx; rebuild it with make setup or pip install)")
     except ImportError as exc:
         structlog.get_logger(__name__).warning(
             "rmq_async.extensions_unavailable",

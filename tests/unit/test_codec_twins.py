@@ -15,6 +15,7 @@ import subprocess
 import sys
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -485,6 +486,49 @@ def test_an_out_of_date_extension_is_not_used_at_all() -> None:
     output = result.stdout + result.stderr
     lines = [line for line in output.splitlines() if "rmq_async.extensions_unavailable" in line]
     assert len(lines) == 1 and "out of date (no uncache)" in lines[0], output
+
+
+_REPLACE_DIGEST = (
+    "import sys\n"
+    "from importlib.machinery import PathFinder\n"
+    "class Other:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name != 'rmq_async.protocol._cmessage':\n"
+    "            return None\n"
+    "        spec = PathFinder.find_spec(name, path)\n"
+    "        run = spec.loader.exec_module\n"
+    "        def exec_module(module):\n"
+    "            run(module)\n"
+    "            module.SOURCE_DIGEST = DIGEST\n"
+    "        spec.loader.exec_module = exec_module\n"
+    "        return spec\n"
+    "sys.meta_path.insert(0, Other())\n"
+)
+
+
+@needs_compiled
+def test_an_extension_built_from_another_source_is_not_used() -> None:
+    # Every name present, but built from another _cmessage.pyx than the one beside it (a
+    # function whose arguments changed would fail at its first call): the pure path, with
+    # the one log line.
+    result = _implementation({}, prelude="DIGEST = '0123456789abcdef'\n" + _REPLACE_DIGEST)
+    assert result.returncode == 0, result.stderr
+    assert "IMPLEMENTATION=python" in result.stdout
+    output = result.stdout + result.stderr
+    lines = [line for line in output.splitlines() if "rmq_async.extensions_unavailable" in line]
+    assert len(lines) == 1 and "built from another _cmessage.pyx" in lines[0], output
+    # Built without a digest (by hand, without setup.py): nothing to compare, it is used.
+    result = _implementation({}, prelude="DIGEST = ''\n" + _REPLACE_DIGEST)
+    assert "IMPLEMENTATION=compiled" in result.stdout, result.stdout + result.stderr
+
+
+@needs_compiled
+def test_the_built_extension_carries_the_digest_of_its_source() -> None:
+    # The check above is only as good as the build: setup.py must stamp the extension.
+    from rmq_async.protocol import _cmessage
+
+    source = Path(message.__file__).with_name("_cmessage.pyx")
+    assert message._source_digest(source) == _cmessage.SOURCE_DIGEST
 
 
 @needs_compiled
