@@ -61,6 +61,8 @@ class ErrorReporter:
     (``consumer.error_handler_failed``) and the others still get the event. Events reported
     while no consumer runs are counted and logged; plain handlers get them at once, in the
     reporting thread, and ``async def`` ones not at all (nothing would own their task).
+    ``stop()`` lets the events reported before it reach the handlers (:meth:`drain`) within
+    its timeout; what a hung handler still holds up then is dropped and logged.
     """
 
     def __init__(self) -> None:
@@ -109,9 +111,24 @@ class ErrorReporter:
         except IllegalStateError:  # the consumer is stopping: no task may start now
             self._pending.clear()
 
+    async def drain(self, timeout: float) -> bool:
+        """Wait, for at most ``timeout`` seconds, until the events reported so far (and any
+        reported meanwhile) have reached the handlers; False when some had not (``stop()``
+        then cancels the delivery, and the undelivered events are logged as dropped)."""
+        delivery = self._delivery
+        if delivery is None or delivery.done():
+            return True
+        done, _ = await asyncio.wait({delivery}, timeout=max(timeout, 0.0))
+        if done:
+            return True
+        log.warning("consumer.error_events_undelivered", pending=len(self._pending) + 1,
+                    waited=round(timeout, 3))
+        return False
+
     async def _deliver(self) -> None:
         # Ends (and is done) as soon as nothing is pending: an event reported after that
-        # starts the next delivery. Cancelled by stop(), it leaves the rest undelivered.
+        # starts the next delivery. Cancelled by stop() (after drain() gave it what was left
+        # of stop's timeout), it leaves the rest undelivered.
         try:
             while self._pending:
                 event = self._pending.popleft()

@@ -471,12 +471,13 @@ class PushConsumer:
         """Stop consuming and release everything.
 
         Pulling stops at once; listener calls already running may finish (up to ``timeout``
-        seconds, a float or a ``timedelta``) and their acknowledgements are committed. The
-        ``on_revoked`` listeners, then the ``on_shutdown`` hooks, run in what is left of
-        ``timeout`` (each group at least a second, or ``timeout`` when shorter); a hook over
-        time is cancelled and not waited for. Offsets are persisted and orderly queues
-        unlocked, each in what is left of ``timeout`` as well (at least a second: a broker
-        that stopped answering does not hold ``stop()`` up longer), the client is
+        seconds, a float or a ``timedelta``) and their acknowledgements are committed. Error
+        events reported until then reach the ``on_error`` handlers, in at most half of what
+        is left of ``timeout``. The ``on_revoked`` listeners, then the ``on_shutdown`` hooks,
+        run in what is left of ``timeout`` (each group at least a second, or ``timeout`` when
+        shorter); a hook over time is cancelled and not waited for. Offsets are persisted and
+        orderly queues unlocked, each in what is left of ``timeout`` as well (at least a
+        second: a broker that stopped answering does not hold ``stop()`` up longer), the client is
         unregistered from the brokers and the connections are closed. Afterwards no task of
         this consumer is left running, but for a hook that ignored its cancellation and a
         sink write still running in its thread past the timeout (a Spark call cannot be
@@ -504,6 +505,10 @@ class PushConsumer:
             await self.orderly_service.finish_releases(
                 _stage_deadline(stop_by, timeout) - asyncio.get_running_loop().time())
             await self.orderly_service.aclose()
+            # The error events reported so far reach their handlers before the delivery
+            # task ends with the others below, in at most half of what is left of the
+            # timeout (a hung handler must not take the offsets' and sinks' time).
+            await self.errors.drain((stop_by - asyncio.get_running_loop().time()) / 2)
             # A periodic persist round still sending ends first (an older offset of it that
             # the broker applied after the final one would move the queue back), as long as
             # the timeout lasts; one still going then is cancelled with the other tasks.

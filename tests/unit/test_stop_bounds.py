@@ -215,3 +215,64 @@ async def test_a_stop_that_raises_part_way_is_a_shortfall() -> None:
         await c.stop(timeout=1.0)
     assert c.stop_shortfalls == ("failed",)
     await owner.aclose()
+
+
+def _event(offset: int) -> Any:
+    from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
+
+    return ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MessageQueue("T", "b", 0),
+                         offset, "bad magic")
+
+
+async def test_error_events_reported_before_stop_reach_their_handlers() -> None:
+    # stop() cancelled the delivery task with the consumer's other tasks: the events still
+    # waiting behind a slow handler (a webhook, say) never reached it.
+    c = _running_consumer(pull=_Idle(), sinks=_Idle())
+    c.errors.owner = c._owner  # as start() sets it
+    seen: list[int | None] = []
+
+    @c.on_error
+    async def slow(event: Any) -> None:
+        await asyncio.sleep(0.1)
+        seen.append(event.offset)
+
+    for offset in range(5):
+        c.report_error(_event(offset))
+    async with asyncio.timeout(10):
+        await c.stop(timeout=5.0)
+    assert seen == [0, 1, 2, 3, 4]
+    assert c.stop_shortfalls == ()
+
+
+async def test_a_hung_error_handler_holds_stop_up_for_half_of_what_is_left_at_most() -> None:
+    from structlog.testing import capture_logs
+
+    c = _running_consumer(pull=_Idle(), sinks=_Idle())
+    c.errors.owner = c._owner
+    hung = _Hung()
+    c.on_error(hung)
+    c.report_error(_event(1))
+    c.report_error(_event(2))
+    began = time.monotonic()
+    with capture_logs() as logs:
+        async with asyncio.timeout(10):
+            await c.stop(timeout=2.0)
+    took = time.monotonic() - began
+    assert 0.9 < took < 1.6, took
+    assert hung.calls == 1 and hung.cancelled
+    dropped = [e for e in logs if e["event"] == "consumer.error_events_undelivered"]
+    assert dropped and dropped[0]["pending"] == 2
+
+
+class _Hung:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.cancelled = False
+
+    async def __call__(self, event: Any) -> None:
+        self.calls += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
