@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 import structlog
 
 from rmq_async.client.api import MQClientAPI
-from rmq_async.client.errors import MQClientError, NameServerUnavailable, NoRouteError
+from rmq_async.client.errors import (
+    MQClientError,
+    NameServerUnavailable,
+    NoPermissionError,
+    NoRouteError,
+)
 from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.bodies import (
     HeartbeatData,
@@ -108,9 +113,14 @@ class ClientInstance:
     # ------------------------------------------------------------------ name server
 
     async def fetch_route(self, topic: str) -> TopicRouteData:
-        """Ask the name servers for ``topic``'s route, failing over from one to the next."""
+        """Ask the name servers for ``topic``'s route, failing over from one to the next.
+
+        Raises :class:`NameServerUnavailable` when none answered, and the refusal itself
+        (:class:`TlsVerificationError`, :class:`NoPermissionError`) when every one refused
+        this client the same way: a configuration problem, not an outage."""
         errors: list[str] = []
         refused: list[TlsVerificationError] = []
+        denied: list[NoPermissionError] = []
         n = len(self.namesrv_addrs)
         for attempt in range(n):
             addr = self.namesrv_addrs[(self._namesrv_index + attempt) % n]
@@ -122,6 +132,8 @@ class ClientInstance:
                 # ProtocolError: an answer this name server garbled; the next may be sound.
                 if isinstance(exc, TlsVerificationError):
                     refused.append(exc)
+                elif isinstance(exc, NoPermissionError):
+                    denied.append(exc)
                 errors.append(f"{addr}: {exc}")
                 log.warning("namesrv.request_failed", namesrv=addr, topic=topic, error=str(exc))
                 continue
@@ -132,6 +144,9 @@ class ClientInstance:
         if len(refused) == n:
             # A configuration problem, not an outage: say so with its own type.
             raise refused[0]
+        if len(denied) == n:
+            # Every name server answered, refusing these credentials: not an outage either.
+            raise denied[0]
         raise NameServerUnavailable(f"no name server answered for topic {topic!r}: "
                                     + "; ".join(errors))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rmq_async import NameServerUnavailable
-from rmq_async.client.errors import MQClientError, NoRouteError
+from rmq_async.client.errors import MQClientError, NoPermissionError, NoRouteError
 from rmq_async.client.instance import ClientInstance, _BrokerAddrs
 from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.bodies import (
@@ -78,6 +78,35 @@ async def test_no_name_server_answering_is_name_server_unavailable() -> None:
             await inst.fetch_route("T")
     finally:
         await inst.close()
+
+
+async def test_name_servers_that_all_refuse_the_credentials_raise_no_permission() -> None:
+    # Every name server answered, with an access-control refusal (5.3's NO_PERMISSION, or
+    # ACL 1.0's SYSTEM_ERROR naming AclException): read as "no name server answered", an
+    # outage, where the fix is the client's credentials.
+    async def refuse(cmd: RemotingCommand, number: int) -> RemotingCommand:
+        return cmd.response_to(ResponseCode.NO_PERMISSION, remark="no permission for topic")
+
+    async def acl_v1(cmd: RemotingCommand, number: int) -> RemotingCommand:
+        return cmd.response_to(ResponseCode.SYSTEM_ERROR,
+                               remark="org.apache.rocketmq.acl.common.AclException: no access")
+
+    async with FakeBroker(refuse) as one, FakeBroker(acl_v1) as two:
+        inst = ClientInstance([one.addr, two.addr], "cid")
+        try:
+            with pytest.raises(NoPermissionError):
+                await inst.fetch_route("T")
+        finally:
+            await inst.close()
+    # One refusing and one down: an outage still (the other might have answered).
+    async with FakeBroker(refuse) as one:
+        inst = ClientInstance([one.addr, "127.0.0.1:1"], "cid", api_timeout=0.5,
+                              connect_timeout=0.5)
+        try:
+            with pytest.raises(NameServerUnavailable):
+                await inst.fetch_route("T")
+        finally:
+            await inst.close()
 
 
 async def test_ensure_topic_whose_route_never_comes_raises_a_client_error() -> None:
