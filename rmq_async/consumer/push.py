@@ -359,6 +359,11 @@ class PushConsumer:
         await self.stop()
 
     @property
+    def starting(self) -> bool:
+        """``start()`` is under way (begun, not yet finished or failed)."""
+        return self._start_lock.locked() and not self._started and not self.stopping
+
+    @property
     def stopping(self) -> bool:
         """``stop()`` has begun (and the consumer was not started again since)."""
         return self._rt is not None and self._rt.stopping

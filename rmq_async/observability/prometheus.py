@@ -108,10 +108,12 @@ _collectors_lock = threading.Lock()
 
 
 def _ended(consumer: PushConsumer) -> bool:
-    """Stopping or stopped, or its start failed: it began a start and does not run."""
+    """Stopping or stopped, or its start failed: it began a start, does not run, and is not
+    starting still."""
     return bool(getattr(consumer, "stopping", False)) or (
         not getattr(consumer, "is_running", True)
-        and bool(getattr(consumer, "start_timestamp", 0)))
+        and bool(getattr(consumer, "start_timestamp", 0))
+        and not getattr(consumer, "starting", False))
 
 
 class ConsumerCollector(Collector):
@@ -129,7 +131,8 @@ class ConsumerCollector(Collector):
         with self._lock:
             # A stopped member of the group makes room for its successor (a supervisor that
             # starts a new consumer object after stopping the old one, say), and so does one
-            # whose start() failed (it began a start and does not run).
+            # whose start() failed (it began a start and does not run); one whose start is
+            # under way keeps its place.
             live = [c for c in self._live() if c is not consumer
                     and not (c.group == consumer.group and _ended(c))]
             if any(c.group == consumer.group for c in live):

@@ -244,6 +244,7 @@ class _FakeConsumer:
     healthy: bool = True
     is_running: bool = False
     start_timestamp: int = 0  # set when a start() begins
+    starting: bool = False  # start() under way
 
     def lag(self) -> dict[MessageQueue, QueueLag]:
         return self.lags
@@ -314,9 +315,15 @@ def test_one_collector_per_registry_and_one_member_per_group() -> None:
     successor = _FakeConsumer("A")
     prom.instrument(successor, registry)  # type: ignore[arg-type]
     assert prom._collectors[registry]._live() == [b, successor]
-    # So does one whose start() failed (it began a start and does not run): a retry with a
-    # new object was refused.
+    # One whose start() is under way keeps its place (a second member instrumented into
+    # the same registry meanwhile took it).
     successor.start_timestamp = 1_700_000_000_000
+    successor.starting = True
+    with pytest.raises(InvalidArgumentError, match="already exported"):
+        prom.instrument(_FakeConsumer("A"), registry)  # type: ignore[arg-type]
+    # One whose start() failed (it began a start and does not run) gives it up: a retry with
+    # a new object was refused.
+    successor.starting = False
     retried = _FakeConsumer("A")
     prom.instrument(retried, registry)  # type: ignore[arg-type]
     assert prom._collectors[registry]._live() == [b, retried]
@@ -714,3 +721,32 @@ def test_is_healthy_needs_the_last_round_answered_and_a_recent_heartbeat() -> No
     c.instance.brokers_reachable = True
     c.instance.last_heartbeat_ok = time.monotonic() - 3.5  # 2 intervals + timeout ago: stuck
     assert not c.is_healthy()
+
+
+async def test_a_consumer_is_starting_while_its_start_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from rmq_async import PushConsumer
+    from rmq_async.client.errors import NameServerUnavailable
+    from rmq_async.client.instance import ClientInstance
+
+    asked = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def update_route(self: ClientInstance, topic: str) -> None:
+        asked.set()
+        await answer.wait()
+        raise NameServerUnavailable("no name server answered")
+
+    monkeypatch.setattr(ClientInstance, "update_route", update_route)
+    consumer = PushConsumer("G", "127.0.0.1:9876")
+    consumer.subscribe("T", listener=lambda m: None)
+    assert not consumer.starting
+    start = asyncio.create_task(consumer.start())
+    async with asyncio.timeout(5):
+        await asked.wait()
+    assert consumer.starting and not prom._ended(consumer)
+    answer.set()
+    with pytest.raises(NameServerUnavailable):
+        await start
+    assert not consumer.starting and prom._ended(consumer)
