@@ -7,7 +7,8 @@ period and their offsets are persisted; the process exits 0. A second signal, or
 overruns the grace period, exits 1 at once; a drain that ended in time but left work undone
 (a consumer's ``stop_shortfalls``: listener calls given up, offsets not persisted, orderly
 locks not given back, a sink not closed) exits 1 after it. The grace period counts from the
-signal: one that comes while the target is still starting leaves the drain what is left of it.
+signal: one that comes while the target is still starting leaves the drain what is left of it
+(at least a second).
 
 With ``--workers N`` (N > 1) the process supervises N worker processes, each running the same
 command with its own import of the target (so its own consumer instances, members of the same
@@ -67,6 +68,10 @@ def _worker_preexec() -> None:
 #: Seconds the supervisor gives its workers beyond ``--grace`` (their own drain is bounded by
 #: it) before it kills them.
 OVERRUN_MARGIN = 5.0
+
+#: Seconds a worker's drain gets at least, when a stop requested during a slow start left
+#: less of the grace period (within OVERRUN_MARGIN).
+DRAIN_FLOOR = 1.0
 WORKER_ENV = "RMQ_ASYNC_WORKER"
 """Set to the worker's index (0-based) in each worker process of ``--workers N``."""
 
@@ -234,8 +239,13 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
         t0 = time.monotonic()
         # The grace period runs from the stop request, as the supervisor's (and systemd's or
         # Kubernetes') clock does: a request that came while the target was starting leaves
-        # the drain what the start did not use.
-        budget = max(grace - (t0 - requested_at[0]), 0.0)
+        # the drain what the start did not use, but at least a second (the supervisor allows
+        # OVERRUN_MARGIN beyond the grace period) so that the consumers still stop in order.
+        left = grace - (t0 - requested_at[0])
+        budget = max(left, min(grace, DRAIN_FLOOR))
+        if left < budget:
+            log.warning("cli.drain_shortened", grace=grace, drain_budget=round(budget, 3),
+                        started_after_request=round(t0 - requested_at[0], 3))
         drain = asyncio.create_task(app.stop(listener_timeout(budget)), name="cli-drain")
         try:
             await asyncio.wait_for(drain, budget)  # cancels the drain when it overruns
