@@ -71,18 +71,20 @@ def source_digest(path: str) -> str:
 def _extensions() -> list[Extension]:
     if SKIP:
         return []
-    digest = source_digest(os.path.join(HERE, PYX))
     ext = Extension("rmq_async.protocol._cmessage", [PYX], extra_compile_args=["-O2"]
-                    if sys.platform != "win32" else [],
-                    define_macros=[("RMQ_ASYNC_PYX_DIGEST", f'"{digest}"')])
+                    if sys.platform != "win32" else [])
     try:
         from Cython.Build import cythonize
     except ImportError:
         if os.path.exists(os.path.join(HERE, GENERATED_C)):
+            # Built from a C file generated earlier, from a source that may not be this .pyx:
+            # no digest, so the import-time check has nothing to vouch for.
             ext.sources = [GENERATED_C]
             return [ext]
         _warn("Cython is not installed and there is no generated C file")
         return []
+    # Translated from this .pyx now: the module carries its digest.
+    ext.define_macros = [("RMQ_ASYNC_PYX_DIGEST", f'"{source_digest(os.path.join(HERE, PYX))}"')]
     try:
         return list(cythonize([ext], compiler_directives={"language_level": 3}, quiet=True))
     except Exception as exc:  # a Cython error must not stop the pure installation

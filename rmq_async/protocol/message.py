@@ -850,9 +850,13 @@ _COMPILED_NAMES = (
 )
 
 
-def _source_digest(path: Path) -> str:
-    """The digest ``setup.py`` builds into the extension (``SOURCE_DIGEST``) for its source."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+def _source_digest(path: Path) -> str | None:
+    """The digest ``setup.py`` builds into the extension (``SOURCE_DIGEST``) for its source;
+    ``None`` when that source is not installed or cannot be read (nothing to compare)."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return None
 
 
 def _use_compiled() -> bool:
@@ -871,8 +875,8 @@ def _use_compiled() -> bool:
         # One whose functions kept their names but not their arguments: its source differs
         # from the .pyx installed beside it (a checkout updated without rebuilding).
         built_from = getattr(_cmessage, "SOURCE_DIGEST", None)
-        source = Path(__file__).with_name("_cmessage.pyx")
-        if built_from and source.is_file() and built_from != _source_digest(source):
+        source = _source_digest(Path(__file__).with_name("_cmessage.pyx"))
+        if built_from and source and built_from != source:
             raise ImportError("the built extension is out of date (built from another "
                               "_cmessage.pyx; rebuild it with make setup or pip install)")
     except ImportError as exc:

@@ -529,6 +529,7 @@ def test_the_built_extension_carries_the_digest_of_its_source() -> None:
 
     source = Path(message.__file__).with_name("_cmessage.pyx")
     assert message._source_digest(source) == _cmessage.SOURCE_DIGEST
+    assert message._source_digest(source.with_name("absent.pyx")) is None  # nothing to compare
 
 
 @needs_compiled
