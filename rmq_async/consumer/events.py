@@ -115,15 +115,17 @@ class ErrorReporter:
         """Wait, for at most ``timeout`` seconds, until the events reported so far (and any
         reported meanwhile) have reached the handlers; False when some had not (``stop()``
         then cancels the delivery, and the undelivered events are logged as dropped)."""
-        delivery = self._delivery
-        if delivery is None or delivery.done():
-            return True
-        done, _ = await asyncio.wait({delivery}, timeout=max(timeout, 0.0))
-        if done:
-            return True
-        log.warning("consumer.error_events_undelivered", pending=len(self._pending) + 1,
-                    waited=round(timeout, 3))
-        return False
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + max(timeout, 0.0)
+        # An event reported after a delivery ended (from a plain handler's thread, say)
+        # starts the next one: wait for that too.
+        while (delivery := self._delivery) is not None and not delivery.done():
+            await asyncio.wait({delivery}, timeout=max(give_up_at - loop.time(), 0.0))
+            if not delivery.done():
+                log.warning("consumer.error_events_undelivered", pending=len(self._pending) + 1,
+                            waited=round(max(timeout, 0.0), 3))
+                return False
+        return True
 
     async def _deliver(self) -> None:
         # Ends (and is done) as soon as nothing is pending: an event reported after that

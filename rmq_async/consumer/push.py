@@ -478,15 +478,16 @@ class PushConsumer:
         Pulling stops at once; listener calls already running may finish (up to ``timeout``
         seconds, a float or a ``timedelta``) and their acknowledgements are committed. Error
         events reported until then reach the ``on_error`` handlers, in at most half of what
-        is left of ``timeout``. The ``on_revoked`` listeners, then the ``on_shutdown`` hooks,
-        run in what is left of ``timeout`` (each group at least a second, or ``timeout`` when
-        shorter); a hook over time is cancelled and not waited for. Offsets are persisted and
-        orderly queues unlocked, each in what is left of ``timeout`` as well (at least a
-        second: a broker that stopped answering does not hold ``stop()`` up longer), the client is
-        unregistered from the brokers and the connections are closed. Afterwards no task of
-        this consumer is left running, but for a hook that ignored its cancellation and a
-        sink write still running in its thread past the timeout (a Spark call cannot be
-        interrupted; that batch is not acknowledged, and its messages come again).
+        is left of ``timeout`` (at least half a second). The ``on_revoked`` listeners, then
+        the ``on_shutdown`` hooks, run in what is left of ``timeout`` (each group at least a
+        second, or ``timeout`` when shorter); a hook over time is cancelled and not waited
+        for. Offsets are persisted and orderly queues unlocked, each in what is left of
+        ``timeout`` as well (at least a second: a broker that stopped answering does not
+        hold ``stop()`` up longer), the client is unregistered from the brokers and the
+        connections are closed. Afterwards no task of this consumer is left running, but for
+        a hook that ignored its cancellation and a sink write still running in its thread
+        past the timeout (a Spark call cannot be interrupted; that batch is not acknowledged,
+        and its messages come again).
         """
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
@@ -512,8 +513,10 @@ class PushConsumer:
             await self.orderly_service.aclose()
             # The error events reported so far reach their handlers before the delivery
             # task ends with the others below, in at most half of what is left of the
-            # timeout (a hung handler must not take the offsets' and sinks' time).
-            await self.errors.drain((stop_by - asyncio.get_running_loop().time()) / 2)
+            # timeout (a hung handler must not take the offsets' and sinks' time), but at
+            # least half a second (or of the timeout when shorter).
+            await self.errors.drain(max((stop_by - asyncio.get_running_loop().time()) / 2,
+                                        min(STAGE_MIN_SECONDS, timeout) / 2))
             # A periodic persist round still sending ends first (an older offset of it that
             # the broker applied after the final one would move the queue back), as long as
             # the timeout lasts; one still going then is cancelled with the other tasks.

@@ -238,3 +238,31 @@ async def test_an_error_reported_from_a_worker_thread_is_delivered() -> None:
             await asyncio.sleep(0.01)
     await owner.aclose()
     assert reporter.topic_counts("T") == {"corrupt_record": 1}
+
+
+async def test_drain_waits_for_a_delivery_started_by_an_event_reported_meanwhile() -> None:
+    import asyncio
+
+    from rmq_async.consumer.events import ErrorReporter
+    from rmq_async.consumer.tasks import TaskOwner
+
+    reporter = ErrorReporter()
+    owner = TaskOwner("consumer[G]")
+    reporter.owner = owner
+    seen: list[int | None] = []
+
+    async def handler(event: ConsumerError) -> None:
+        await asyncio.sleep(0.05)
+        seen.append(event.offset)
+
+    reporter.handlers.append(handler)
+    reporter.report(ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MQ, 1, "bad"))
+    first = reporter._delivery
+    assert first is not None
+    # Reported just as the first delivery ends (as from a plain handler's thread): it starts
+    # a second delivery, which drain() must wait for too.
+    first.add_done_callback(lambda _: reporter.report(
+        ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MQ, 2, "bad")))
+    assert await reporter.drain(5.0)
+    assert seen == [1, 2]
+    await owner.aclose()
