@@ -115,6 +115,7 @@ class PushConsumer:
         (the final offsets not all persisted) and ``"unlocks"`` (orderly locks not given
         back), or ``"failed"`` (the stop raised part-way). Empty after a clean stop."""
         self._started = False
+        self._starting = False
         self._start_lock = asyncio.Lock()
         self._owner: TaskOwner | None = None
         self._rt: ConsumerRuntime | None = None
@@ -361,7 +362,7 @@ class PushConsumer:
     @property
     def starting(self) -> bool:
         """``start()`` is under way (begun, not yet finished or failed)."""
-        return self._start_lock.locked() and not self._started and not self.stopping
+        return self._starting
 
     @property
     def stopping(self) -> bool:
@@ -381,74 +382,83 @@ class PushConsumer:
                 raise IllegalStateError("consumer already started")
             if not self._subs:
                 raise InvalidArgumentError("subscribe at least one topic before start()")
-            self.start_timestamp = int(time.time() * 1000)
-            self.subscriptions.reset_retry()
-            self.instance = ClientInstance(
-                self.namesrv,
-                self.client_id,
-                heartbeat_source=self.heartbeat_data,
-                request_handler=self._handle_broker_request,
-                rpc_hook=self.options.rpc_hook(),
-                ssl=self.options.client_ssl_context(self.client_id),
-            )
-            if self.options.message_model == MessageModel.BROADCASTING:
-                self.offset_store = LocalFileOffsetStore(
-                    self.options.offset_store_dir, self.client_id, self.group
-                )
-            else:
-                self.offset_store = BrokerOffsetStore(self.instance, self.group)
-            await self.offset_store.load()
-            self._owner = TaskOwner(f"consumer[{self.group}]")
-            rt = self._rt = ConsumerRuntime(
-                group=self.group, client_id=self.client_id, options=self.options,
-                subscriptions=self.subscriptions, process_queues=self.process_queues,
-                paused=self._paused, stats=self.stats, errors=self.errors,
-                instance=self.instance, offset_store=self.offset_store, tasks=self._owner,
-            )
-            # The three consumption services are peers behind one interface; the pull loop
-            # hands each pulled chunk to the one of its topic, through the router.
-            self.consume_service = ConcurrentConsumeService(rt)
-            self.orderly_service = OrderlyConsumeService(rt)
-            self.sink_service = SinkConsumeService(rt)
-            self.router = ServiceRouter(self.subscriptions, concurrent=self.consume_service,
-                                        orderly=self.orderly_service, sink=self.sink_service)
-            rebalance_now = asyncio.Event()
-            self.pull_service = PullService(rt, self.router, on_queue_forgotten=rebalance_now.set)
-            self.rebalancer = Rebalancer(rt, self.pull_service, self.orderly_service,
-                                         wakeup=rebalance_now, hooks=self.hooks)
-            self._lag = LagMonitor(rt)
+            self._starting = True
             try:
-                for topic in self.subscribed_topics():
-                    try:
-                        await self.instance.update_route(topic)
-                    except NoRouteError:
-                        # A new group's retry topic is created by the broker on the first
-                        # heartbeat; the rebalancer picks its route up later.
-                        if topic != self.retry_topic:
-                            raise
-                await raise_if_refused(self, await self.instance.send_heartbeats())
-                await self.sink_service.start_sinks()
-                await self.hooks.run_startup(self.group)  # before the first rebalance and pull
-            except BaseException:
-                await self._owner.aclose()
-                await self.instance.close()
-                raise
-            self.errors.owner = self._owner
-            self._thread_limiters = (anyio.CapacityLimiter(self.options.consume_concurrency),
-                                     anyio.CapacityLimiter(self.options.consume_concurrency))
-            self._give_threads()
-            for service in self._services():
-                service.start()
-            o = self.options
-            self._owner.spawn(self.rebalancer.run(), name="rebalance")
-            self._owner.spawn(self._persist_loop(), name="persist-offsets")
-            self._owner.spawn(self._lag.run(), name="lag")
-            self._owner.spawn(self.instance.heartbeat_loop(o.heartbeat_interval), name="heartbeat")
-            self._owner.spawn(self.instance.route_refresh_loop(o.route_refresh_interval),
-                              name="route-refresh")
-            self._started = True
-            log.info("consumer.started", group=self.group, client_id=self.client_id,
-                     topics=list(self._subs), model=str(o.message_model))
+                await self._start()
+            finally:
+                self._starting = False
+
+    async def _start(self) -> None:
+        """The body of :meth:`start`, under its lock."""
+        self._rt = None  # the runtime of a stop() before is not this start's
+        self.start_timestamp = int(time.time() * 1000)
+        self.subscriptions.reset_retry()
+        self.instance = ClientInstance(
+            self.namesrv,
+            self.client_id,
+            heartbeat_source=self.heartbeat_data,
+            request_handler=self._handle_broker_request,
+            rpc_hook=self.options.rpc_hook(),
+            ssl=self.options.client_ssl_context(self.client_id),
+        )
+        if self.options.message_model == MessageModel.BROADCASTING:
+            self.offset_store = LocalFileOffsetStore(
+                self.options.offset_store_dir, self.client_id, self.group
+            )
+        else:
+            self.offset_store = BrokerOffsetStore(self.instance, self.group)
+        await self.offset_store.load()
+        self._owner = TaskOwner(f"consumer[{self.group}]")
+        rt = self._rt = ConsumerRuntime(
+            group=self.group, client_id=self.client_id, options=self.options,
+            subscriptions=self.subscriptions, process_queues=self.process_queues,
+            paused=self._paused, stats=self.stats, errors=self.errors,
+            instance=self.instance, offset_store=self.offset_store, tasks=self._owner,
+        )
+        # The three consumption services are peers behind one interface; the pull loop
+        # hands each pulled chunk to the one of its topic, through the router.
+        self.consume_service = ConcurrentConsumeService(rt)
+        self.orderly_service = OrderlyConsumeService(rt)
+        self.sink_service = SinkConsumeService(rt)
+        self.router = ServiceRouter(self.subscriptions, concurrent=self.consume_service,
+                                    orderly=self.orderly_service, sink=self.sink_service)
+        rebalance_now = asyncio.Event()
+        self.pull_service = PullService(rt, self.router, on_queue_forgotten=rebalance_now.set)
+        self.rebalancer = Rebalancer(rt, self.pull_service, self.orderly_service,
+                                     wakeup=rebalance_now, hooks=self.hooks)
+        self._lag = LagMonitor(rt)
+        try:
+            for topic in self.subscribed_topics():
+                try:
+                    await self.instance.update_route(topic)
+                except NoRouteError:
+                    # A new group's retry topic is created by the broker on the first
+                    # heartbeat; the rebalancer picks its route up later.
+                    if topic != self.retry_topic:
+                        raise
+            await raise_if_refused(self, await self.instance.send_heartbeats())
+            await self.sink_service.start_sinks()
+            await self.hooks.run_startup(self.group)  # before the first rebalance and pull
+        except BaseException:
+            await self._owner.aclose()
+            await self.instance.close()
+            raise
+        self.errors.owner = self._owner
+        self._thread_limiters = (anyio.CapacityLimiter(self.options.consume_concurrency),
+                                 anyio.CapacityLimiter(self.options.consume_concurrency))
+        self._give_threads()
+        for service in self._services():
+            service.start()
+        o = self.options
+        self._owner.spawn(self.rebalancer.run(), name="rebalance")
+        self._owner.spawn(self._persist_loop(), name="persist-offsets")
+        self._owner.spawn(self._lag.run(), name="lag")
+        self._owner.spawn(self.instance.heartbeat_loop(o.heartbeat_interval), name="heartbeat")
+        self._owner.spawn(self.instance.route_refresh_loop(o.route_refresh_interval),
+                          name="route-refresh")
+        self._started = True
+        log.info("consumer.started", group=self.group, client_id=self.client_id,
+                 topics=list(self._subs), model=str(o.message_model))
 
     def _give_threads(self) -> None:
         """Each handler's worker threads: those of its consume service (concurrent, orderly),

@@ -110,10 +110,11 @@ _collectors_lock = threading.Lock()
 def _ended(consumer: PushConsumer) -> bool:
     """Stopping or stopped, or its start failed: it began a start, does not run, and is not
     starting still."""
+    if getattr(consumer, "starting", False):
+        return False
     return bool(getattr(consumer, "stopping", False)) or (
         not getattr(consumer, "is_running", True)
-        and bool(getattr(consumer, "start_timestamp", 0))
-        and not getattr(consumer, "starting", False))
+        and bool(getattr(consumer, "start_timestamp", 0)))
 
 
 class ConsumerCollector(Collector):

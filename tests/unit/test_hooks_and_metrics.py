@@ -750,3 +750,35 @@ async def test_a_consumer_is_starting_while_its_start_runs(monkeypatch: pytest.M
     with pytest.raises(NameServerUnavailable):
         await start
     assert not consumer.starting and prom._ended(consumer)
+
+
+async def test_a_consumer_started_again_after_a_stop_is_starting_not_stopping(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The runtime of the stop before said "stopping" until the new start replaced it, so
+    # a second start (its offsets loading in a worker thread, say) read as ended.
+    import asyncio
+    from types import SimpleNamespace
+
+    from rmq_async import PushConsumer
+    from rmq_async.client.instance import ClientInstance
+
+    asked = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def update_route(self: ClientInstance, topic: str) -> None:
+        asked.set()
+        await answer.wait()
+        raise RuntimeError("end of the test")
+
+    monkeypatch.setattr(ClientInstance, "update_route", update_route)
+    consumer = PushConsumer("G", "127.0.0.1:9876")
+    consumer.subscribe("T", listener=lambda m: None)
+    consumer._rt = SimpleNamespace(stopping=True)  # type: ignore[assignment]  # as stop() left it
+    assert consumer.stopping
+    start = asyncio.create_task(consumer.start())
+    async with asyncio.timeout(5):
+        await asked.wait()
+    assert consumer.starting and not consumer.stopping and not prom._ended(consumer)
+    answer.set()
+    with pytest.raises(RuntimeError):
+        await start
