@@ -260,9 +260,14 @@ class PullService:
             # Reported once when it starts and once when it ends, not on every retry.
             if req.mq not in self.refused:
                 self.refused.add(req.mq)
+                # (The route lookup a pull may make first can be the one refused: every
+                # name server refusing this client's credentials.)
+                who = "the name servers refuse this client the route of this queue's topic" \
+                    if exc.request == "GET_ROUTEINFO_BY_TOPIC" \
+                    else "the broker refuses to serve this queue"
                 self._rt.errors.report(ConsumerError(
                     ConsumerErrorKind.PERMISSION_DENIED, req.mq.topic, req.mq, req.next_offset,
-                    f"the broker refuses to serve this queue: {exc.remark}"))
+                    f"{who}: {exc.remark}"))
             return opts.pull_time_delay_when_exception
         if exc.code == ResponseCode.FLOW_CONTROL:
             self.flow_broker.hit(queue=str(req.mq), code=exc.code)
