@@ -97,7 +97,22 @@ def test_permission_refused_is_reported_once_per_episode() -> None:
     for _ in range(3):
         assert service._error_delay(req, refused) > 0
     assert [(e.kind, e.offset) for e in reported] == [(ConsumerErrorKind.PERMISSION_DENIED, 5)]
+    assert reported[0].detail.startswith("the broker refuses to serve this queue")
     assert service.refused == {MQ}
+
+
+def test_a_refused_route_lookup_is_reported_as_the_name_servers_refusal() -> None:
+    # A pull may look its topic's route up first: when every name server refuses this
+    # client's credentials, the event does not blame the broker.
+    from rmq_async.client.errors import NoPermissionError
+    from rmq_async.protocol.codes import ResponseCode
+
+    service, reported = _service()
+    refused = NoPermissionError(ResponseCode.NO_PERMISSION, "no permission",
+                                addr="127.0.0.1:9876", request="GET_ROUTEINFO_BY_TOPIC")
+    service._error_delay(PullRequest(MQ, ProcessQueue(), 5), refused)
+    assert [e.kind for e in reported] == [ConsumerErrorKind.PERMISSION_DENIED]
+    assert reported[0].detail.startswith("the name servers refuse this client the route")
 
 
 async def test_error_handlers_sync_and_async_and_counts() -> None:
