@@ -221,6 +221,7 @@ class _Batch:
         "opened_mono",
         "redelivered",
         "rows",
+        "tops",
         "urgent",
     )
 
@@ -228,6 +229,8 @@ class _Batch:
         self.batch_id = batch_id
         self.chunks: list[list[MessageExt] | StoredChunk] = []
         self.acks: list[AckCallback] = []
+        # The highest offset of each queue's chunks in pull order (not redelivered ones).
+        self.tops: dict[tuple[str, str, int], int] = {}
         self.rows = 0
         self.bytes = 0
         self.opened_at = time.time()
@@ -398,20 +401,29 @@ class SparkSink:
         its batch failed) is not written with chunks in pull order, nor with another of its
         queue: among newer rows of its queue, the batch's offset range would span rows other
         batches wrote (see "Exactly-once into Delta" above); redelivered chunks of different
-        queues share batches. Raises :class:`SinkClosedError` after :meth:`aclose`.
+        queues share batches. A chunk of a queue that starts at or below an offset the open
+        batch already holds for that queue (the queue was given up and taken again, or its
+        offset reset, and is pulled again) closes the open batch first, so that no batch
+        holds a row twice. Raises :class:`SinkClosedError` after :meth:`aclose`.
         """
         if self._closed:
             raise SinkClosedError("the Spark sink is closed")
         size = msgs.size if isinstance(msgs, StoredChunk) else sum(len(m.body) for m in msgs)
         rows = len(msgs)
         batch = self._open
-        queue = _chunk_queue(msgs) if redelivered else None
+        # (An empty chunk has no queue: it is acknowledged with its batch and joins any.)
+        queue = _chunk_queue(msgs) if rows else None
+        first, last = _chunk_offsets(msgs) if rows else (-1, -1)
         if batch is not None and batch.rows and (
             # Redelivered chunks share a batch only with redelivered chunks of other queues:
             # each lies within the range of the one batch that failed with it, which nothing
             # wrote; two of a queue could be of two failed batches around a written one.
             (batch.redelivered is not None) != redelivered
             or (batch.redelivered is not None and queue in batch.redelivered)
+            # A queue given up and taken again (or its offset reset) is pulled again from
+            # its committed offset: those rows go to a batch of their own, not beside the
+            # same rows pulled before (one batch holding a row twice defeats a merge).
+            or (not redelivered and queue is not None and first <= batch.tops.get(queue, -1))
             or batch.rows + rows > self._eff_rows or batch.bytes + size > self._eff_bytes
         ):
             # Closed before the chunk that would take it past a limit: a batch of at most
@@ -425,8 +437,11 @@ class SparkSink:
             if redelivered:
                 batch.redelivered = set()
             self._wakeup.set()  # the writer starts the latency clock of this batch
-        if queue is not None and batch.redelivered is not None:
-            batch.redelivered.add(queue)
+        if queue is not None:
+            if batch.redelivered is not None:
+                batch.redelivered.add(queue)
+            else:
+                batch.tops[queue] = max(batch.tops.get(queue, -1), last)
         batch.chunks.append(msgs)
         batch.acks.append(ack)
         batch.rows += rows
@@ -894,6 +909,14 @@ def _chunk_queue(chunk: list[MessageExt] | StoredChunk) -> tuple[str, str, int]:
         return (chunk.topic, chunk.broker_name, chunk.queue_id)
     first = chunk[0]
     return (first.topic, first.broker_name, first.queue_id)
+
+
+def _chunk_offsets(chunk: list[MessageExt] | StoredChunk) -> tuple[int, int]:
+    """The lowest and highest queue offset of a chunk."""
+    if isinstance(chunk, StoredChunk):
+        return chunk.first_offset, chunk.last_offset
+    offsets = [m.queue_offset for m in chunk]
+    return min(offsets), max(offsets)
 
 
 def _batch_info(batch: _Batch, chunks: Sequence[Sequence[MessageExt] | StoredChunk],

@@ -400,6 +400,28 @@ async def test_batch_closes_before_a_chunk_that_would_pass_the_row_limit() -> No
     assert sink.want_more()
 
 
+async def test_rows_pulled_again_after_a_queue_is_taken_back_go_to_a_batch_of_their_own(
+) -> None:
+    # A queue given up and taken again while its chunks sat in the open batch is pulled again
+    # from its committed offset: those rows joined the same batch, which then held each of
+    # them twice (a MERGE on the message's coordinates inserts both).
+    write = Recorder()
+    sink = make_sink(write, batch_rows=100)
+    acks = Acks()
+    sink.offer(chunk(0, 10, queue_id=1), acks.cb(0))  # offsets 1000..1009
+    sink.offer(chunk(0, 5, queue_id=2), acks.cb(1))
+    sink.offer(chunk(10, 10, queue_id=1), acks.cb(2))  # 1010..1019: in pull order, same batch
+    sink.offer(chunk(0, 10, queue_id=1), acks.cb(3))  # taken back: from 1000 again
+    sink.offer(chunk(5, 5, queue_id=2), acks.cb(4))
+    await sink.aclose()
+    assert [info.row_count for _, info in write.written] == [25, 15]
+    for table, _ in write.written:
+        rows = list(zip(table.column("queue_id").to_pylist(),
+                        table.column("queue_offset").to_pylist(), strict=True))
+        assert len(rows) == len(set(rows))
+    assert [acks.outcome(n) for n in range(5)] == [True] * 5
+
+
 async def test_batch_closes_at_byte_limit() -> None:
     write = Recorder()
     sink = make_sink(write, batch_rows=10_000, batch_bytes=4096)
