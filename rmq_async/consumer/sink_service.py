@@ -194,7 +194,9 @@ class SinkConsumeService:
                       first_offset=_first_offset(msgs), error=f"{type(exc).__name__}: {exc}",
                       exc_info=exc)
             try:
-                rt.tasks.spawn(self._offer_later(sink, msgs, pq, mq, redelivered),
+                # Offered again out of pull order (chunks after it may be written meanwhile):
+                # as a redelivered chunk, so that no batch's offset range spans theirs.
+                rt.tasks.spawn(self._offer_later(sink, msgs, pq, mq),
                                name="sink-offer-again")
             except RuntimeError:  # the consumer is stopping: nothing commits, all comes again
                 pass
@@ -203,10 +205,10 @@ class SinkConsumeService:
             sink.expedite()
 
     async def _offer_later(self, sink: SparkSink, msgs: Chunk, pq: ProcessQueue,
-                           mq: MessageQueue, redelivered: bool) -> None:
+                           mq: MessageQueue) -> None:
         await asyncio.sleep(SEND_BACK_FAILED_RETRY_DELAY)
         if not pq.dropped and not self._rt.stopping:
-            self._offer(sink, msgs, pq, mq, redelivered=redelivered)
+            self._offer(sink, msgs, pq, mq, redelivered=True)
 
     def _acked(self, ok: bool, sink: SparkSink, msgs: Chunk, pq: ProcessQueue,
                mq: MessageQueue) -> None:

@@ -674,6 +674,10 @@ async def test_a_sink_whose_offer_raises_gets_the_chunk_again_and_the_pull_goes_
         pull(side, mq, msgs(0, 8))  # returns: the error does not reach the pull loop
         await asyncio.wait_for(_offered(sink, 1), 5)
     assert [e["event"] for e in logs if e["log_level"] == "error"] == ["sink.offer_failed"]
+    # Offered again out of pull order (later chunks may be written meanwhile): as a
+    # redelivered chunk, never in a batch of chunks in pull order, whose offset range would
+    # then span rows of batches written between.
+    assert sink.redelivered == [True]
     sink.offers[0][1](True)
     assert side.offset_store.read_memory(mq) == 8
     await side.rt.tasks.aclose()
