@@ -183,8 +183,16 @@ class SinkConsumeService:
             else:  # the form every sink takes (the flag is newer)
                 sink.offer(msgs, ack)
         except SinkClosedError:
-            # Only while stopping: the messages stay cached, their offsets never move.
-            log.warning("sink.offer_after_close", queue=str(mq), count=len(msgs))
+            # While stopping: the messages stay cached, their offsets never move.
+            if rt.stopping:
+                log.warning("sink.offer_after_close", queue=str(mq), count=len(msgs))
+                return
+            # Closed under a running consumer (its own aclose() called, or a sink shared
+            # with a consumer that stopped): loudly, and offered again after a pause (a
+            # sink started again takes it), rather than held cached for good in silence.
+            log.error("sink.closed_while_consuming", queue=str(mq), count=len(msgs),
+                      first_offset=_first_offset(msgs))
+            self._offer_again_later(sink, msgs, pq, mq)
             return
         except Exception as exc:
             # A bug in the sink must not end the pull loop that offered (its queue would not
@@ -193,16 +201,19 @@ class SinkConsumeService:
             log.error("sink.offer_failed", queue=str(mq), count=len(msgs),
                       first_offset=_first_offset(msgs), error=f"{type(exc).__name__}: {exc}",
                       exc_info=exc)
-            try:
-                # Offered again out of pull order (chunks after it may be written meanwhile):
-                # as a redelivered chunk, so that no batch's offset range spans theirs.
-                rt.tasks.spawn(self._offer_later(sink, msgs, pq, mq),
-                               name="sink-offer-again")
-            except RuntimeError:  # the consumer is stopping: nothing commits, all comes again
-                pass
+            self._offer_again_later(sink, msgs, pq, mq)
             return
         if rt.thresholds.queue_blocked(mq.topic, pq):
             sink.expedite()
+
+    def _offer_again_later(self, sink: SparkSink, msgs: Chunk, pq: ProcessQueue,
+                           mq: MessageQueue) -> None:
+        try:
+            # Offered again out of pull order (chunks after it may be written meanwhile): as
+            # a redelivered chunk, so that no batch's offset range spans theirs.
+            self._rt.tasks.spawn(self._offer_later(sink, msgs, pq, mq), name="sink-offer-again")
+        except RuntimeError:  # the consumer is stopping: nothing commits, all comes again
+            pass
 
     async def _offer_later(self, sink: SparkSink, msgs: Chunk, pq: ProcessQueue,
                            mq: MessageQueue) -> None:

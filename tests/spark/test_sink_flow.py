@@ -683,6 +683,38 @@ async def test_a_sink_whose_offer_raises_gets_the_chunk_again_and_the_pull_goes_
     await side.rt.tasks.aclose()
 
 
+async def test_a_sink_closed_under_a_running_consumer_gets_the_chunk_again_loudly(
+        side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sink closed while its consumer runs (its own aclose() called, or shared with a
+    consumer that stopped) refused the chunk, which then stayed cached for good in silence:
+    its queue's offset held, and its pulls blocked at the span limit."""
+    from rmq_async.sinks import SinkClosedError
+
+    class ClosedOnceSink(FakeSink):
+        closed_offers = 1
+
+        def offer(self, batch: list[MessageExt], ack: Callable[[bool], None], *,
+                  redelivered: bool = False) -> None:
+            if self.closed_offers:
+                self.closed_offers -= 1
+                raise SinkClosedError("the Spark sink is closed")
+            super().offer(batch, ack, redelivered=redelivered)  # started again
+
+    sink, mqs = attach(side, queues=1, sink=ClosedOnceSink())
+    mq = mqs[0]
+    monkeypatch.setattr(sink_service_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        pull(side, mq, msgs(0, 8))
+        await asyncio.wait_for(_offered(sink, 1), 5)
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == [
+        "sink.closed_while_consuming"]
+    sink.offers[0][1](True)
+    assert side.offset_store.read_memory(mq) == 8
+    await side.rt.tasks.aclose()
+
+
 async def _offered(sink: FakeSink, n: int) -> None:
     while len(sink.offers) < n:
         await asyncio.sleep(0.005)
