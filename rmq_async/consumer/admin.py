@@ -376,7 +376,7 @@ class BrokerRequestHandler:
                 offset = table[mq]
                 c.offset_store.freeze(mq, offset)
                 # Persists the frozen offset (orderly: after the batch in flight, then unlocks).
-                await c.remove_queue(mq, reason="offset_reset")
+                await c.rebalancer.remove_queue(mq, reason="offset_reset")
                 log.info("admin.queue_reset", queue=str(mq), offset=offset)
         if targets:
             c.rebalancer.wake()

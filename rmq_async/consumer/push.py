@@ -627,8 +627,11 @@ class PushConsumer:
     # ------------------------------------------------------------------ queues
 
     async def remove_queue(self, mq: MessageQueue, *, reason: str) -> None:
-        """Give ``mq`` up (see :meth:`Rebalancer.remove_queue`)."""
-        await self.rebalancer.remove_queue(mq, reason=reason)
+        """Give ``mq`` up (see :meth:`Rebalancer.remove_queue`); no rebalance round runs
+        meanwhile (it would take the queue again, with an older offset, while its offset is
+        being persisted). The next round may take it again."""
+        async with self.rebalancer.table_lock:
+            await self.rebalancer.remove_queue(mq, reason=reason)
 
     async def send_message_back(self, msg: MessageExt, delay_level: int) -> bool:
         """CONSUMER_SEND_MSG_BACK for a failed message; ``False`` if it could not be handed back."""

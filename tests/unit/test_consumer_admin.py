@@ -223,8 +223,7 @@ async def test_an_offset_reset_and_a_rebalance_round_do_not_interleave() -> None
     rebalancer._allocate = allocate  # type: ignore[method-assign]
     rebalancer._on_allocation_changed = changed  # type: ignore[method-assign]
     view = SimpleNamespace(group="G", stopping=False, process_queues=rt.process_queues,
-                           offset_store=store, rebalancer=rebalancer,
-                           remove_queue=rebalancer.remove_queue)
+                           offset_store=store, rebalancer=rebalancer)
     handler = BrokerRequestHandler(view)  # type: ignore[arg-type]
     async with asyncio.timeout(5):
         reset = asyncio.create_task(handler.reset_offsets("T", {mq: 5}))
@@ -237,3 +236,30 @@ async def test_an_offset_reset_and_a_rebalance_round_do_not_interleave() -> None
         await asyncio.gather(reset, round_)
     assert broker[mq] == 5
     assert started == [(mq, 5)]  # taken again from the reset offset
+
+
+async def test_the_public_remove_queue_waits_for_a_rebalance_round() -> None:
+    # A round running beside the removal saw the queue gone but still allocated, took it
+    # again with the broker's older offset, and the removal then persisted that and dropped
+    # the new hold's offset entry: messages consumed twice.
+    import asyncio
+    from types import SimpleNamespace
+
+    from rmq_async.protocol.types import MessageQueue
+
+    consumer = PushConsumer("G", "127.0.0.1:9876")
+    removed: list[str] = []
+
+    async def remove_queue(mq: MessageQueue, *, reason: str) -> None:
+        removed.append(reason)
+
+    consumer.rebalancer = SimpleNamespace(  # type: ignore[assignment]
+        table_lock=asyncio.Lock(), remove_queue=remove_queue)
+    async with asyncio.timeout(5):
+        async with consumer.rebalancer.table_lock:  # a round under way
+            removal = asyncio.create_task(
+                consumer.remove_queue(MessageQueue("T", "b", 0), reason="by_hand"))
+            await asyncio.sleep(0.02)
+            assert removed == []
+        await removal
+    assert removed == ["by_hand"]
