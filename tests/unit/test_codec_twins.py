@@ -464,22 +464,7 @@ def test_missing_extension_falls_back_with_one_log_line() -> None:
 def test_an_out_of_date_extension_is_not_used_at_all() -> None:
     # An extension built from an older source lacks a function the pure module now expects:
     # the process uses the pure twins throughout, with the one log line, and does not fail.
-    stale = (
-        "import sys\n"
-        "from importlib.machinery import PathFinder\n"
-        "class Stale:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name != 'rmq_async.protocol._cmessage':\n"
-        "            return None\n"
-        "        spec = PathFinder.find_spec(name, path)\n"
-        "        run = spec.loader.exec_module\n"
-        "        def exec_module(module):\n"
-        "            run(module)\n"
-        "            del module.uncache\n"
-        "        spec.loader.exec_module = exec_module\n"
-        "        return spec\n"
-        "sys.meta_path.insert(0, Stale())\n"
-    )
+    stale = _tampered_extension("del module.uncache")
     result = _implementation({}, prelude=stale)
     assert result.returncode == 0, result.stderr
     assert "IMPLEMENTATION=python" in result.stdout
@@ -488,22 +473,25 @@ def test_an_out_of_date_extension_is_not_used_at_all() -> None:
     assert len(lines) == 1 and "out of date (no uncache)" in lines[0], output
 
 
-_REPLACE_DIGEST = (
-    "import sys\n"
-    "from importlib.machinery import PathFinder\n"
-    "class Other:\n"
-    "    def find_spec(self, name, path=None, target=None):\n"
-    "        if name != 'rmq_async.protocol._cmessage':\n"
-    "            return None\n"
-    "        spec = PathFinder.find_spec(name, path)\n"
-    "        run = spec.loader.exec_module\n"
-    "        def exec_module(module):\n"
-    "            run(module)\n"
-    "            module.SOURCE_DIGEST = DIGEST\n"
-    "        spec.loader.exec_module = exec_module\n"
-    "        return spec\n"
-    "sys.meta_path.insert(0, Other())\n"
-)
+def _tampered_extension(change: str) -> str:
+    """A prelude that applies ``change`` (a statement on ``module``) to the compiled codec
+    module right after it is loaded, as a differently built extension would differ."""
+    return (
+        "import sys\n"
+        "from importlib.machinery import PathFinder\n"
+        "class Tampered:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name != 'rmq_async.protocol._cmessage':\n"
+        "            return None\n"
+        "        spec = PathFinder.find_spec(name, path)\n"
+        "        run = spec.loader.exec_module\n"
+        "        def exec_module(module):\n"
+        "            run(module)\n"
+        f"            {change}\n"
+        "        spec.loader.exec_module = exec_module\n"
+        "        return spec\n"
+        "sys.meta_path.insert(0, Tampered())\n"
+    )
 
 
 @needs_compiled
@@ -511,14 +499,15 @@ def test_an_extension_built_from_another_source_is_not_used() -> None:
     # Every name present, but built from another _cmessage.pyx than the one beside it (a
     # function whose arguments changed would fail at its first call): the pure path, with
     # the one log line.
-    result = _implementation({}, prelude="DIGEST = '0123456789abcdef'\n" + _REPLACE_DIGEST)
+    result = _implementation(
+        {}, prelude=_tampered_extension("module.SOURCE_DIGEST = '0123456789abcdef'"))
     assert result.returncode == 0, result.stderr
     assert "IMPLEMENTATION=python" in result.stdout
     output = result.stdout + result.stderr
     lines = [line for line in output.splitlines() if "rmq_async.extensions_unavailable" in line]
     assert len(lines) == 1 and "built from another _cmessage.pyx" in lines[0], output
     # Built without a digest (by hand, without setup.py): nothing to compare, it is used.
-    result = _implementation({}, prelude="DIGEST = ''\n" + _REPLACE_DIGEST)
+    result = _implementation({}, prelude=_tampered_extension("module.SOURCE_DIGEST = ''"))
     assert "IMPLEMENTATION=compiled" in result.stdout, result.stdout + result.stderr
 
 

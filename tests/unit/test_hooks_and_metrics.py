@@ -723,10 +723,10 @@ def test_is_healthy_needs_the_last_round_answered_and_a_recent_heartbeat() -> No
     assert not c.is_healthy()
 
 
-async def test_a_consumer_is_starting_while_its_start_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    import asyncio
-
-    from rmq_async import PushConsumer
+async def _start_held_at_its_route_lookup(
+        monkeypatch: pytest.MonkeyPatch, consumer: Any) -> tuple[Any, Any]:
+    """Start ``consumer`` with its route lookup held; the start task and the event that
+    lets the lookup fail (a NameServerUnavailable)."""
     from rmq_async.client.errors import NameServerUnavailable
     from rmq_async.client.instance import ClientInstance
 
@@ -739,12 +739,20 @@ async def test_a_consumer_is_starting_while_its_start_runs(monkeypatch: pytest.M
         raise NameServerUnavailable("no name server answered")
 
     monkeypatch.setattr(ClientInstance, "update_route", update_route)
-    consumer = PushConsumer("G", "127.0.0.1:9876")
-    consumer.subscribe("T", listener=lambda m: None)
-    assert not consumer.starting
     start = asyncio.create_task(consumer.start())
     async with asyncio.timeout(5):
         await asked.wait()
+    return start, answer
+
+
+async def test_a_consumer_is_starting_while_its_start_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rmq_async import PushConsumer
+    from rmq_async.client.errors import NameServerUnavailable
+
+    consumer = PushConsumer("G", "127.0.0.1:9876")
+    consumer.subscribe("T", listener=lambda m: None)
+    assert not consumer.starting
+    start, answer = await _start_held_at_its_route_lookup(monkeypatch, consumer)
     assert consumer.starting and not prom._ended(consumer)
     answer.set()
     with pytest.raises(NameServerUnavailable):
@@ -756,29 +764,17 @@ async def test_a_consumer_started_again_after_a_stop_is_starting_not_stopping(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The runtime of the stop before said "stopping" until the new start replaced it, so
     # a second start (its offsets loading in a worker thread, say) read as ended.
-    import asyncio
     from types import SimpleNamespace
 
     from rmq_async import PushConsumer
-    from rmq_async.client.instance import ClientInstance
+    from rmq_async.client.errors import NameServerUnavailable
 
-    asked = asyncio.Event()
-    answer = asyncio.Event()
-
-    async def update_route(self: ClientInstance, topic: str) -> None:
-        asked.set()
-        await answer.wait()
-        raise RuntimeError("end of the test")
-
-    monkeypatch.setattr(ClientInstance, "update_route", update_route)
     consumer = PushConsumer("G", "127.0.0.1:9876")
     consumer.subscribe("T", listener=lambda m: None)
     consumer._rt = SimpleNamespace(stopping=True)  # type: ignore[assignment]  # as stop() left it
     assert consumer.stopping
-    start = asyncio.create_task(consumer.start())
-    async with asyncio.timeout(5):
-        await asked.wait()
+    start, answer = await _start_held_at_its_route_lookup(monkeypatch, consumer)
     assert consumer.starting and not consumer.stopping and not prom._ended(consumer)
     answer.set()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(NameServerUnavailable):
         await start
