@@ -411,9 +411,10 @@ class SparkSink:
         size = msgs.size if isinstance(msgs, StoredChunk) else sum(len(m.body) for m in msgs)
         rows = len(msgs)
         batch = self._open
-        # (An empty chunk has no queue: it is acknowledged with its batch and joins any.)
-        queue = _chunk_queue(msgs) if rows else None
-        first, last = _chunk_offsets(msgs) if rows else (-1, -1)
+        queue = _chunk_queue(msgs) if redelivered and rows else None
+        # Each queue's lowest and highest offset in the chunk (one queue for a consumer's
+        # chunk; a list offered by other code may mix them). Empty: none, it joins any batch.
+        spans = _chunk_spans(msgs) if not redelivered else {}
         if batch is not None and batch.rows and (
             # Redelivered chunks share a batch only with redelivered chunks of other queues:
             # each lies within the range of the one batch that failed with it, which nothing
@@ -423,7 +424,7 @@ class SparkSink:
             # A queue given up and taken again (or its offset reset) is pulled again from
             # its committed offset: those rows go to a batch of their own, not beside the
             # same rows pulled before (one batch holding a row twice defeats a merge).
-            or (not redelivered and queue is not None and first <= batch.tops.get(queue, -1))
+            or any(low <= batch.tops.get(q, -1) for q, (low, _) in spans.items())
             or batch.rows + rows > self._eff_rows or batch.bytes + size > self._eff_bytes
         ):
             # Closed before the chunk that would take it past a limit: a batch of at most
@@ -437,11 +438,11 @@ class SparkSink:
             if redelivered:
                 batch.redelivered = set()
             self._wakeup.set()  # the writer starts the latency clock of this batch
-        if queue is not None:
-            if batch.redelivered is not None:
-                batch.redelivered.add(queue)
-            else:
-                batch.tops[queue] = max(batch.tops.get(queue, -1), last)
+        if queue is not None and batch.redelivered is not None:
+            batch.redelivered.add(queue)
+        for q, (_, high) in spans.items():
+            if high > batch.tops.get(q, -1):
+                batch.tops[q] = high
         batch.chunks.append(msgs)
         batch.acks.append(ack)
         batch.rows += rows
@@ -911,12 +912,22 @@ def _chunk_queue(chunk: list[MessageExt] | StoredChunk) -> tuple[str, str, int]:
     return (first.topic, first.broker_name, first.queue_id)
 
 
-def _chunk_offsets(chunk: list[MessageExt] | StoredChunk) -> tuple[int, int]:
-    """The lowest and highest queue offset of a chunk."""
+def _chunk_spans(chunk: list[MessageExt] | StoredChunk,
+                 ) -> dict[tuple[str, str, int], tuple[int, int]]:
+    """The lowest and highest offset of each queue in a chunk."""
     if isinstance(chunk, StoredChunk):
-        return chunk.first_offset, chunk.last_offset
-    offsets = [m.queue_offset for m in chunk]
-    return min(offsets), max(offsets)
+        return {(chunk.topic, chunk.broker_name, chunk.queue_id):
+                (chunk.first_offset, chunk.last_offset)}
+    spans: dict[tuple[str, str, int], tuple[int, int]] = {}
+    for m in chunk:
+        q = (m.topic, m.broker_name, m.queue_id)
+        offset = m.queue_offset
+        span = spans.get(q)
+        if span is None:
+            spans[q] = (offset, offset)
+        elif offset < span[0] or offset > span[1]:
+            spans[q] = (min(span[0], offset), max(span[1], offset))
+    return spans
 
 
 def _batch_info(batch: _Batch, chunks: Sequence[Sequence[MessageExt] | StoredChunk],

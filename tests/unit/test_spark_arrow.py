@@ -422,6 +422,20 @@ async def test_rows_pulled_again_after_a_queue_is_taken_back_go_to_a_batch_of_th
     assert [acks.outcome(n) for n in range(5)] == [True] * 5
 
 
+async def test_a_list_of_several_queues_is_checked_queue_by_queue() -> None:
+    # Code other than the consumer may offer one list mixing queues: each queue's offsets
+    # rising is pull order, whatever the lowest offset of the whole list.
+    write = Recorder()
+    sink = make_sink(write, batch_rows=100)
+    acks = Acks()
+    sink.offer(chunk(0, 10, queue_id=1), acks.cb(0))  # queue 1: 1000..1009
+    mixed = [make_msg(i, queue_id=1) for i in range(10, 15)] + chunk(0, 5, queue_id=2)
+    sink.offer(mixed, acks.cb(1))  # queue 1 goes on at 1010; queue 2 starts at 1000
+    sink.offer(chunk(5, 5, queue_id=1), acks.cb(2))  # queue 1 from 1005 again: a new batch
+    await sink.aclose()
+    assert [info.row_count for _, info in write.written] == [20, 5]
+
+
 async def test_batch_closes_at_byte_limit() -> None:
     write = Recorder()
     sink = make_sink(write, batch_rows=10_000, batch_bytes=4096)
