@@ -279,7 +279,13 @@ class PushConsumer:
         return self.add_middleware(middleware)
 
     def unsubscribe(self, topic: str) -> None:
-        """Remove ``topic``'s subscription; after ``start()`` its queues are released at once."""
+        """Remove ``topic``'s subscription; after ``start()`` its queues are released at once.
+
+        Messages of ``topic`` that come after that, through the group's retry topic (sent back
+        before) or pulled just before the release, find no handler: they are sent back as
+        failed, and reach the group's dead-letter queue (``%DLQ%<group>``) after
+        ``max_reconsume_times``. (Java's one listener per consumer would still get them.)
+        Subscribe the topic again to take them, or read them from the dead-letter queue."""
         if self._subs.pop(topic, None) is not None and self._started:
             self._subscription_changed()
 
