@@ -13,7 +13,9 @@ Answered on the consumer's remoting connections (Java ``ClientRemotingProcessor`
   nothing (both consume services check the drop flag before updating an offset) and the new
   offset is *frozen* in the offset store until the queue is removed, so a late result cannot
   overwrite it. Orderly queues are still released the orderly way (after the batch in flight,
-  then unlocked). The reset therefore takes effect within one broker round trip per queue.
+  then unlocked). A pull sent just before the drop carries the old offset for the broker to
+  commit, so the new offsets are written once more a second later (:data:`RESET_SETTLE`),
+  before the queues are taken again.
 * ``GET_CONSUMER_STATUS_FROM_CLIENT``: the in-memory consume offsets of one topic
   (``mqadmin getConsumerStatus``).
 * ``GET_CONSUMER_RUNNING_INFO``: properties, subscriptions, per-queue process-queue state and
@@ -40,6 +42,7 @@ import structlog
 
 from rmq_async.client.errors import MQClientError, NoPermissionError
 from rmq_async.consumer.middleware import run_call
+from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.results import (
     ConsumeContext,
     DirectConsumeResult,
@@ -82,6 +85,11 @@ if TYPE_CHECKING:
     from rmq_async.protocol.filter import SubscriptionData
 
 log = structlog.get_logger(__name__)
+
+
+#: Seconds after an admin reset's offsets were written that they are written again, once the
+#: pulls sent before the reset (whose piggy-backed commits carry the old offsets) are taken.
+RESET_SETTLE = 1.0
 
 
 class ConsumerView(Protocol):
@@ -378,8 +386,31 @@ class BrokerRequestHandler:
                 # Persists the frozen offset (orderly: after the batch in flight, then unlocks).
                 await c.rebalancer.remove_queue(mq, reason="offset_reset")
                 log.info("admin.queue_reset", queue=str(mq), offset=offset)
+            if targets and c.options.message_model == MessageModel.CLUSTERING:
+                await self._write_resets_again(table, [mq for mq, _ in targets])
         if targets:
             c.rebalancer.wake()
+
+    async def _write_resets_again(self, table: dict[MessageQueue, int],
+                                  queues: list[MessageQueue]) -> None:
+        """Write the reset offsets once more, :data:`RESET_SETTLE` seconds on.
+
+        A PULL_MESSAGE sent just before a queue was dropped carries the old offset for the
+        broker to commit, and the broker's pull threads can apply it after the reset's update
+        (Java sleeps 10 s before writing reset offsets, for the pulls in flight to be taken).
+        By now they have been; a queue whose orderly release waits for its batch is left to
+        that release, which persists the reset offset after the batch.
+        """
+        c = self._consumer
+        await asyncio.sleep(RESET_SETTLE)
+        for mq in queues:
+            if mq in c.process_queues or c.rebalancer.releasing(mq):
+                continue
+            c.offset_store.freeze(mq, table[mq])
+            try:
+                await c.offset_store.persist(mq)
+            finally:
+                c.offset_store.remove(mq)
 
     # ------------------------------------------------------------------ status / running info
 

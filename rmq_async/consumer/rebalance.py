@@ -225,9 +225,14 @@ class Rebalancer:
             if not req.pq.dropped and not rt.stopping:
                 self._pull.start_queue(req)
 
+    def releasing(self, mq: MessageQueue) -> bool:
+        """Is ``mq`` an orderly queue given up while its batch runs on (its release, offset
+        persist included, deferred until that batch ends)?"""
+        return self._orderly is not None and self._orderly.releasing(mq)
+
     async def _queue_assigned(self, mq: MessageQueue) -> bool:
         """Called before a new queue is pulled: orderly clustering consumers lock it first."""
-        if self._orderly is not None and self._orderly.releasing(mq):
+        if self.releasing(mq):
             # Given up while a batch of it ran on: taken again once that batch has ended.
             log.info("rebalance.queue_still_releasing", queue=str(mq))
             self.retry_soon()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from rmq_async import ConsumeResult, MessageExt, PushConsumer
+from rmq_async.consumer import admin as admin_module
 from rmq_async.consumer.admin import BrokerRequestHandler, build_running_info
 from rmq_async.protocol.codes import RequestCode, ResponseCode
 from rmq_async.protocol.command import RemotingCommand
@@ -171,7 +174,8 @@ async def test_consume_message_directly_goes_through_the_middlewares_and_sees_po
     assert answers[1]["remark"].startswith("dead letter: payload not decodable as Order")
 
 
-async def test_an_offset_reset_and_a_rebalance_round_do_not_interleave() -> None:
+async def test_an_offset_reset_and_a_rebalance_round_do_not_interleave(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A round that ran while a reset had removed a queue but not yet persisted its new
     offset would take the queue again from the broker's old offset: the reset would be lost.
     The round waits for the reset (Java suspends the rebalance for one)."""
@@ -223,8 +227,9 @@ async def test_an_offset_reset_and_a_rebalance_round_do_not_interleave() -> None
     rebalancer._allocate = allocate  # type: ignore[method-assign]
     rebalancer._on_allocation_changed = changed  # type: ignore[method-assign]
     view = SimpleNamespace(group="G", stopping=False, process_queues=rt.process_queues,
-                           offset_store=store, rebalancer=rebalancer)
+                           offset_store=store, rebalancer=rebalancer, options=rt.options)
     handler = BrokerRequestHandler(view)  # type: ignore[arg-type]
+    monkeypatch.setattr(admin_module, "RESET_SETTLE", 0.01)
     async with asyncio.timeout(5):
         reset = asyncio.create_task(handler.reset_offsets("T", {mq: 5}))
         while mq in rt.process_queues:
@@ -263,3 +268,47 @@ async def test_the_public_remove_queue_waits_for_a_rebalance_round() -> None:
             assert removed == []
         await removal
     assert removed == ["by_hand"]
+
+
+async def test_a_reset_is_written_again_after_the_pulls_sent_before_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pull sent just before the reset carries the old offset for the broker to commit; the
+    # broker's pull threads can apply it after the reset's update, and the reset is undone
+    # (a rewind then replays nothing). Java sleeps 10 s before writing reset offsets.
+    import asyncio
+    from types import SimpleNamespace
+
+    from rmq_async.consumer.options import ConsumerOptions
+    from rmq_async.consumer.process_queue import ProcessQueue
+    from rmq_async.protocol.types import MessageQueue
+
+    mq = MessageQueue("T", "broker-a", 0)
+    broker = {mq: 100}
+    memory: dict[MessageQueue, int] = {}
+    writes: list[int] = []
+
+    async def persist(q: MessageQueue) -> None:
+        broker[q] = memory[q]
+        writes.append(memory[q])
+        if len(writes) == 1:  # the pull sent before the drop, applied after this update
+            asyncio.get_running_loop().call_soon(broker.__setitem__, q, 100)
+
+    store = SimpleNamespace(freeze=memory.__setitem__, persist=persist,
+                            remove=lambda q: memory.pop(q, None))
+    process_queues = {mq: ProcessQueue()}
+
+    async def remove_queue(q: MessageQueue, *, reason: str) -> None:
+        process_queues.pop(q)
+        await store.persist(q)
+        store.remove(q)
+
+    rebalancer = SimpleNamespace(table_lock=asyncio.Lock(), remove_queue=remove_queue,
+                                 releasing=lambda q: False, wake=lambda: None)
+    view = SimpleNamespace(group="G", stopping=False, process_queues=process_queues,
+                           offset_store=store, rebalancer=rebalancer,
+                           options=ConsumerOptions.from_kwargs("G"))
+    monkeypatch.setattr(admin_module, "RESET_SETTLE", 0.05)
+    async with asyncio.timeout(5):
+        await BrokerRequestHandler(view).reset_offsets("T", {mq: 5})  # type: ignore[arg-type]
+    assert writes == [5, 5]
+    assert broker[mq] == 5 and memory == {}
