@@ -179,6 +179,12 @@ class ProducerOptions:
         return self.tls or self.tls_ca_file is not None or self.ssl_context is not None
 
 
+def _waits_for_store(msg: Message) -> bool:
+    """Java's ``isWaitStoreMsgOK``: the WAIT property, true when absent."""
+    value = msg.properties.get(PROPERTY_WAIT)
+    return value is None or value.lower() == "true"
+
+
 def _positive_seconds(name: str, value: object) -> float:
     if isinstance(value, timedelta):
         value = value.total_seconds()
@@ -401,6 +407,12 @@ class Producer:
                 raise InvalidArgumentError("a retry topic's messages cannot be sent in a batch")
             if m.properties.get(PROPERTY_DELAY, "0") not in ("", "0"):
                 raise InvalidArgumentError("a delayed message cannot be sent in a batch")
+        # The broker reads WAIT for the whole batch from the request header (absent: true),
+        # so the messages must agree on it, as Java's MessageBatch requires.
+        waits = {_waits_for_store(m) for m in msgs}
+        if len(waits) > 1:
+            raise InvalidArgumentError("the messages of a batch must agree on WAIT "
+                                       "(waiting for the store or not)")
         for m in msgs:  # every message checked first: a refused batch leaves them untouched
             uniq_ids.append(self._unique_id(m))
             props = m.all_properties()
@@ -409,8 +421,10 @@ class Producer:
         body = encode_batch(prepared)
         if len(body) > self.options.max_message_size:
             raise InvalidArgumentError(f"batch of {len(body)} bytes exceeds max_message_size")
+        header_props = encode_properties({PROPERTY_WAIT: "true" if waits.pop() else "false"})
         return await self._send_with_retry(
-            topic, queue, None, None, body, "", 0, 0, batch=True, msg_id=",".join(uniq_ids),
+            topic, queue, None, None, body, header_props, 0, 0, batch=True,
+            msg_id=",".join(uniq_ids),
         )
 
     async def _send_with_retry(self, topic: str, queue: MessageQueue | None, msg: Message | None,
@@ -433,8 +447,18 @@ class Producer:
             if loop.time() >= deadline:
                 timed_out = True
                 break
-            mq = queue if queue is not None else await until_deadline(
-                self._pick_queue(topic, msg, selector, last_broker), deadline, self._lookup_late)
+            try:
+                # (Inside the try: a retry's route lookup that fails ends the send with what
+                # the attempts before it met, not with the lookup's error alone.)
+                mq = queue if queue is not None else await until_deadline(
+                    self._pick_queue(topic, msg, selector, last_broker), deadline,
+                    self._lookup_late)
+            except (MQClientError, RemotingError) as exc:
+                if last_exc is None or isinstance(exc, RemotingTimeout):
+                    raise
+                log.warning("producer.route_lookup_failed", topic=topic, attempt=attempt,
+                            error=str(exc))
+                break
             last_broker = mq.broker_name
             try:
                 addr = await until_deadline(

@@ -35,7 +35,7 @@ from rmq_async.protocol.codes import (
 )
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.message import decode_messages, decode_properties, encode_stored_message
-from rmq_async.protocol.types import PROPERTY_UNIQ_KEY, MessageExt, MessageQueue
+from rmq_async.protocol.types import PROPERTY_UNIQ_KEY, PROPERTY_WAIT, MessageExt, MessageQueue
 from tests.fake_broker import FakeBroker, route_answer, send_ok, silent_listener, uniq_key
 
 # Java's order of a route with two groups of 4 writable queues: by broker name, then queue id.
@@ -707,3 +707,43 @@ def test_keys_and_levels_are_checked_as_documented() -> None:
     producer._check_sendable(Message("T", b"x", keys=("a", "b")), None)  # type: ignore[arg-type]
     Producer("PG", "127.0.0.1:1", compress_type="ZSTD", compress_level=-50)  # zstd's fast levels
     Producer("PG", "127.0.0.1:1", compress_over=float("inf"))  # never compress
+
+
+async def test_a_batch_carries_its_messages_wait_in_the_request_header() -> None:
+    # The broker reads WAIT for a batch from the request header and takes an absent one for
+    # true: messages sent with WAIT=false in a batch still waited for the flush or replica.
+    from rmq_async.errors import InvalidArgumentError
+
+    producer, api = _fake_producer({})
+    await producer.send_batch([Message("T", b"1", properties={PROPERTY_WAIT: "false"}),
+                               Message("T", b"2", properties={PROPERTY_WAIT: "false"})])
+    assert decode_properties(api.calls[-1]["properties"]) == {PROPERTY_WAIT: "false"}
+    await producer.send_batch([Message("T", b"1"), Message("T", b"2")])
+    assert decode_properties(api.calls[-1]["properties"]) == {PROPERTY_WAIT: "true"}
+    with pytest.raises(InvalidArgumentError, match="agree on WAIT"):  # Java refuses them too
+        await producer.send_batch([Message("T", b"1", properties={PROPERTY_WAIT: "false"}),
+                                   Message("T", b"2")])
+
+
+async def test_a_failed_route_lookup_on_a_retry_ends_with_the_brokers_error() -> None:
+    # A retry's route lookup (two name-server requests for a topic without a route) that
+    # failed ended the send with the lookup's error: the broker's answer was lost.
+    from rmq_async.client.errors import MQBrokerError, NameServerUnavailable
+    from rmq_async.protocol.codes import ResponseCode
+
+    busy = MQBrokerError(ResponseCode.SYSTEM_BUSY, "too many requests", addr="a")
+    producer, api = _fake_producer({"broker-a": busy, "broker-b": busy})
+    lookups = 0
+
+    async def publish_queues(topic: str) -> list[MessageQueue]:
+        nonlocal lookups
+        lookups += 1
+        if lookups > 1:
+            raise NameServerUnavailable("no name server answered")
+        return QUEUES
+
+    producer.instance.publish_queues = publish_queues  # type: ignore[method-assign]
+    with pytest.raises(MQBrokerError) as info:
+        await producer.send(Message("T", b"x"))
+    assert info.value.code == ResponseCode.SYSTEM_BUSY
+    assert len(api.sent) == 1
