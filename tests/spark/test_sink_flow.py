@@ -22,6 +22,7 @@ from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.message import encode_stored_message
 from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, MessageExt, MessageQueue
+from rmq_async.sinks import SinkClosedError
 from rmq_async.sinks.spark import BatchInfo, SparkSink
 from tests.helpers import wait_until
 
@@ -650,22 +651,34 @@ async def test_a_sink_whose_offer_takes_two_arguments_gets_its_chunk_again(
     await side.rt.tasks.aclose()
 
 
-async def test_a_sink_whose_offer_raises_gets_the_chunk_again_and_the_pull_goes_on(
-        side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bug in a sink's offer is logged and the chunk offered again after a pause; the pull
-    loop that offered it is not ended by it."""
+class _RaisesOnce(FakeSink):
+    """A sink whose first offer raises ``error``; it takes the offers after that."""
 
-    class FlakySink(FakeSink):
-        failures = 1
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error: Exception | None = error
 
-        def offer(self, batch: list[MessageExt], ack: Callable[[bool], None], *,
-                  redelivered: bool = False) -> None:
-            if self.failures:
-                self.failures -= 1
-                raise KeyError("a bug in the sink")
-            super().offer(batch, ack, redelivered=redelivered)
+    def offer(self, batch: list[MessageExt], ack: Callable[[bool], None], *,
+              redelivered: bool = False) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        super().offer(batch, ack, redelivered=redelivered)
 
-    sink, mqs = attach(side, queues=1, sink=FlakySink())
+
+@pytest.mark.parametrize(("error", "event"), [
+    # A bug in a sink's offer: logged, the chunk offered again after a pause; the pull loop
+    # that offered it is not ended by it.
+    (KeyError("a bug in the sink"), "sink.offer_failed"),
+    # A sink closed while its consumer runs (its own aclose() called, or shared with a
+    # consumer that stopped; then started again) refused the chunk, which then stayed
+    # cached for good in silence: its queue's offset held, its pulls blocked at the span
+    # limit.
+    (SinkClosedError("the Spark sink is closed"), "sink.closed_while_consuming"),
+])
+async def test_a_chunk_the_sink_refused_is_offered_again_and_the_pull_goes_on(
+        error: Exception, event: str, side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    sink, mqs = attach(side, queues=1, sink=_RaisesOnce(error))
     mq = mqs[0]
     monkeypatch.setattr(sink_service_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
     from structlog.testing import capture_logs
@@ -673,43 +686,11 @@ async def test_a_sink_whose_offer_raises_gets_the_chunk_again_and_the_pull_goes_
     with capture_logs() as logs:
         pull(side, mq, msgs(0, 8))  # returns: the error does not reach the pull loop
         await asyncio.wait_for(_offered(sink, 1), 5)
-    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["sink.offer_failed"]
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == [event]
     # Offered again out of pull order (later chunks may be written meanwhile): as a
     # redelivered chunk, never in a batch of chunks in pull order, whose offset range would
     # then span rows of batches written between.
     assert sink.redelivered == [True]
-    sink.offers[0][1](True)
-    assert side.offset_store.read_memory(mq) == 8
-    await side.rt.tasks.aclose()
-
-
-async def test_a_sink_closed_under_a_running_consumer_gets_the_chunk_again_loudly(
-        side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A sink closed while its consumer runs (its own aclose() called, or shared with a
-    consumer that stopped) refused the chunk, which then stayed cached for good in silence:
-    its queue's offset held, and its pulls blocked at the span limit."""
-    from rmq_async.sinks import SinkClosedError
-
-    class ClosedOnceSink(FakeSink):
-        closed_offers = 1
-
-        def offer(self, batch: list[MessageExt], ack: Callable[[bool], None], *,
-                  redelivered: bool = False) -> None:
-            if self.closed_offers:
-                self.closed_offers -= 1
-                raise SinkClosedError("the Spark sink is closed")
-            super().offer(batch, ack, redelivered=redelivered)  # started again
-
-    sink, mqs = attach(side, queues=1, sink=ClosedOnceSink())
-    mq = mqs[0]
-    monkeypatch.setattr(sink_service_module, "SEND_BACK_FAILED_RETRY_DELAY", 0.01)
-    from structlog.testing import capture_logs
-
-    with capture_logs() as logs:
-        pull(side, mq, msgs(0, 8))
-        await asyncio.wait_for(_offered(sink, 1), 5)
-    assert [e["event"] for e in logs if e["log_level"] == "error"] == [
-        "sink.closed_while_consuming"]
     sink.offers[0][1](True)
     assert side.offset_store.read_memory(mq) == 8
     await side.rt.tasks.aclose()
