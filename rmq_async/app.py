@@ -70,7 +70,7 @@ class App:
 
     @property
     def is_running(self) -> bool:
-        """``True`` between a successful :meth:`start` and :meth:`stop`."""
+        """``True`` from a successful :meth:`start` until a :meth:`stop` has returned."""
         return self._started
 
     async def start(self) -> None:
@@ -96,15 +96,17 @@ class App:
 
         A ``start()`` under way is waited for first (its consumers are then stopped; if it
         fails, nothing is left to stop). Acknowledged offsets are persisted by each consumer's
-        own ``stop()``.
+        own ``stop()``. The app counts as running until its members' stops have returned:
+        a ``stop()`` that was cancelled (a drain cut short) can be called again, and stops
+        the members still running.
         """
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
         async with self._start_lock:
             if not self._started:
                 return
-            self._started = False
             await _stop_all(self._consumers, timeout)
+            self._started = False
             log.info("app.stopped", consumers=[c.group for c in self._consumers])
 
     async def __aenter__(self) -> App:

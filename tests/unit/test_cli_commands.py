@@ -272,6 +272,27 @@ async def test_app_stop_during_a_failing_start_returns_once_it_failed() -> None:
     assert not app.is_running and not a.running
 
 
+async def test_a_stop_after_a_cancelled_one_stops_the_members_still_running() -> None:
+    class SlowStop(SlowStart):
+        async def stop(self, timeout: Any = 30.0) -> None:
+            if self.running:
+                await asyncio.sleep(0.3)  # listeners finishing, offsets persisted
+                self.running = False
+
+    a, b = SlowStop("GA", namesrv=NS), SlowStop("GB", namesrv=NS)
+    app = App(a, b)
+    await app.start()
+    stopping = asyncio.create_task(app.stop())
+    await asyncio.sleep(0.05)
+    stopping.cancel()  # a drain cut short (the CLI's grace period), or a caller's timeout
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    assert [c.running for c in app] == [True, True]
+    assert app.is_running  # not stopped yet: a second stop() has work to do
+    await app.stop()
+    assert [c.running for c in app] == [False, False] and not app.is_running
+
+
 # ---------------------------------------------------------------------------------- lag
 
 MASTER_A, SLAVE_B = "10.0.0.1:10911", "10.0.0.2:10911"
