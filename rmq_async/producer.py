@@ -325,23 +325,19 @@ class Producer:
         ``properties`` on its first send, as Java's ``setUniqID``: sent again (after a timeout,
         say), it keeps it, so that consumers can recognise the copy."""
         self._check_sendable(msg, queue)
-        if not msg.body:
-            # The broker cannot store a single message without a body (Java refuses it too:
-            # "the message body length is zero"); inside a batch an empty body is fine.
-            raise InvalidArgumentError("the message body is empty; send it with send_batch() or add a body")
         body = bytes(msg.body)
-        if len(body) > self.options.max_message_size:  # as Java: checked before compressing
-            raise InvalidArgumentError(f"message body of {len(body)} bytes exceeds max_message_size")
         uniq_id = self._unique_id(msg)
         props = msg.all_properties()
         props.setdefault(PROPERTY_WAIT, "true")
         sys_flag = 0
+        # As in Java, compressing the body is part of the send, so of its send_timeout.
+        deadline = asyncio.get_running_loop().time() + self.options.send_timeout
         if len(body) >= self.options.compress_over:
             body = await self._compress(body)
             sys_flag |= MessageSysFlag.COMPRESSED_FLAG | (self._compression << 8)
         return await self._send_with_retry(
             msg.topic, queue, msg, selector, body, encode_properties(props), sys_flag, msg.flag,
-            batch=False, msg_id=uniq_id,
+            batch=False, msg_id=uniq_id, deadline=deadline,
         )
 
     def _unique_id(self, msg: Message) -> str:
@@ -364,6 +360,13 @@ class Producer:
         if not isinstance(msg.body, bytes | bytearray | memoryview):
             raise InvalidTypeError(f"a message body must be bytes, not {type(msg.body).__name__}"
                                    " (encode text first)")
+        if not msg.body:
+            # Java's Validators.checkMessage: "the message body length is zero", for a message
+            # sent alone and for each message of a batch.
+            raise InvalidArgumentError("the message body is empty")
+        size = memoryview(msg.body).nbytes  # a memoryview's len() counts items, not bytes
+        if size > self.options.max_message_size:  # as Java: checked before compressing
+            raise InvalidArgumentError(f"message body of {size} bytes exceeds max_message_size")
         if msg.tags is not None and not isinstance(msg.tags, str):
             raise InvalidTypeError(f"tags must be a str, not {type(msg.tags).__name__}")
         keys = msg.keys
@@ -430,7 +433,7 @@ class Producer:
     async def _send_with_retry(self, topic: str, queue: MessageQueue | None, msg: Message | None,
                                selector: QueueSelector | None, body: bytes, properties: str,
                                sys_flag: int, flag: int, *, batch: bool,
-                               msg_id: str) -> SendResult:
+                               msg_id: str, deadline: float | None = None) -> SendResult:
         """Send, retrying as Java's ``sendDefaultImpl`` does, all within one ``send_timeout``.
 
         Each attempt (route lookup, connecting, the request) gets what the ones before it
@@ -439,7 +442,8 @@ class Producer:
         """
         attempts = 1 + (self.options.retry_times_when_send_failed if queue is None else 0)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.options.send_timeout
+        if deadline is None:
+            deadline = loop.time() + self.options.send_timeout
         last_exc: Exception | None = None
         last_broker: str | None = None
         timed_out = False
@@ -487,7 +491,9 @@ class Producer:
         if timed_out:
             raise RemotingTimeout(
                 f"send to topic {topic!r} not done within send_timeout "
-                f"({self.options.send_timeout:.3f}s; last failure: {last_exc})",
+                f"({self.options.send_timeout:.3f}s; "
+                + (f"last failure: {last_exc})" if last_exc is not None else
+                   "used up before the first attempt: compressing the body)"),
                 addr=getattr(last_exc, "addr", None),
             ) from last_exc
         assert last_exc is not None

@@ -587,6 +587,12 @@ async def test_what_java_refuses_before_sending_is_refused_before_sending() -> N
         await producer.send_batch([Message("T", b"x", properties={"DELAY": "3"})])
     with pytest.raises(InvalidArgumentError, match="retry topic"):
         await producer.send_batch([Message("%RETRY%G", b"x")])
+    # An empty body, alone or in a batch (Java's Validators.checkMessage checks each
+    # message of a batch as it checks one sent alone).
+    with pytest.raises(InvalidArgumentError, match="body is empty"):
+        await producer.send(Message("T", b""))
+    with pytest.raises(InvalidArgumentError, match="body is empty"):
+        await producer.send_batch([Message("T", b"x"), Message("T", b"")])
     # Checked before compression, as Java's Validators.checkMessage: 4 KiB of one byte would
     # compress to a few bytes.
     with pytest.raises(InvalidArgumentError, match="4096 bytes exceeds max_message_size"):
@@ -746,4 +752,22 @@ async def test_a_failed_route_lookup_on_a_retry_ends_with_the_brokers_error() ->
     with pytest.raises(MQBrokerError) as info:
         await producer.send(Message("T", b"x"))
     assert info.value.code == ResponseCode.SYSTEM_BUSY
+    assert len(api.sent) == 1
+
+
+async def test_compressing_the_body_is_inside_send_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Java's send clock starts before the body is compressed: a compression that takes the
+    # whole send_timeout leaves nothing for the request.
+    import rmq_async.producer as producer_module
+
+    def slow_compress(body: bytes, ctype: int, level: int) -> bytes:
+        time.sleep(0.3)
+        return body[:10]
+
+    monkeypatch.setattr(producer_module, "compress_body", slow_compress)
+    producer, api = _fake_producer({}, send_timeout=0.2, compress_over=64)
+    with pytest.raises(RemotingTimeout, match="compressing the body"):
+        await producer.send(Message("T", b"a" * 70_000))  # compressed in a worker thread
+    assert api.sent == []
+    await producer.send(Message("T", b"small"))  # not compressed: sent
     assert len(api.sent) == 1
