@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import itertools
 import math
 import os
@@ -34,6 +35,7 @@ from rmq_async.consumer.options import (
     check_group_name,
     check_tls_options,
     check_topic_name,
+    default_client_ip,
 )
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
 from rmq_async.consumer.tasks import TaskOwner
@@ -135,6 +137,11 @@ class ProducerOptions:
     """The topic whose route stands in for a topic that has none yet (Java
     ``createTopicKey``): a send to a new topic goes to the brokers that serve this one, which
     create the topic if they allow it (``autoCreateTopicEnable``)."""
+    client_ip: str = dataclasses.field(default_factory=default_client_ip)
+    """This host's address as the broker is told it: the front of the producer's client id
+    and the address inside its message ids (Java ``clientIP``; picked as the consumer's).
+    A value that is not an IP address keeps the client id but gives the message ids the
+    clock-derived stand-in Java uses when it finds no address."""
     credentials: Credentials | None = None
     """ACL account, as the consumer's: ``(access_key, secret_key[, security_token])`` too."""
     tls: bool = False
@@ -145,6 +152,9 @@ class ProducerOptions:
     unless ``tls_verify=False``; a ready ``ssl_context`` is used as given."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.client_ip, str) or not self.client_ip.strip():
+            raise InvalidOptionError("client_ip", f"expected a non-empty string, got "
+                                                  f"{self.client_ip!r}")
         self.send_timeout = _positive_seconds("send_timeout", self.send_timeout)
         self.route_refresh_interval = _positive_seconds("route_refresh_interval",
                                                         self.route_refresh_interval)
@@ -185,6 +195,14 @@ def _waits_for_store(msg: Message) -> bool:
     return value is None or value.lower() == "true"
 
 
+def _ip_or_none(text: str) -> str | None:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return text
+
+
 def _positive_seconds(name: str, value: object) -> float:
     if isinstance(value, timedelta):
         value = value.total_seconds()
@@ -221,7 +239,8 @@ class Producer:
         self.options = opts = ProducerOptions(**options)
         self.group = check_group_name(group, option="producer_group",
                                       reserved=DEFAULT_PRODUCER_GROUP)
-        self.client_id = f"127.0.0.1@{instance_name or f'producer-{os.getpid()}-{time.monotonic_ns()}'}"
+        self.client_id = (f"{opts.client_ip}@"
+                          f"{instance_name or f'producer-{os.getpid()}-{time.monotonic_ns()}'}")
         self.instance = ClientInstance(
             namesrv, self.client_id, api_timeout=opts.send_timeout,
             rpc_hook=None if opts.credentials is None else opts.credentials.rpc_hook(),
@@ -230,7 +249,7 @@ class Producer:
                 ssl_context=opts.ssl_context, client=self.client_id),
         )
         self._compression = _COMPRESSION_TYPES[opts.compress_type]
-        self._uniq = UniqKeyGenerator()
+        self._uniq = UniqKeyGenerator(_ip_or_none(opts.client_ip))
         self._counters: dict[str, Iterator[int]] = {}
         self._tasks: TaskOwner | None = None
         self._lookup_late = (f"route lookup took the rest of send_timeout "

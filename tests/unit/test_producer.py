@@ -160,6 +160,22 @@ def test_options_are_checked() -> None:
         Producer("PG", "127.0.0.1:1", compres_type="LZ4")
 
 
+def test_the_client_id_and_the_message_ids_carry_this_hosts_address() -> None:
+    # Java: clientIP in the client id, UtilAll.getIP() in the message ids (the clock-derived
+    # stand-in only when no address is found); both the consumer's choice of address here.
+    from rmq_async.consumer.options import default_client_ip
+
+    producer = Producer("PG", "127.0.0.1:1", instance_name="orders-1")
+    assert producer.client_id == f"{default_client_ip()}@orders-1"
+    chosen = Producer("PG", "127.0.0.1:1", instance_name="orders-1", client_ip="10.1.2.3")
+    assert chosen.client_id == "10.1.2.3@orders-1"
+    assert chosen._uniq.next_id().startswith("0A010203")
+    named = Producer("PG", "127.0.0.1:1", client_ip="host-a")  # no address: the stand-in
+    assert named.client_id.startswith("host-a@") and len(named._uniq.next_id()) == 32
+    with pytest.raises(InvalidOptionError, match="client_ip"):
+        Producer("PG", "127.0.0.1:1", client_ip=" ")
+
+
 def test_credentials_sign_every_request() -> None:
     producer = Producer("PG", "127.0.0.1:1", credentials=("ak", "secret-1"))
     hook = producer.instance.remoting.rpc_hook
