@@ -30,6 +30,11 @@ JAVA_CONSUMER_FLAGS = ("-Drocketmq.client.rebalance.waitInterval=2000",)
 SHORT_LIVED_BROKER_FLAGS = ("-XX:TieredStopAtLevel=1",)
 
 
+class NotAnException(BaseException):
+    """A ``BaseException`` that is not an ``Exception``, as pytest's ``Failed`` raised by
+    ``pytest.fail()`` in a listener, handler or write under test."""
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:10]}"
 

@@ -46,7 +46,7 @@ from rmq_async.consumer.results import (
 )
 from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY, PullRequest
 from rmq_async.consumer.subscriptions import reset_retry_topic
-from rmq_async.consumer.tasks import TaskOwner, is_cancellation
+from rmq_async.consumer.tasks import TaskOwner, ends_the_caller
 from rmq_async.protocol.message import put_each
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 
@@ -191,8 +191,8 @@ class ConcurrentConsumeService:
             self._idle.clear()
             try:
                 await self._consume(req)
-            except (Exception, asyncio.CancelledError) as exc:
-                if is_cancellation(exc):
+            except BaseException as exc:
+                if ends_the_caller(exc):
                     raise
                 # A bug must not cost the consumer a worker. The chunk's messages are still
                 # cached (nothing was removed), so they are consumed again after a pause.
@@ -264,8 +264,8 @@ class ConcurrentConsumeService:
                         raw = await fast(m)
                     except DeadLetter as exc:
                         dead.append((m, exc.reason))
-                    except (Exception, asyncio.CancelledError) as exc:
-                        if is_cancellation(exc):
+                    except BaseException as exc:
+                        if ends_the_caller(exc):
                             raise
                         if not isinstance(exc, RetryLater):
                             log.warning("consume.handler_raised", topic=topic, queue=str(mq),
@@ -312,8 +312,8 @@ class ConcurrentConsumeService:
                     except DeadLetter as exc:
                         dead.extend((m, exc.reason) for m in batch)
                         raw = success
-                    except (Exception, asyncio.CancelledError) as exc:
-                        if is_cancellation(exc):
+                    except BaseException as exc:
+                        if ends_the_caller(exc):
                             raise
                         if not isinstance(exc, RetryLater):
                             log.warning("consume.handler_raised", topic=topic, queue=str(mq),

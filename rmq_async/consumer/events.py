@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from rmq_async.consumer.hooks import call_user, is_async_callable
-from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.consumer.tasks import TaskOwner, ends_the_caller
 from rmq_async.errors import IllegalStateError
 from rmq_async.protocol.types import MessageQueue
 
@@ -137,7 +137,9 @@ class ErrorReporter:
                 for handler in list(self.handlers):
                     try:
                         await call_user(handler, event)
-                    except Exception as exc:
+                    except BaseException as exc:
+                        if ends_the_caller(exc):
+                            raise
                         _handler_failed(handler, exc)
         except asyncio.CancelledError:
             self._pending.clear()
@@ -149,7 +151,9 @@ class ErrorReporter:
                 continue
             try:
                 result = handler(event)
-            except Exception as exc:
+            except BaseException as exc:
+                if isinstance(exc, SystemExit | KeyboardInterrupt):
+                    raise
                 _handler_failed(handler, exc)
                 continue
             if inspect.iscoroutine(result):  # a plain function that returned a coroutine

@@ -38,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import structlog
 
-from rmq_async.consumer.tasks import being_cancelled, in_user_thread
+from rmq_async.consumer.tasks import being_cancelled, ends_the_caller, in_user_thread
 from rmq_async.errors import InvalidTypeError
 from rmq_async.protocol.types import MessageQueue
 
@@ -135,7 +135,9 @@ class RebalanceHooks:
                 log.error("consumer.rebalance_listener_failed", group=group, hook=which,
                           listener=_name(hook), queues=sorted(str(q) for q in queues),
                           error="CancelledError raised by the listener", exc_info=exc)
-            except Exception as exc:  # a listener never breaks the rebalance
+            except BaseException as exc:  # a listener never breaks the rebalance
+                if ends_the_caller(exc):
+                    raise
                 log.error("consumer.rebalance_listener_failed", group=group, hook=which,
                           listener=_name(hook), queues=sorted(str(q) for q in queues),
                           error=f"{type(exc).__name__}: {exc}", exc_info=exc)
@@ -160,7 +162,9 @@ class RebalanceHooks:
                     raise
                 log.error("consumer.shutdown_hook_failed", group=group, hook=_name(hook),
                           error="CancelledError raised by the hook", exc_info=exc)
-            except Exception as exc:
+            except BaseException as exc:
+                if ends_the_caller(exc):
+                    raise
                 log.error("consumer.shutdown_hook_failed", group=group, hook=_name(hook),
                           error=f"{type(exc).__name__}: {exc}", exc_info=exc)
 

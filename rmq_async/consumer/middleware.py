@@ -21,7 +21,6 @@ consume services call handlers directly.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +34,7 @@ from rmq_async.consumer.results import (
     RetryLater,
     normalize_result,
 )
-from rmq_async.consumer.tasks import is_cancellation
+from rmq_async.consumer.tasks import ends_the_caller
 from rmq_async.protocol.types import MessageExt, MessageQueue
 
 log = structlog.get_logger(__name__)
@@ -155,8 +154,8 @@ async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: Consum
         keep = exc.result is not ConsumeResult.RECONSUME_LATER if orderly \
             else exc.result is ConsumeResult.RECONSUME_LATER
         outcome = Outcome(exc.result if keep else failed)
-    except (Exception, asyncio.CancelledError) as exc:
-        if is_cancellation(exc):
+    except BaseException as exc:
+        if ends_the_caller(exc):
             raise
         # A CancelledError of the handler's own (it awaited a task that was cancelled) is a
         # failure like any other: raised on, it would end the worker and strand the queue.

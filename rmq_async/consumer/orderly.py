@@ -36,7 +36,7 @@ from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
 from rmq_async.consumer.subscriptions import Subscription, reset_retry_topic
-from rmq_async.consumer.tasks import TaskOwner, is_cancellation
+from rmq_async.consumer.tasks import TaskOwner, ends_the_caller
 from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.message import put_each
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
@@ -135,8 +135,8 @@ class OrderlyConsumeService:
             self._idle.clear()
             try:
                 await self._run_turn(turn.mq, turn.pq)
-            except (Exception, asyncio.CancelledError) as exc:
-                if is_cancellation(exc):
+            except BaseException as exc:
+                if ends_the_caller(exc):
                     raise
                 # A bug must not cost the consumer a worker, nor the queue its turn (it would
                 # stay marked as consuming and never be scheduled again).

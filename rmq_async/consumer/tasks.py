@@ -58,6 +58,18 @@ def is_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, asyncio.CancelledError) and being_cancelled()
 
 
+def ends_the_caller(exc: BaseException) -> bool:
+    """Caught around user code (``except BaseException``): must ``exc`` be raised on?
+
+    Yes for the running task's own cancellation and for what ends a program or a coroutine
+    (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``). Anything else the code raised
+    (any ``Exception``, its own ``CancelledError``, another ``BaseException`` such as pytest's
+    ``Failed``) is a failure of that call, as Java's client takes any ``Throwable`` of a
+    listener: raised on, it would end a worker and strand its queue.
+    """
+    return is_cancellation(exc) or isinstance(exc, SystemExit | KeyboardInterrupt | GeneratorExit)
+
+
 class TaskOwner:
     """Creates, keeps and ends a component's background tasks.
 

@@ -112,7 +112,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from rmq_async.consumer.tasks import in_user_thread
+from rmq_async.consumer.tasks import ends_the_caller, in_user_thread
 from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import MessageExt, MessageQueue
@@ -687,7 +687,11 @@ class SparkSink:
                 started = time.monotonic()
                 try:
                     await self._attempt_and_convert_ahead(job)
-                except Exception as exc:
+                except BaseException as exc:
+                    if ends_the_caller(exc):
+                        raise
+                    # Any other: a failed attempt (a BaseException of the user's write, such
+                    # as pytest's Failed, ended the writer and left the topic's pulls waiting).
                     error = f"{type(exc).__name__}: {exc}"
                     log.warning(
                         "spark_sink.write_failed",

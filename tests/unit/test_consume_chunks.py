@@ -17,6 +17,7 @@ from rmq_async.consumer.stats import ConsumerStats
 from rmq_async.consumer.subscriptions import Subscription, Subscriptions
 from rmq_async.protocol.filter import build_subscription
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
+from tests.helpers import NotAnException
 
 MQ = MessageQueue("T", "broker-a", 0)
 
@@ -599,18 +600,26 @@ async def _cancelled_by_someone_else() -> None:
     await task
 
 
+async def _raise_base_exception() -> None:
+    raise NotAnException("pytest.fail() in the listener")
+
+
+@pytest.mark.parametrize("raises", ["own-cancelled-error", "base-exception"])
 @pytest.mark.parametrize("shape", ["one", "batch", "context"])
 async def test_a_handler_raising_cancelled_error_of_its_own_fails_its_call_only(
-        shape: str) -> None:
+        shape: str, raises: str) -> None:
     """A ``CancelledError`` that is not the consumer's cancellation (the handler awaited a task
-    that was cancelled) is a failure of that call: it ended the worker, and the chunk stayed
-    cached for good, holding the queue's offset (and, at the span limit, its pulls)."""
+    that was cancelled), or a ``BaseException`` that is not an ``Exception``, is a failure of
+    that call: it ended the worker, and the chunk stayed cached for good, holding the queue's
+    offset (and, at the span limit, its pulls)."""
     calls: list[int] = []
+    fail = {"own-cancelled-error": _cancelled_by_someone_else,
+            "base-exception": _raise_base_exception}[raises]
 
     async def body(first: int) -> None:
         calls.append(first)
         if first == 1 and calls.count(1) == 1:
-            await _cancelled_by_someone_else()
+            await fail()
 
     async def one(msg: MessageExt) -> None:
         await body(msg.queue_offset)

@@ -16,6 +16,7 @@ from rmq_async.consumer.runtime import PullThresholds
 from rmq_async.protocol.message import encode_stored_message
 from rmq_async.protocol.salvage import decode_messages_salvaging
 from rmq_async.protocol.types import MessageExt, MessageQueue
+from tests.helpers import NotAnException
 
 MQ = MessageQueue("T", "broker-a", 3)
 
@@ -115,7 +116,8 @@ def test_a_refused_route_lookup_is_reported_as_the_name_servers_refusal() -> Non
     assert reported[0].detail.startswith("the name servers refuse this client the route")
 
 
-async def test_error_handlers_sync_and_async_and_counts() -> None:
+@pytest.mark.parametrize("error", [ValueError, NotAnException])
+async def test_error_handlers_sync_and_async_and_counts(error: type[BaseException]) -> None:
     import asyncio
 
     from rmq_async.consumer.events import ErrorReporter
@@ -128,13 +130,17 @@ async def test_error_handlers_sync_and_async_and_counts() -> None:
     done = asyncio.Event()
 
     def broken(event: ConsumerError) -> None:
-        raise ValueError("a handler bug does not stop the others")
+        raise error("a handler bug does not stop the others")
+
+    async def broken_async(event: ConsumerError) -> None:
+        raise error("nor does an async handler's")
 
     async def notify(event: ConsumerError) -> None:
         seen.append(f"async {event.kind}")
         done.set()
 
-    reporter.handlers += [broken, lambda e: seen.append(f"sync {e.offset}"), notify]
+    reporter.handlers += [broken, broken_async, lambda e: seen.append(f"sync {e.offset}"),
+                          notify]
     reporter.report(ConsumerError(ConsumerErrorKind.CORRUPT_RECORD, "T", MQ, 9, "bad magic"))
     async with asyncio.timeout(5):
         await done.wait()

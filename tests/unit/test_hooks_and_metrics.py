@@ -28,7 +28,7 @@ from rmq_async.consumer.stats import ConsumerStats, CumulativeHistogram
 from rmq_async.errors import InvalidArgumentError, InvalidTypeError
 from rmq_async.observability.otel import TracingMiddleware
 from rmq_async.protocol.types import MessageExt, MessageQueue
-from tests.helpers import wait_until
+from tests.helpers import NotAnException, wait_until
 
 Q0 = MessageQueue("orders", "broker-a", 0)
 Q1 = MessageQueue("orders", "broker-a", 1)
@@ -127,6 +127,29 @@ async def test_a_listener_raising_cancelled_error_is_a_failed_listener(
     runner.cancel()
     with pytest.raises(asyncio.CancelledError):
         await runner
+
+
+async def test_a_listener_raising_a_base_exception_is_a_failed_listener() -> None:
+    # It left the hook runner: the rebalance round failed, or stop() ended before the
+    # offsets were persisted.
+    hooks = RebalanceHooks()
+    ran: list[str] = []
+
+    async def failing(queues: frozenset[MessageQueue]) -> None:
+        ran.append("failing")
+        raise NotAnException("pytest.fail() in the listener")
+
+    async def after(queues: frozenset[MessageQueue]) -> None:
+        ran.append("after")
+
+    hooks.revoked += [failing, after]
+    hooks.shutdown.append(lambda: failing(frozenset()))
+    with capture_logs() as logs:
+        await hooks.fire_revoked("g", [Q0])
+        await hooks.run_shutdown("g")
+    assert ran == ["failing", "after", "failing"]
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == [
+        "consumer.rebalance_listener_failed", "consumer.shutdown_hook_failed"]
 
 
 async def test_startup_failure_propagates_shutdown_failure_is_logged() -> None:

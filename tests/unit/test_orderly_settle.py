@@ -20,6 +20,7 @@ from rmq_async.consumer.orderly import OrderlyConsumeService
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.stats import ConsumerStats
 from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, MessageExt, MessageQueue
+from tests.helpers import NotAnException
 
 MQ = MessageQueue("T", "broker-a", 0)
 
@@ -332,15 +333,20 @@ async def test_a_held_message_out_of_retries_is_not_handed_out_again_by_a_rollba
     assert len(exhausted) == 1
 
 
-async def test_a_handler_raising_cancelled_error_of_its_own_suspends_the_queue_only() -> None:
-    """A ``CancelledError`` the handler raised itself (it awaited a task that was cancelled) is
-    a failure, retried in place: it ended the only worker with the queue marked as consuming,
-    and the queue was never consumed again."""
+@pytest.mark.parametrize("raises", ["own-cancelled-error", "base-exception"])
+async def test_a_handler_raising_cancelled_error_of_its_own_suspends_the_queue_only(
+        raises: str) -> None:
+    """A ``CancelledError`` the handler raised itself (it awaited a task that was cancelled),
+    or a ``BaseException`` that is not an ``Exception``, is a failure, retried in place: it
+    ended the only worker with the queue marked as consuming, and the queue was never
+    consumed again."""
     calls: list[int] = []
 
     async def handler(msg: MessageExt) -> None:
         calls.append(msg.queue_offset)
         if msg.queue_offset == 1 and calls.count(1) == 1:
+            if raises == "base-exception":
+                raise NotAnException("pytest.fail() in the listener")
             task = asyncio.ensure_future(asyncio.sleep(10))
             await asyncio.sleep(0)
             task.cancel()

@@ -31,6 +31,7 @@ from rmq_async.sinks._arrow import (
     offset_ranges,
 )
 from rmq_async.sinks.spark import BatchInfo, SparkSink
+from tests.helpers import NotAnException
 
 LogList = list[MutableMapping[str, Any]]
 
@@ -578,6 +579,36 @@ async def test_write_retried_until_it_succeeds(logs: LogList) -> None:
                       "spark_sink.batch_written"]  # fmt: skip
     assert [e["attempt"] for e in logs if e["event"] == "spark_sink.write_failed"] == [1, 2]
     await sink.aclose()
+
+
+async def test_a_write_raising_a_base_exception_is_a_failed_attempt(logs: LogList) -> None:
+    # It ended the writer (``task.crashed``): the batch was failed and every later offer of
+    # the topic waited for room until stop().
+    class Raising(Recorder):
+        attempts = 0
+
+        def __call__(self, df: Any, info: BatchInfo) -> None:
+            self.attempts += 1
+            if self.attempts == 1:
+                raise NotAnException("pytest.fail() in the write")
+            super().__call__(df, info)
+
+    write = Raising()
+    sink = make_sink(write, batch_rows=5, write_retries=2, max_batch_latency=0.05)
+    acks = Acks()
+    async with asyncio.TaskGroup() as tg:
+        await sink.start(tg)
+        sink.offer(chunk(0, 5), acks.cb(0))
+        sink.offer(chunk(5, 5), acks.cb(1))
+        async with asyncio.timeout(5):
+            while acks.outcome(1) is None:
+                await asyncio.sleep(0.01)
+        await sink.aclose()
+    assert [acks.outcome(0), acks.outcome(1)] == [True, True]
+    assert write.attempts == 3  # batch 1 twice, batch 2 once
+    assert [info.batch_id for _, info in write.written] == [1, 2]
+    failed = [e for e in logs if e["event"] == "spark_sink.write_failed"]
+    assert [e["error"] for e in failed] == ["NotAnException: pytest.fail() in the write"]
 
 
 async def test_retries_exhausted_fail_exactly_that_batch(logs: LogList) -> None:
