@@ -276,3 +276,28 @@ class _Hung:
         except asyncio.CancelledError:
             self.cancelled = True
             raise
+
+
+async def test_a_stop_cancelled_part_way_can_be_called_again_and_finishes() -> None:
+    # The CLI's drain cut short, or a caller's own timeout around stop(): the second stop()
+    # goes through every stage (App.stop relies on it) and ends with the consumer stopped.
+    class _Busy(_Idle):
+        def __init__(self) -> None:
+            self.release = asyncio.Event()
+
+        async def wait_idle(self) -> None:  # a listener call still running
+            await self.release.wait()
+
+    busy = _Busy()
+    c = _running_consumer(pull=_Idle(), sinks=_Idle())
+    c.consume_service = cast(Any, busy)
+    first = asyncio.create_task(c.stop(timeout=30.0))
+    await asyncio.sleep(0.1)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert c.stop_shortfalls == ("failed",)  # not stopped yet
+    busy.release.set()
+    async with asyncio.timeout(10):
+        await c.stop(timeout=2.0)
+    assert c.stop_shortfalls == () and not c._started and c._owner is None
