@@ -117,6 +117,10 @@ class ConcurrentConsumeService:
         self._idle.set()
         self._draining = False
         self._inflight: set[ConsumeRequest] = set()
+        # Held by the consume-timeout cleaner for a whole look and by a chunk's settlement
+        # while it sends messages back: either could otherwise send back what the other is
+        # sending back or has just acknowledged (a duplicate) while it awaits the broker.
+        self._sending_back = asyncio.Lock()
 
     def start(self) -> None:
         for i in range(self._opts.consume_concurrency):
@@ -338,10 +342,19 @@ class ConcurrentConsumeService:
     async def _settle(self, req: ConsumeRequest, handled: list[MessageExt],
                       failed: list[tuple[MessageExt, int]], elapsed: float, calls: int) -> None:
         """One removal, one offset update and one stats update for the handled messages."""
+        self._inflight.discard(req)
+        if failed or req.dead:
+            async with self._sending_back:
+                await self._settle_now(req, handled, failed, elapsed, calls)
+        else:
+            await self._settle_now(req, handled, failed, elapsed, calls)
+
+    async def _settle_now(self, req: ConsumeRequest, handled: list[MessageExt],
+                          failed: list[tuple[MessageExt, int]], elapsed: float,
+                          calls: int) -> None:
         rt = self._rt
         pq = req.pq
         dead = req.dead
-        self._inflight.discard(req)
         n_failed = len(failed) + len(dead)
         if (failed or dead) and (req.settled or pq.expired_sent_back != req.expired_seen):
             # The cleaner already sent back what it found expired: not twice.
@@ -412,11 +425,16 @@ class ConcurrentConsumeService:
         behind it in its chunk, which no listener saw, go back to the broker, as in Java.
         Should the stuck call return after all, its worker hands none of the messages sent
         back to the listener (they come again through the retry topic) and sends none of them
-        back a second time.
+        back a second time. A look waits for a chunk's settlement that is sending messages
+        back, and a settlement that has some to send back waits for a look under way.
         """
-        rt = self._rt
         if self._opts.message_model != MessageModel.CLUSTERING:
             return
+        async with self._sending_back:
+            await self._clean_expired()
+
+    async def _clean_expired(self) -> None:
+        rt = self._rt
         now_ms = int(time.time() * 1000)
         timeout_ms = int(self._opts.consume_timeout * 1000)
         for req in list(self._inflight):

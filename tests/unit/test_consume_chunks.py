@@ -451,6 +451,45 @@ async def test_answered_messages_of_a_slow_chunk_are_settled_not_sent_back() -> 
     assert h.updates[-1] == 4 and h.pq.msg_count == 0
 
 
+async def test_the_cleaner_waits_for_a_settlement_sending_back() -> None:
+    """A chunk past the consume timeout settles while the cleaner looks: its failed message
+    was being sent back by the settlement (awaiting the broker) when the cleaner found every
+    message of the chunk still cached and expired, and sent them all back at level 3: the
+    consumed ones as duplicates, the failed one twice."""
+    gate = asyncio.Event()
+
+    async def listener(msg: MessageExt) -> ConsumeResult:
+        if msg.queue_offset == 0:
+            await asyncio.sleep(0.15)  # the chunk outlives the 0.1 s timeout
+        return ConsumeResult.RECONSUME_LATER if msg.queue_offset == 1 else ConsumeResult.SUCCESS
+
+    h = Harness(listener, consume_timeout=0.1)
+    settling = asyncio.Event()
+
+    async def slow_send_back(msg: MessageExt, level: int) -> bool:
+        if msg.queue_offset == 1 and not settling.is_set():
+            settling.set()
+            await gate.wait()
+        h.sent_back.append((msg.queue_offset, level))
+        return True
+
+    h.service._rt.send_message_back = slow_send_back  # type: ignore[attr-defined]
+    try:
+        h.start_chunk(4)
+        async with asyncio.timeout(5):
+            await settling.wait()
+            cleaner = asyncio.create_task(h.service.clean_expired())
+            await asyncio.sleep(0.05)
+            gate.set()
+            await cleaner
+            while not h.updates:
+                await asyncio.sleep(0.005)
+    finally:
+        await h.service.aclose()
+    assert h.sent_back == [(1, 0)]
+    assert h.updates == [4] and h.pq.msg_count == 0
+
+
 @pytest.mark.parametrize("kind", ["dead", "level"])
 async def test_what_a_call_of_a_long_chunk_failed_goes_where_its_answer_sends_it(
         kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
