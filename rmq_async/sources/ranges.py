@@ -551,6 +551,10 @@ async def first_stored_since(client: ClientInstance, mq: MessageQueue, timestamp
 
     found = min(max(await api.search_offset(addr, mq, timestamp_ms), low), high)
     around = await stamps(found - 1, 2) if found > low else await stamps(found, 1)
+    if found < high and found not in around:
+        # A pull is capped by bytes too (a 4.x broker reading from disk: 64 KiB): with large
+        # messages the answer brings only the message before ``found``.
+        around.update(await stamps(found, 1))
     if found < high and found in around and around[found] < timestamp_ms:
         # Stored before the time: the first one at or after it lies above.
         step, before = 1, found

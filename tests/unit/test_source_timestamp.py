@@ -56,6 +56,7 @@ class SimulatedBroker:
     low: int
     answer: Any
     pulls: int = 0
+    per_pull: int | None = None  # a broker's byte cap: large messages come one per pull
 
     async def search_offset(self, addr: str, mq: MessageQueue, timestamp_ms: int) -> int:
         return int(self.answer(self.times, self.low, timestamp_ms))
@@ -66,8 +67,9 @@ class SimulatedBroker:
         at = queue_offset - self.low
         if not 0 <= at < len(self.times):
             return SimpleNamespace(status=PullStatus.NO_NEW_MSG, decode=list)
+        n = max_msg_nums if self.per_pull is None else min(max_msg_nums, self.per_pull)
         msgs = [SimpleNamespace(queue_offset=self.low + i, store_timestamp=self.times[i])
-                for i in range(at, min(at + max_msg_nums, len(self.times)))]
+                for i in range(at, min(at + n, len(self.times)))]
         return SimpleNamespace(status=PullStatus.FOUND, decode=lambda: msgs)
 
 
@@ -113,16 +115,30 @@ def test_an_empty_queue_resolves_to_its_max_without_a_pull() -> None:
     assert resolve(broker, 123) == 7 and broker.pulls == 0
 
 
+def test_a_4x_answer_is_checked_when_a_pull_brings_one_message() -> None:
+    # Messages over 32 KiB read from disk come one per pull (a 4.x broker's 64 KiB cap): the
+    # check asked for the answer and the message before it in one pull, got only the one
+    # before, and took a 4.x answer stored before the time as it was.
+    times = [50, 100, 200, 300]
+    assert nearest_4x(times, 10, 140) == 11  # t=100, before the time
+    assert resolve(SimulatedBroker(times, 10, nearest_4x, per_pull=1), 140) == 12
+    assert nearest_4x(times, 10, 5000) == 13  # after every message: the last one
+    assert resolve(SimulatedBroker(times, 10, nearest_4x, per_pull=1), 5000) == 14
+
+
 @settings(max_examples=300, deadline=None)
 @given(steps=st.lists(st.integers(0, 3), min_size=1, max_size=300),
-       low=st.integers(0, 1_000), stamp=st.integers(-2, 400), exact=st.booleans())
-def test_any_queue_and_time(steps: list[int], low: int, stamp: int, exact: bool) -> None:
+       low=st.integers(0, 1_000), stamp=st.integers(-2, 400), exact=st.booleans(),
+       one_per_pull=st.booleans())
+def test_any_queue_and_time(steps: list[int], low: int, stamp: int, exact: bool,
+                            one_per_pull: bool) -> None:
     times: list[int] = []
     now = 0
     for step in steps:
         now += step  # steps of 0: several messages stored in the same millisecond
         times.append(now)
-    broker = SimulatedBroker(times, low, first_5x if exact else nearest_4x)
+    broker = SimulatedBroker(times, low, first_5x if exact else nearest_4x,
+                             per_pull=1 if one_per_pull else None)
     assert resolve(broker, stamp) == first_5x(times, low, stamp)
     # A galloping search: a few dozen pulls at most, however long the run of equal times.
     assert broker.pulls <= 4 * max(1, len(times)).bit_length() + 2
