@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import structlog
@@ -166,6 +166,9 @@ class Position:
     offsets: dict[MessageQueue, int] = field(default_factory=dict)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def _parse_timestamp(text: str, option: str) -> int:
     text = text.strip()
     if text.lstrip("-").isdigit():
@@ -179,7 +182,7 @@ def _parse_timestamp(text: str, option: str) -> int:
                 "a timestamp in epoch milliseconds nor an ISO-8601 time")
         if moment.tzinfo is None:
             moment = moment.replace(tzinfo=UTC)
-        value = int(moment.timestamp() * 1000)
+        value = (moment - _EPOCH) // timedelta(milliseconds=1)  # exact, unlike a float
     if value < 0:
         raise SourceError(f"{option}: a timestamp must not be negative, got {value}")
     return value

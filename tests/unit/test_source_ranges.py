@@ -45,6 +45,9 @@ def test_positions() -> None:
     assert parse_position("1700000000000", "x") == Position("timestamp", timestamp_ms=1700000000000)
     assert parse_position("2023-11-14T22:13:20Z", "x").timestamp_ms == 1700000000000
     assert parse_position("2023-11-14T22:13:20", "x").timestamp_ms == 1700000000000  # UTC
+    # Exact milliseconds (seconds as a float times 1000 came out 1 ms low for this one).
+    assert parse_position("2039-06-27T19:46:00.832Z", "x").timestamp_ms == 2192816760832
+    assert parse_position("2023-11-14T23:13:20.001+01:00", "x").timestamp_ms == 1700000000001
     pos = parse_position('{"a": {"broker-a:0": -2, "broker-a:1": 10}}', "x")
     assert pos.kind == "offsets" and pos.offsets == {mq(0): EARLIEST, mq(1): 10}
     for bad in ("soon", "-5", '{"a": {"broker-a:0": -3}}'):
