@@ -93,9 +93,11 @@ Options (names are case-insensitive)
     stream it applies only to a new query (a restarted one continues from its checkpoint);
     queues that appear later are read from their first offset. A stream's ``latest`` (and a
     JSON ``-1``) is where the queues are when its first micro-batch is planned: the
-    checkpoint keeps the start offset ``{"@latest": true}`` and batch 0's end carries the
-    offsets it resolved to (under ``"@start"``), so Spark's repeated questions about the
-    start, and a restart before batch 0 was committed, all plan the same range.
+    checkpoint keeps the start offset ``{"@latest": true}``. Whatever the start, batch 0's
+    end carries the offsets it starts from (under ``"@start"``), so Spark's repeated
+    questions about the start, and a restart before batch 0 was committed, all plan the same
+    range (a JSON offset above a queue's max, lowered to the max, and a time after a queue's
+    last message resolve otherwise once the queue has grown).
 ``startingTimestamp``
     The same as a timestamp in ``startingOffsets`` (the Kafka source's name).
 ``endingOffsets`` / ``endingTimestamp`` (batch only)
@@ -496,7 +498,11 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # it would differ as text and run an empty micro-batch.
             return start
         end: dict[str, Any] = dict(offsets_to_json(latest))
-        if resolved:
+        if resolved or begin == self._initial:
+            # Batch 0: its end carries where it starts, which partitions() reads, so that a
+            # restart before it was committed plans it the same even when the start resolves
+            # otherwise by then (an offset above a queue's max, lowered to the max; a time
+            # after a queue's last message: both move with the queue).
             end[LATEST_START_KEY] = offsets_to_json(begin)
         return end
 
@@ -505,10 +511,12 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         finish = _offsets(end)
-        if start.get(LATEST_MARK) is True:
-            # Batch 0 of a query started at "latest": from where its end was planned.
-            carried = end.get(LATEST_START_KEY)
-            begin = offsets_from_json(carried) if carried is not None else dict(finish)
+        carried = end.get(LATEST_START_KEY)
+        if carried is not None:
+            # Batch 0 (only its end carries a start): from where its end was planned.
+            begin = offsets_from_json(carried)
+        elif start.get(LATEST_MARK) is True:
+            begin = dict(finish)  # a "latest" batch 0 planned before its end carried one
         else:
             begin = _offsets(start)
         fresh = set(finish) - set(begin)

@@ -14,6 +14,7 @@ pytest.importorskip("pyspark")
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from rmq_async.protocol.types import MessageQueue
+from rmq_async.sources import ranges as ranges_module
 from rmq_async.sources import spark as spark_source
 from rmq_async.sources.ranges import (
     DataLossError,
@@ -149,6 +150,40 @@ def test_a_restart_before_batch_zero_was_committed_plans_it_again_the_same(
     assert again.partitions(again.initialOffset(), end0) == plan0
     end1 = again.latestOffset(end0, ReadAllAvailable())
     assert _planned(again.partitions(end0, end1)) == list(range(100, 110))
+
+
+@pytest.mark.parametrize("starting", [
+    '{"t": {"broker-a:0": 500}}',  # above the max: lowered to it, which moves
+    "2026-01-01T00:00:00Z",  # after every message: the max, which moves
+], ids=["offset-above-max", "time-after-last-message"])
+def test_a_restart_before_batch_zero_was_committed_plans_any_start_the_same(
+        monkeypatch: pytest.MonkeyPatch, starting: str) -> None:
+    """A start that resolves to a queue's max resolves higher once the queue has grown: the
+    restarted query's batch 0 began there, and what lay between the two starts was never
+    read (batch 1 starts at batch 0's end)."""
+    live = {"high": 300}
+
+    async def bounds(client: Any, opts: SourceOptions) -> dict[MessageQueue, tuple[int, int]]:
+        return {A: (0, live["high"])}
+
+    async def first_stored_since(*a: Any, **kw: Any) -> int:
+        return live["high"]  # every message is older than the time
+
+    monkeypatch.setattr(spark_source, "_bounds", bounds)
+    monkeypatch.setattr(ranges_module, "first_stored_since", first_stored_since)
+    r = _stream(startingOffsets=starting)
+    start0 = r.initialOffset()
+    live["high"] = 400  # 100 messages arrive
+    end0 = r.latestOffset(start0, ReadAllAvailable())
+    plan0 = r.partitions(r.initialOffset(), end0)
+    assert _planned(plan0) == list(range(300, 400))
+    r.stop()
+    live["high"] = 450  # the driver was restarted
+    again = _stream(startingOffsets=starting)
+    assert _planned(again.partitions(again.initialOffset(), end0)) == list(range(300, 400))
+    end1 = again.latestOffset(end0, ReadAllAvailable())
+    assert _planned(again.partitions(end0, end1)) == list(range(400, 450))
+    assert again.latestOffset(end1, ReadAllAvailable()) == end1  # nothing new
 
 
 def test_available_now_from_latest_on_a_live_topic_is_no_data_loss(

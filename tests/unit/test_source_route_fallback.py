@@ -111,7 +111,7 @@ def test_a_failed_route_refresh_plans_from_the_known_route(
         brokers.high = {q(0): 15, q(1): 25}
         with capture_logs() as logs:
             end = r.latestOffset(start, ReadAllAvailable())
-        assert offsets_from_json(end) == {q(0): 15, q(1): 25}
+        assert spark_source._offsets(end) == {q(0): 15, q(1): 25}
         warned = [e for e in logs if e["event"] == "spark_source.route_refresh_failed"]
         assert len(warned) == 1 and warned[0]["log_level"] == "warning"
         assert warned[0]["topic"] == "t" and type(failure).__name__ in warned[0]["error"]
@@ -166,7 +166,7 @@ def test_a_topic_pattern_plans_from_the_known_topics_when_the_topic_list_fails(
         namesrv.failure = MQClientError("no name server answered")
         with capture_logs() as logs:
             end = r.latestOffset(start, ReadAllAvailable())
-        assert offsets_from_json(end) == {q(0, "orders-1"): 7}
+        assert spark_source._offsets(end) == {q(0, "orders-1"): 7}
         events = [e["event"] for e in logs]
         assert "spark_source.topic_list_failed" in events
         assert "spark_source.route_refresh_failed" in events
