@@ -304,8 +304,9 @@ class SourceOptions:
                 raise SourceError("startingOffsets=latest reads nothing in a batch query")
             if ending.kind == "earliest":
                 raise SourceError("endingOffsets=earliest reads nothing in a batch query")
-            if "maxmessagespertrigger" in opts:
-                raise SourceError("maxMessagesPerTrigger is for streaming reads only")
+            for name in ("maxMessagesPerTrigger", "commitToGroup"):
+                if name.lower() in opts:
+                    raise SourceError(f"{name} is for streaming reads only")
             if starting.kind == "offsets" and LATEST in starting.offsets.values():
                 raise SourceError("startingOffsets: -1 (latest) reads nothing in a batch query")
             if ending.kind == "offsets" and EARLIEST in ending.offsets.values():
@@ -314,6 +315,13 @@ class SourceOptions:
         secret_key = opts.get("secretkey")
         if bool(access_key) != bool(secret_key):
             raise SourceError("options accessKey and secretKey go together")
+        if opts.get("securitytoken") and not access_key:
+            raise SourceError("option securityToken goes with accessKey and secretKey")
+        tls = _bool(opts, "tls", False) or "tlscafile" in opts
+        tls_verify = _bool(opts, "tlsVerify", True)
+        if not tls_verify and not tls:
+            # As the consumer's tls_verify: it would leave the connections plain TCP.
+            raise SourceError("tlsVerify=false only applies with TLS on (tls=true)")
         try:
             api_timeout = float(opts.get("apitimeout", "10"))
         except ValueError:
@@ -344,8 +352,8 @@ class SourceOptions:
             access_key=access_key or None,
             secret_key=secret_key or None,
             security_token=opts.get("securitytoken") or None,
-            tls=_bool(opts, "tls", False) or "tlscafile" in opts,
-            tls_verify=_bool(opts, "tlsVerify", True),
+            tls=tls,
+            tls_verify=tls_verify,
             tls_ca_file=opts.get("tlscafile"),
             api_timeout=api_timeout,
             pull_batch_size=_positive_int(opts, "pullBatchSize") or DEFAULT_PULL_BATCH,

@@ -113,7 +113,8 @@ Options (names are case-insensitive)
     ``spark_source.data_loss`` and skip them. An admin offset reset of the pull group is not
     a loss: the range planned is read as planned.
 ``commitToGroup``
-    A consumer group to write the committed offsets to after each micro-batch (streams).
+    A consumer group to write the committed offsets to after each micro-batch (streams only;
+    a batch read refuses it).
 ``group``
     The group name pulls are made under (default ``commitToGroup``, else
     ``rmq_async_spark_source``); the broker needs it to exist or to auto-create groups.

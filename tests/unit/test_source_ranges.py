@@ -77,6 +77,9 @@ def test_options_defaults_and_checks() -> None:
         ({**BASE, "endingOffsets": "earliest"}, False),
         ({**BASE, "endingOffsets": "latest"}, True),
         ({**BASE, "maxMessagesPerTrigger": "10"}, False),
+        ({**BASE, "commitToGroup": "g"}, False),  # accepted, and then nothing was written
+        ({**BASE, "tlsVerify": "false"}, True),  # the connections stayed plain TCP
+        ({**BASE, "securityToken": "t"}, True),  # dropped: nothing was signed
         ({**BASE, "maxMessagesPerTrigger": "0"}, True),
         ({**BASE, "tags": "x", "sql": "a > 1"}, True),
         ({**BASE, "tags": "||"}, True),
