@@ -36,6 +36,7 @@ import structlog
 
 from rmq_async.client.api import PendingPull, PullStatus
 from rmq_async.client.errors import (
+    MQBrokerError,
     MQClientError,
     NameServerUnavailable,
     NoRouteError,
@@ -700,6 +701,9 @@ async def announce_group(opts: SourceOptions, group: str, addrs: Iterable[str],
 #: by the broker (the queue has the offset), or NO_MATCHED_MSG answers that do not move on
 #: for an offset the queue has, before it treats the offset as gone.
 MOVED_RETRIES = 3
+#: The pauses before pulling again after the broker answered a pull SYSTEM_BUSY or
+#: FLOW_CONTROL (its pull flow control), about 5 s in all; then the read fails.
+BUSY_PAUSES = (0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0, 1.0)
 
 
 def report_data_loss(opts: SourceOptions, mq: MessageQueue, start: int, end: int,
@@ -729,7 +733,9 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
     Without a filter, offsets map one to one to messages, so ``pullDepth`` pulls of consecutive
     slices are kept in flight; a slice the broker answers only in part (its per-pull byte cap)
     is completed by a pull for the rest, ahead of the others. With a filter the broker decides
-    where each pull ends, and pulls go one at a time.
+    where each pull ends, and pulls go one at a time. A pull the broker answers SYSTEM_BUSY
+    or FLOW_CONTROL (its pull flow control) is made again after a pause, a few times
+    (:data:`BUSY_PAUSES`) before the read fails.
     """
     rows_per_chunk = chunk_rows or opts.chunk_rows
     sub = opts.subscription(mq.topic)
@@ -753,6 +759,7 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
     planned = start  # every offset below this one has a pull in flight (or is done)
     chunk: list[MessageExt] = []
     moved = 0  # OFFSET_ILLEGAL answers in a row for an offset the queue has (see below)
+    busy = 0  # SYSTEM_BUSY / FLOW_CONTROL answers in a row
     try:
         while offset < end:
             if len(chunk) >= rows_per_chunk and not inflight:
@@ -766,7 +773,22 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
                 inflight.append(await send(planned, want))
                 planned += want
             at, want, pending = inflight.popleft()
-            result = await pending.result()
+            try:
+                result = await pending.result()
+            except MQBrokerError as exc:
+                if exc.code not in (ResponseCode.SYSTEM_BUSY, ResponseCode.FLOW_CONTROL) \
+                        or busy >= len(BUSY_PAUSES):
+                    raise
+                # The broker sheds load: pull this offset again after a pause, as a
+                # consumer does, rather than fail the Spark task (which reads it all again).
+                log.info("spark_source.broker_busy", topic=mq.topic, queue=queue_key(mq),
+                         offset=offset, code=exc.code, remark=exc.remark)
+                drop_inflight()
+                planned = offset
+                await asyncio.sleep(BUSY_PAUSES[busy])
+                busy += 1
+                continue
+            busy = 0
             status = result.status
             nxt = result.next_begin_offset
             if status is PullStatus.FOUND:

@@ -9,7 +9,10 @@ from typing import Any
 import pytest
 
 from rmq_async.client.api import PullStatus
+from rmq_async.client.errors import MQBrokerError, broker_error
+from rmq_async.protocol.codes import ResponseCode
 from rmq_async.protocol.types import MessageExt, MessageQueue
+from rmq_async.sources import ranges as ranges_module
 from rmq_async.sources.ranges import DataLossError, SourceOptions, read_range
 
 MQ = MessageQueue("t", "broker-a", 3)
@@ -39,6 +42,7 @@ class FakeQueue:
     tags: dict[int, str] = field(default_factory=dict)
     pulls: list[tuple[int, int]] = field(default_factory=list)
     max_inflight: int = 0
+    busy: int = 0  # answers of SYSTEM_BUSY (the broker's pull flow control) to come
     _inflight: int = 0
 
     def message(self, off: int) -> MessageExt:
@@ -80,6 +84,10 @@ class FakePending:
         await asyncio.sleep(0)
         assert not self.cancelled
         self.queue._inflight -= 1
+        if self.queue.busy:
+            self.queue.busy -= 1
+            raise broker_error(ResponseCode.SYSTEM_BUSY, "[REJECTREQUEST]system busy",
+                               addr="x", request="PULL_MESSAGE")
         return self.answer
 
 
@@ -346,3 +354,15 @@ def test_rows_carry_the_pulls_min_and_max_offset_as_a_consumers_messages_do() ->
         assert m.broker_name == "broker-a"
         assert m.properties["MIN_OFFSET"] == "5" and m.properties["MAX_OFFSET"] == "90"
     assert got[2].properties["TAGS"] == "a"  # the message's own properties are kept
+
+
+async def test_a_busy_broker_is_asked_again_after_a_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SYSTEM_BUSY (the Apache broker's pull flow control) failed the whole read at once, and
+    # Spark read the range again from its start; a consumer waits and pulls again.
+    monkeypatch.setattr(ranges_module, "BUSY_PAUSES", (0.01,) * 3)
+    q = FakeQueue(0, 100, busy=3)
+    chunks = await read(q, options(), 0, 100)
+    assert [o for c in chunks for o in c] == list(range(100))
+    q = FakeQueue(0, 100, busy=4)  # still busy after the last pause: the read fails
+    with pytest.raises(MQBrokerError, match="system busy"):
+        await read(q, options(), 0, 100)
