@@ -638,11 +638,11 @@ def limit_offsets(start: Mapping[MessageQueue, int], latest: Mapping[MessageQueu
     if total <= max_messages:
         return dict(latest)
     grant: dict[MessageQueue, int] = {}
-    fractions: list[tuple[float, MessageQueue]] = []
+    fractions: list[tuple[int, MessageQueue]] = []  # remainders, all over ``total``
     for mq, todo in backlog.items():
-        share = max_messages * todo / total
-        grant[mq] = int(share)
-        fractions.append((share - int(share), mq))
+        # In integers: a float share could round past a whole number with large backlogs.
+        grant[mq], rest = divmod(max_messages * todo, total)
+        fractions.append((rest, mq))
     left = max_messages - sum(grant.values())
     for _, mq in sorted(fractions, key=lambda f: (-f[0], f[1].java_sort_key())):
         if left <= 0:
