@@ -188,8 +188,7 @@ class Rebalancer:
                 leaving.append((mq, "pull_expired"))
         if leaving:
             await self._revoke(mq for mq, _ in leaving)
-            for mq, reason in leaving:
-                await self.remove_queue(mq, reason=reason)
+            await self._remove_all(leaving)
             changed = True
         new_queues = [mq for mq in allocated if mq not in rt.process_queues]
         added: list[PullRequest] = []
@@ -265,8 +264,20 @@ class Rebalancer:
         leaving = [mq for mq in self._rt.process_queues if mq.topic not in topics]
         if leaving:
             await self._revoke(leaving)
-        for mq in leaving:
-            await self.remove_queue(mq, reason="unsubscribed")
+            await self._remove_all([(mq, "unsubscribed") for mq in leaving])
+
+    async def _remove_all(self, leaving: list[tuple[MessageQueue, str]]) -> None:
+        """Remove the queues revoked together. All are dropped first (nothing more of them
+        is pulled or handed to a listener), as Java marks each leaving queue dropped before
+        it waits for one: a removal waits for the queue's batch to end (an orderly queue up
+        to UNLOCK_WAIT), and the queues behind it went on being consumed meanwhile, after
+        the ``on_revoked`` listeners had been told they were gone."""
+        for mq, _ in leaving:
+            pq = self._rt.process_queues.get(mq)
+            if pq is not None:
+                pq.dropped = True
+        for mq, reason in leaving:
+            await self.remove_queue(mq, reason=reason)
 
     async def _revoke(self, queues: Iterable[MessageQueue]) -> None:
         """Await the ``on_revoked`` listeners while the queues are still held."""

@@ -1,0 +1,91 @@
+"""Orderly queues given up by a rebalance and other ways out of an orderly queue: what the
+listeners see after ``on_revoked``, the broker locks, and messages out of retries."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rmq_async import PushConsumer
+from rmq_async.consumer import orderly as orderly_module
+from rmq_async.consumer.orderly import OrderlyConsumeService
+from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.rebalance import Rebalancer
+from rmq_async.consumer.stats import ConsumerStats
+from rmq_async.protocol.types import MessageExt, MessageQueue
+
+A = MessageQueue("T", "broker-a", 0)
+B = MessageQueue("T", "broker-a", 1)
+
+
+async def _nothing(*a: Any, **kw: Any) -> None:
+    return None
+
+
+async def test_no_queue_revoked_together_is_consumed_after_on_revoked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round gives up two orderly queues: the listeners hear ``on_revoked`` for both, then
+    the queues were removed one after the other, each removal waiting for its queue's batch
+    (up to UNLOCK_WAIT). The second queue was not dropped meanwhile: still pulled, and its
+    messages still reached the handler after ``on_revoked`` had said it was gone."""
+    monkeypatch.setattr(orderly_module, "UNLOCK_WAIT", 1.0)
+    gate = asyncio.Event()
+    revoked = asyncio.Event()
+    after_revoke: list[tuple[int, int]] = []
+
+    async def handler(msg: MessageExt) -> None:
+        if revoked.is_set():
+            after_revoke.append((msg.queue_id, msg.queue_offset))
+        if msg.queue_id == 0:
+            await gate.wait()  # A's batch runs on through the round
+
+    consumer = PushConsumer("G", namesrv="127.0.0.1:9876", consume_concurrency=2)
+    consumer.subscribe("T", listener=handler, orderly=True)
+    pqs = {A: ProcessQueue(), B: ProcessQueue()}
+    for pq in pqs.values():
+        pq.locked = True
+        pq.last_lock_timestamp = time.monotonic() + 3600
+    rt = SimpleNamespace(
+        group="G", options=consumer.options, stopping=False, client_id="me",
+        subscriptions=consumer.subscriptions, retry_topic=consumer.retry_topic,
+        stats=ConsumerStats(), process_queues=dict(pqs),
+        thresholds=SimpleNamespace(recompute=lambda *a: None),
+        instance=SimpleNamespace(send_heartbeats=_nothing),
+        offset_store=SimpleNamespace(update=lambda *a, **k: None, persist=_nothing,
+                                     remove=lambda mq: None))
+    service = OrderlyConsumeService(rt)  # type: ignore[arg-type]
+    service.unlock = _nothing  # type: ignore[method-assign]
+
+    async def fire_revoked(group: str, queues: Any) -> None:
+        revoked.set()
+
+    pull = SimpleNamespace(is_pulling=lambda mq: True, stop_queue=_nothing)
+    rebalancer = Rebalancer(rt, pull, service,  # type: ignore[arg-type]
+                            hooks=SimpleNamespace(fire_revoked=fire_revoked))  # type: ignore[arg-type]
+
+    def pulled(mq: MessageQueue, offsets: range) -> None:
+        msgs = [MessageExt("T", b"x", mq.queue_id, i) for i in offsets]
+        pq = pqs[mq]
+        service.submit(msgs, pq, mq, pq.put_messages(msgs))
+
+    service.start()
+    try:
+        pulled(A, range(0, 1))
+        await asyncio.sleep(0.05)
+        round_ = asyncio.create_task(rebalancer.apply_allocation("T", set()))
+        async with asyncio.timeout(5):
+            await revoked.wait()
+        pulled(B, range(0, 3))  # a pull of B answered while A's removal waits
+        await asyncio.sleep(0.3)
+        gate.set()
+        async with asyncio.timeout(5):
+            await round_
+    finally:
+        gate.set()
+        await service.aclose()
+    assert after_revoke == []
+    assert pqs[A].dropped and pqs[B].dropped and rt.process_queues == {}
