@@ -486,7 +486,7 @@ class ConsumerOptions:
     cleaner that looks every ``consume_timeout`` sees it (see the delivery guide)."""
     suspend_current_queue_time: float = 1.0
     """Orderly: seconds to pause before a failed batch is retried (Java
-    ``suspendCurrentQueueTimeMillis``, 1000 ms)."""
+    ``suspendCurrentQueueTimeMillis``, 1000 ms); kept within 10 ms and 30 s, as Java keeps it."""
 
     # -- identity
     instance_name: str = DEFAULT_INSTANCE_NAME

@@ -55,6 +55,7 @@ CONSUME_AFTER_LOCK_FAILED = 3.0  # ... or try again after 3 s
 YIELD_DELAY = 0.01               # after MAX_TIME_CONSUME_CONTINUOUSLY, resubmit after 10 ms
 NOT_LOCKED_PULL_DELAY = 3.0      # a queue not locked is not pulled; look again after 3 s
 UNLOCK_WAIT = 20.0               # longest wait for an in-flight batch before giving a queue up
+SUSPEND_MIN, SUSPEND_MAX = 0.01, 30.0  # a suspended queue's pause, as Java bounds it
 BROKER_LOCK_EXPIRY = 60.0        # a broker's queue lock lapses this long after its last renewal
 LOCK_EXPIRY_MARGIN = 5.0         # a deferred release gives up this long before that
 
@@ -152,7 +153,7 @@ class OrderlyConsumeService:
         if pq.dropped or self._rt.stopping:
             return
         pq.rollback()  # whatever the failed turn had taken is consumed again, in order
-        self.submit_later(pq, mq, self._opts.suspend_current_queue_time)
+        self.submit_later(pq, mq, _within_suspend_bounds(self._opts.suspend_current_queue_time))
 
     async def _run_turn(self, mq: MessageQueue, pq: ProcessQueue) -> None:
         """Consume one queue for a while, one batch after the other, in offset order."""
@@ -339,13 +340,17 @@ class OrderlyConsumeService:
         return []
 
     def _suspend_time(self, ctx: ConsumeContext) -> float:
-        seconds = ctx.suspend_current_queue_time
-        if seconds is not None:
-            return seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
+        """The pause before a suspended queue is consumed again: the call's own, else the
+        option's, within 10 ms and 30 s as Java keeps it (``submitConsumeRequestLater``: no
+        retry loop without a pause, no queue left for minutes)."""
+        seconds: float = self._opts.suspend_current_queue_time
+        given = ctx.suspend_current_queue_time
         millis = ctx.suspend_current_queue_time_millis
-        if millis is not None and millis >= 0:
-            return millis / 1000.0
-        return self._opts.suspend_current_queue_time
+        if given is not None:
+            seconds = given.total_seconds() if isinstance(given, timedelta) else float(given)
+        elif millis is not None and millis >= 0:
+            seconds = millis / 1000.0
+        return _within_suspend_bounds(seconds)
 
     def _commit(self, mq: MessageQueue, pq: ProcessQueue, through: int) -> None:
         """Commit what was taken from ``pq`` up to offset ``through``.
@@ -592,3 +597,7 @@ def _plan_by_topic(subs: Mapping[str, Subscription], msgs: list[MessageExt],
 def _dropped(pq: ProcessQueue) -> bool:
     """Read ``pq.dropped`` afresh (it changes while this task waits)."""
     return pq.dropped
+
+
+def _within_suspend_bounds(seconds: float) -> float:
+    return min(max(seconds, SUSPEND_MIN), SUSPEND_MAX)

@@ -151,7 +151,8 @@ class ConsumeContext:
       taken before, a ROLLBACK puts them all back to be consumed again after the suspend
       time. It is read per call.
     * ``suspend_current_queue_time``: seconds (or a ``timedelta``) to pause after
-      SUSPEND_CURRENT_QUEUE_A_MOMENT; ``None`` uses the consumer's option.
+      SUSPEND_CURRENT_QUEUE_A_MOMENT; ``None`` uses the consumer's option. Either is kept
+      within 10 ms and 30 s, as Java keeps it.
       ``suspend_current_queue_time_millis`` is the Java field (milliseconds, ``-1`` = unset),
       read when ``suspend_current_queue_time`` is ``None``.
     """

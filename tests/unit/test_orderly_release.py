@@ -89,3 +89,26 @@ async def test_no_queue_revoked_together_is_consumed_after_on_revoked(
         await service.aclose()
     assert after_revoke == []
     assert pqs[A].dropped and pqs[B].dropped and rt.process_queues == {}
+
+
+@pytest.mark.parametrize(("given", "pause"), [
+    ({"millis": 60_000}, 30.0), ({"millis": 0}, 0.01), ({"millis": 250}, 0.25),
+    ({"seconds": 120.0}, 30.0), ({"seconds": 0.0}, 0.01), ({"option": 45.0}, 30.0),
+    ({"option": 0.0}, 0.01), ({}, 1.0),
+])
+def test_a_suspend_pause_is_kept_within_javas_bounds(given: dict[str, float],
+                                                     pause: float) -> None:
+    """Java's ``submitConsumeRequestLater`` keeps the pause within 10 ms and 30 s: a pause of
+    0 retried a failing queue in a loop, a line logged each time; 60 s left it a minute."""
+    from rmq_async import ConsumeContext
+    from rmq_async.consumer.options import ConsumerOptions
+
+    opts = ConsumerOptions.from_kwargs(
+        "G", **({"suspend_current_queue_time": given["option"]} if "option" in given else {}))
+    service = OrderlyConsumeService(SimpleNamespace(group="G", options=opts))  # type: ignore[arg-type]
+    ctx = ConsumeContext(message_queue=A)
+    if "millis" in given:
+        ctx.suspend_current_queue_time_millis = int(given["millis"])
+    if "seconds" in given:
+        ctx.suspend_current_queue_time = given["seconds"]
+    assert service._suspend_time(ctx) == pause
