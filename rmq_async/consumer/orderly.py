@@ -312,12 +312,19 @@ class OrderlyConsumeService:
             return False
         # SUSPEND_CURRENT_QUEUE_A_MOMENT (or failure): retry in place, unless a message has used
         # up its retries, in which case it goes to the dead-letter queue and is skipped.
-        if await self._retries_exhausted(failing):
+        not_sent = await self._retries_exhausted(failing)
+        if not_sent is not None and not not_sent:
             if ctx.auto_commit:
                 self._commit(mq, pq, failing[-1].queue_offset)
             else:  # in the dead-letter queue now; a ROLLBACK must not hand them out again
                 pq.forget_taken(failing)
             return True
+        if not_sent:
+            # Some went to the dead-letter queue before a send failed: those are done (not
+            # handed out or sent again, as on the dead-letter path above); the rest is retried.
+            keep = {id(m) for m in not_sent}
+            pq.forget_taken(m for m in failing if id(m) not in keep)
+            failing = not_sent
         for m in failing:
             m.reconsume_times += 1
         pq.make_message_to_consume_again(failing)
@@ -366,23 +373,25 @@ class OrderlyConsumeService:
         if current is pq or (pq.dropped and current is None):
             self._rt.offset_store.update(mq, offset, increase_only=False)
 
-    async def _retries_exhausted(self, msgs: list[MessageExt]) -> bool:
-        """True when every message of the batch has been retried the maximum number of times
-        and was handed to the dead-letter queue (Java ``checkReconsumeTimes``)."""
+    async def _retries_exhausted(self, msgs: list[MessageExt]) -> list[MessageExt] | None:
+        """When every message of the batch has been retried the maximum number of times, they
+        go to the dead-letter queue (Java ``checkReconsumeTimes``): returns those that could
+        not be sent (the first failure and those after it), empty when all went; None when
+        the batch still has retries."""
         rt = self._rt
         limit = self._opts.effective_max_reconsume_times(orderly=True)
         if not all(m.reconsume_times >= limit for m in msgs):
-            return False
+            return None
         if self._opts.message_model == MessageModel.BROADCASTING:
             log.warning("orderly.broadcast_retries_exhausted", msg_ids=[m.msg_id for m in msgs])
-            return True
-        for m in msgs:
+            return []
+        for i, m in enumerate(msgs):
             # Delay level -1 asks the broker for the dead-letter queue directly.
             if not await rt.send_message_back(m, -1):
-                return False
+                return msgs[i:]
             log.warning("orderly.sent_to_dlq", msg_id=m.msg_id, offset=m.queue_offset,
                         reconsume_times=m.reconsume_times)
-        return True
+        return []
 
     # ------------------------------------------------------------------ locks
 

@@ -112,3 +112,33 @@ def test_a_suspend_pause_is_kept_within_javas_bounds(given: dict[str, float],
     if "seconds" in given:
         ctx.suspend_current_queue_time = given["seconds"]
     assert service._suspend_time(ctx) == pause
+
+
+async def test_out_of_retries_a_message_in_the_dead_letter_queue_is_not_handed_out_again() -> None:
+    """Batch [0, 1] always fails, one retry allowed. Out of retries, 0 went to the dead-letter
+    queue and 1's send failed: the retry in place handed 0 to the handler again and sent it
+    to the dead-letter queue a second time (Java does the same; the dead-letter path of
+    ``ctx.dead_letters`` already kept what it had sent)."""
+    from rmq_async import ConsumeResult
+    from tests.unit.test_orderly_settle import _Harness
+
+    calls: list[list[int]] = []
+    sent: list[int] = []
+    refuse = {1}
+
+    async def handler(msgs: list[MessageExt]) -> ConsumeResult:
+        calls.append([m.queue_offset for m in msgs])
+        return ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
+
+    async def send_back(msg: MessageExt, level: int) -> bool:
+        if msg.queue_offset in refuse:
+            refuse.discard(msg.queue_offset)  # the broker is busy, once
+            return False
+        sent.append(msg.queue_offset)
+        return True
+
+    h = _Harness(handler, batch=True, batch_size=2, max_reconsume_times=1)
+    h.rt.send_message_back = send_back
+    await h.run(range(0, 2), lambda: h.offsets.updates[-1:] == [2])
+    assert sent == [0, 1]
+    assert calls == [[0, 1], [0, 1], [1]]
