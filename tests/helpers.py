@@ -10,8 +10,10 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
+from rmq_async.client.api import SendResult
 from rmq_async.client.instance import ClientInstance
 from rmq_async.producer import Producer
+from rmq_async.protocol.message import encode_batch, encode_properties
 from rmq_async.protocol.types import Message, MessageExt, MessageQueue
 
 #: JVM flags for the Java push consumers the tests start: the 2 s rebalance interval the tests
@@ -33,6 +35,21 @@ SHORT_LIVED_BROKER_FLAGS = ("-XX:TieredStopAtLevel=1",)
 class NotAnException(BaseException):
     """A ``BaseException`` that is not an ``Exception``, as pytest's ``Failed`` raised by
     ``pytest.fail()`` in a listener, handler or write under test."""
+
+
+async def send_batch_unchecked(producer: Producer, msgs: Sequence[Message], *,
+                               queue: MessageQueue | None = None) -> SendResult:
+    """Store ``msgs`` (of one topic) in one batch request as a client that checks nothing
+    would, through the producer's request path past its checks: the producer refuses an
+    empty body, as Java's does, but a consumer must take one that another client stored."""
+    prepared = []
+    for m in msgs:
+        props = {**m.all_properties(), "WAIT": "true", "UNIQ_KEY": producer._unique_id(m)}
+        prepared.append(Message(m.topic, bytes(m.body), properties=props, flag=m.flag))
+    return await producer._send_with_retry(
+        msgs[0].topic, queue, None, None, encode_batch(prepared),
+        encode_properties({"WAIT": "true"}), 0, 0, batch=True,
+        msg_id=",".join(m.properties["UNIQ_KEY"] for m in prepared))
 
 
 def unique(prefix: str) -> str:

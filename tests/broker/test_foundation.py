@@ -9,12 +9,10 @@ import time
 import pytest
 
 from rmq_async import ConnectionClosed, Message, Producer
-from rmq_async.client.api import SendResult
 from rmq_async.client.instance import ClientInstance
-from rmq_async.protocol.message import encode_batch, encode_properties
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.errors import RemotingError
-from tests.helpers import AdminClient, unique
+from tests.helpers import AdminClient, send_batch_unchecked, unique
 
 pytestmark = pytest.mark.broker
 
@@ -40,16 +38,6 @@ def mixed_messages(topic: str, n: int, seed: int = 7) -> list[Message]:
     return msgs
 
 
-async def send_unchecked(producer: Producer, m: Message) -> SendResult:
-    """Store ``m`` as a client that checks nothing would: a batch request of one message
-    through the producer's request path, past the checks that refuse an empty body."""
-    props = {**m.all_properties(), "WAIT": "true", "UNIQ_KEY": producer._unique_id(m)}
-    body = encode_batch([Message(m.topic, bytes(m.body), properties=props, flag=m.flag)])
-    return await producer._send_with_retry(
-        m.topic, None, None, None, body, encode_properties({"WAIT": "true"}), 0, 0,
-        batch=True, msg_id=props["UNIQ_KEY"])
-
-
 async def test_round_trip_python_and_java_producers(rocketmq, java_programs) -> None:
     topic = unique("T_rt")
     await rocketmq.create_topic(topic, queues=8)
@@ -64,7 +52,7 @@ async def test_round_trip_python_and_java_producers(rocketmq, java_programs) -> 
                     results[i] = await producer.send(m)
                 else:
                     # An empty body is refused (as by Java), but other clients store them.
-                    results[i] = await send_unchecked(producer, m)
+                    results[i] = await send_batch_unchecked(producer, [m])
 
         await asyncio.gather(*(one(i, m) for i, m in enumerate(sent)))
         with pytest.raises(ValueError, match="body is empty"):

@@ -459,11 +459,11 @@ async def test_the_cleaner_waits_for_a_settlement_sending_back() -> None:
     gate = asyncio.Event()
 
     async def listener(msg: MessageExt) -> ConsumeResult:
-        if msg.queue_offset == 0:
-            await asyncio.sleep(0.15)  # the chunk outlives the 0.1 s timeout
         return ConsumeResult.RECONSUME_LATER if msg.queue_offset == 1 else ConsumeResult.SUCCESS
 
-    h = Harness(listener, consume_timeout=0.1)
+    # The service's own cleaner looks every minute (never, in this test); the look below
+    # finds every message past a timeout of a millisecond.
+    h = Harness(listener, consume_timeout=60.0)
     settling = asyncio.Event()
 
     async def slow_send_back(msg: MessageExt, level: int) -> bool:
@@ -478,6 +478,8 @@ async def test_the_cleaner_waits_for_a_settlement_sending_back() -> None:
         h.start_chunk(4)
         async with asyncio.timeout(5):
             await settling.wait()
+            await asyncio.sleep(0.01)
+            h.service._opts = h.options.replace(consume_timeout=0.001)
             cleaner = asyncio.create_task(h.service.clean_expired())
             await asyncio.sleep(0.05)
             gate.set()
