@@ -78,6 +78,7 @@ class ProcessQueue:
         "msg_acc_count",
         "msg_count",
         "msg_size",
+        "offset_fixed",
         "queue_offset_max",
         "try_unlock_times",
     )
@@ -99,6 +100,9 @@ class ProcessQueue:
         self.msg_acc_count = 0
         """Messages still on the broker after the last pulled one (Java ``msgAccCnt``)."""
         self.dropped = False
+        self.offset_fixed = False
+        """Dropped by its pull loop on OFFSET_ILLEGAL (an orderly queue locked at the broker),
+        its offset fixed: for the rebalance to release and take again."""
         self.expired_sent_back = 0
         """Messages the consume-timeout cleaner sent back and removed (concurrent mode): a
         worker whose chunk they belong to must not hand them to the listener any more."""

@@ -444,9 +444,16 @@ class PullService:
             log.warning("pull.offset_fix_persist_failed", queue=str(mq), offset=offset,
                         error=f"{type(exc).__name__}: {exc}")
         pq = rt.process_queues.get(mq)
-        if pq is not None and pq.dropped:
-            del rt.process_queues[mq]
         self.requests.pop(mq, None)
-        store.remove(mq)
+        if pq is not None and pq.dropped and pq.locked:
+            # An orderly queue locked at the broker: left to the rebalancer's removal, which
+            # waits for its batch, persists and gives the lock back (Java's
+            # removeProcessQueue), and takes the queue again if it is still this client's.
+            # Forgotten here, its lock stayed until it lapsed if another client got it.
+            pq.offset_fixed = True
+        else:
+            if pq is not None and pq.dropped:
+                del rt.process_queues[mq]
+            store.remove(mq)
         log.info("pull.offset_fixed", queue=str(mq), offset=offset)
         self._on_queue_forgotten()

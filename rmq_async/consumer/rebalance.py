@@ -173,6 +173,10 @@ class Rebalancer:
                 continue
             if mq not in allocated:
                 leaving.append((mq, "reassigned"))
+            elif pq.dropped and pq.offset_fixed:
+                # Its pull loop ended on OFFSET_ILLEGAL (an orderly queue): released here,
+                # then taken again below from the fixed offset.
+                leaving.append((mq, "offset_illegal"))
             elif pq.dropped and not self._pull.is_pulling(mq):
                 # Dropped but still here with no pull task (its forgetting was cut short):
                 # taken out, then back in below, as Java's pull-expiry does after a while.

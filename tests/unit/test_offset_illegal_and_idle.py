@@ -367,3 +367,44 @@ async def test_a_subscribed_topic_without_a_route_does_not_spin_the_rebalancer()
     failing["T"] = RemotingConnectError("broker down", addr="x")
     await rebalancer.rebalance_once()
     assert rebalancer._last_round_balanced is False  # a real topic's broker failure: retried soon
+
+
+async def test_an_offset_illegal_on_a_locked_orderly_queue_gives_its_lock_back() -> None:
+    """The pull loop forgot an orderly queue on OFFSET_ILLEGAL by itself, past the rebalancer's
+    removal, so its broker lock was never given back: a client the next round gave the queue
+    to could not lock it until the lock lapsed (60 s). Java removes it as a rebalance does."""
+    from rmq_async.consumer.orderly import OrderlyConsumeService
+
+    opts = ConsumerOptions.from_kwargs("G")
+    pq = ProcessQueue()
+    pq.locked = True
+    rt = runtime(opts, pq)
+    _ready_to_take_queues(rt)
+    rt.offset_store = store = _SlowStore()
+    unlocked: list[MessageQueue] = []
+
+    async def master(*a: Any) -> str:
+        return "127.0.0.1:10911"
+
+    async def unlock_batch_mq(addr: str, group: str, cid: str, mqs: list[MessageQueue],
+                              **kw: Any) -> None:
+        unlocked.extend(mqs)
+
+    rt.instance.find_broker_master = master
+    rt.instance.api = SimpleNamespace(unlock_batch_mq=unlock_batch_mq)
+    rt.subscriptions.is_orderly = lambda topic: True
+    orderly = OrderlyConsumeService(rt)
+    woken: list[int] = []
+    pull = _IllegalOffsetPull(rt, router([]), on_queue_forgotten=lambda: woken.append(1))
+    req = PullRequest(MQ, pq, 0)
+    req.previously_locked = True
+    pull.start_queue(req)
+    try:
+        async with asyncio.timeout(5):
+            while not woken:
+                await asyncio.sleep(0.01)
+        assert pq.dropped and pq.offset_fixed and store.table[MQ] == 500  # for the rebalancer
+        await Rebalancer(rt, pull, orderly).apply_allocation("T", set())  # another client's now
+        assert unlocked == [MQ] and MQ not in rt.process_queues
+    finally:
+        await pull.aclose()
