@@ -142,3 +142,42 @@ async def test_out_of_retries_a_message_in_the_dead_letter_queue_is_not_handed_o
     await h.run(range(0, 2), lambda: h.offsets.updates[-1:] == [2])
     assert sent == [0, 1]
     assert calls == [[0, 1], [0, 1], [1]]
+
+
+async def test_a_queue_given_up_while_its_lock_renewal_was_out_is_unlocked_again() -> None:
+    """The lock renewal takes its queues, then asks the broker; a queue given up meanwhile
+    (removed and unlocked by a rebalance) was locked again by the renewal's request when the
+    broker took it after the unlock, and the lock kept the queue's new owner out until it
+    lapsed (60 s). Java's ``lockAll`` has the same window."""
+    from rmq_async.consumer.options import ConsumerOptions
+
+    pq_a, pq_b = ProcessQueue(), ProcessQueue()
+    answer = asyncio.Event()
+    unlocked: list[MessageQueue] = []
+
+    async def master(broker_name: str, topic: str) -> str:
+        return "127.0.0.1:10911"
+
+    async def lock_batch_mq(addr: str, group: str, cid: str,
+                            mqs: list[MessageQueue]) -> set[MessageQueue]:
+        await answer.wait()
+        return set(mqs)
+
+    async def unlock_batch_mq(addr: str, group: str, cid: str, mqs: list[MessageQueue],
+                              **kw: Any) -> None:
+        unlocked.extend(mqs)
+
+    rt = SimpleNamespace(
+        group="G", client_id="c", options=ConsumerOptions.from_kwargs("G"), stopping=False,
+        process_queues={A: pq_a, B: pq_b},
+        subscriptions=SimpleNamespace(is_orderly=lambda topic: True),
+        instance=SimpleNamespace(find_broker_master=master, api=SimpleNamespace(
+            lock_batch_mq=lock_batch_mq, unlock_batch_mq=unlock_batch_mq)))
+    service = OrderlyConsumeService(rt)  # type: ignore[arg-type]
+    renewal = asyncio.create_task(service.lock_all())
+    await asyncio.sleep(0.01)
+    del rt.process_queues[B]  # a rebalance gives B up (and unlocks it) meanwhile
+    answer.set()
+    async with asyncio.timeout(5):
+        await renewal
+    assert pq_a.locked and unlocked == [B]
