@@ -492,7 +492,8 @@ class PushConsumer:
         """Stop consuming and release everything.
 
         Pulling stops at once; listener calls already running may finish (up to ``timeout``
-        seconds, a float or a ``timedelta``) and their acknowledgements are committed. Error
+        seconds, a float or a ``timedelta``) and their acknowledgements are committed, and a
+        rebalance round under way ends (within the same time, at least a second). Error
         events reported until then reach the ``on_error`` handlers, in at most half of what
         is left of ``timeout`` (at least half a second). The ``on_revoked`` listeners, then
         the ``on_shutdown`` hooks, run in what is left of ``timeout`` (each group at least a
@@ -536,6 +537,12 @@ class PushConsumer:
             # A periodic persist round still sending ends first (an older offset of it that
             # the broker applied after the final one would move the queue back), as long as
             # the timeout lasts; one still going then is cancelled with the other tasks.
+            # A rebalance round under way ends first too: a queue it is releasing is out of
+            # the table already, so cut off (its task is cancelled below) it would miss the
+            # final persist and unlock (redelivered from its last persisted offset, its broker
+            # lock left to lapse). A round that adds queues ends at once while stopping.
+            rebalancing = self.rebalancer is not None and await _acquire_by(
+                self.rebalancer.table_lock, _stage_deadline(stop_by, timeout))
             locked = await _acquire_by(self._persist_lock, _stage_deadline(stop_by, timeout))
             try:
                 # The sinks' tasks and the sink send-backs among them. A sink's writer waits
@@ -547,6 +554,8 @@ class PushConsumer:
             finally:
                 if locked:
                     self._persist_lock.release()
+                if rebalancing:
+                    self.rebalancer.table_lock.release()
             self.errors.owner = None
             try:
                 async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):

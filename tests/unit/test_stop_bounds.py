@@ -301,3 +301,26 @@ async def test_a_stop_cancelled_part_way_can_be_called_again_and_finishes() -> N
     async with asyncio.timeout(10):
         await c.stop(timeout=2.0)
     assert c.stop_shortfalls == () and not c._started and c._owner is None
+
+
+async def test_stop_lets_a_rebalance_round_under_way_finish_its_release() -> None:
+    # A round releasing a queue (taken out of the table, its offset being persisted) was
+    # cancelled with the consumer's tasks: the queue missed the final persist and unlock.
+    c = _running_consumer(pull=_Idle(), sinks=_Idle())
+    assert c._owner is not None
+    c.rebalancer = cast(Any, SimpleNamespace(table_lock=asyncio.Lock()))
+    released: list[str] = []
+    started = asyncio.Event()
+
+    async def round_releasing_a_queue() -> None:
+        async with c.rebalancer.table_lock:
+            started.set()
+            await asyncio.sleep(0.3)  # persisting the queue's offset, then unlocking it
+            released.append("persisted and unlocked")
+
+    c._owner.spawn(round_releasing_a_queue(), name="rebalance")
+    await started.wait()
+    async with asyncio.timeout(10):
+        await c.stop(timeout=5.0)
+    assert released == ["persisted and unlocked"]
+    assert not c.rebalancer.table_lock.locked()
