@@ -232,6 +232,25 @@ class OrderlyConsumeService:
                     if not holding:
                         through = part[-1].queue_offset
                     continue
+                if mq.topic == rt.retry_topic:
+                    # A retry message of a topic no longer subscribed: no handler takes it.
+                    # Sent back as failed, as the concurrent service sends it, so it reaches
+                    # the dead-letter queue after max_reconsume_times; retried in place it
+                    # held every message behind it in the retry queue for good (orderly
+                    # retries are unlimited by default).
+                    log.warning("orderly.no_listener", topic=part[0].topic, queue=str(mq),
+                                count=len(part))
+                    back_later = await self._send_back_all(part)
+                    if not back_later:
+                        failed += len(part)
+                        if not holding:
+                            through = part[-1].queue_offset
+                        continue
+                    keep = {id(m) for m in back_later}
+                    sent = [m for m in part if id(m) not in keep]
+                    pq.forget_taken(sent)
+                    failed += len(sent)
+                    part = back_later
                 stop, failing = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT, part
                 break
             ctx = ConsumeContext(message_queue=mq)
@@ -332,6 +351,14 @@ class OrderlyConsumeService:
                  reconsume_times=failing[0].reconsume_times)
         self.submit_later(pq, mq, self._suspend_time(ctx))
         return False
+
+    async def _send_back_all(self, msgs: list[MessageExt]) -> list[MessageExt]:
+        """Send ``msgs`` back for a later retry; those that could not be sent (the first
+        failure and those after it), none when all went."""
+        for i, m in enumerate(msgs):
+            if not await self._rt.send_message_back(m, 0):
+                return msgs[i:]
+        return []
 
     async def _dead_letter(self, dead: list[tuple[MessageExt, str]]) -> list[MessageExt]:
         """Send poison messages to the DLQ (broadcasting: log and drop); the ones that could

@@ -452,6 +452,43 @@ async def test_a_retry_queue_batch_goes_to_each_topics_own_handler() -> None:
 
 
 
+@pytest.mark.parametrize("send_back_fails_once", [False, True])
+async def test_a_retry_message_of_a_topic_no_longer_subscribed_is_sent_back_not_held(
+        send_back_fails_once: bool) -> None:
+    """An all-orderly consumer's retry queue holds a message of a topic it no longer
+    subscribes to: no handler takes it, and it was retried in place for ever (orderly
+    retries are unlimited by default), holding every retry message behind it. It is sent
+    back as failed now, as the concurrent service sends it (the dead-letter queue after
+    max_reconsume_times); a send that fails is tried again after the pause."""
+    got: list[int] = []
+    sent_back: list[int] = []
+    refuse = {1} if send_back_fails_once else set()
+
+    def on_t(msgs: list[MessageExt]) -> None:
+        got.extend(m.queue_offset for m in msgs)
+
+    async def send_back(msg: MessageExt, level: int) -> bool:
+        if msg.queue_offset in refuse:
+            refuse.discard(msg.queue_offset)
+            return False
+        sent_back.append(msg.queue_offset)
+        return True
+
+    h = _Harness(on_t, batch=True, batch_size=8)
+    h.rt.send_message_back = send_back
+    retry = MessageQueue(h.rt.retry_topic, "broker-a", 0)
+    h.rt.process_queues[retry] = h.pq
+    msgs = [MessageExt(h.rt.retry_topic, b"m", 0, i,
+                       properties={PROPERTY_RETRY_TOPIC: "TXXT"[i]}) for i in range(4)]
+    h.service.start()
+    try:
+        h.service.submit(msgs, h.pq, retry, h.pq.put_messages(msgs))
+        await h.until(lambda: h.offsets.updates[-1:] == [4])
+    finally:
+        await h.service.aclose()
+    assert got == [0, 3] and sent_back == [1, 2]
+
+
 async def test_a_busy_queue_given_up_is_unlocked_once_its_batch_ends(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue given up while its batch ran on: once the batch ends, what it committed is
