@@ -454,16 +454,9 @@ class OrderlyConsumeService:
                 log.warning("orderly.lock_all_failed", broker=broker_name, error=str(exc))
                 continue
             now = time.monotonic()
-            stray: list[MessageQueue] = []
             for mq in mqs:
                 held = rt.process_queues.get(mq)
                 if held is None:
-                    # Given up while the request was out: its release may have unlocked it
-                    # before the broker took this lock, which would then keep the queue from
-                    # its new owner until the lock lapses. Given back (a release still
-                    # waiting for its batch keeps the lock, and gives it back itself).
-                    if mq in locked and mq not in self._releasing:
-                        stray.append(mq)
                     continue
                 if mq in locked:
                     if not held.locked:
@@ -474,8 +467,6 @@ class OrderlyConsumeService:
                     if held.locked:
                         log.warning("orderly.lock_lost", queue=str(mq))
                     held.locked = False
-            if stray:
-                await self._unlock_on(broker_name, stray)
 
     async def unlock(self, mq: MessageQueue, *, oneway: bool = False) -> None:
         await self._unlock_on(mq.broker_name, [mq], oneway=oneway)
