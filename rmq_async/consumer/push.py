@@ -541,10 +541,12 @@ class PushConsumer:
             # the table already, so cut off (its task is cancelled below) it would miss the
             # final persist and unlock (redelivered from its last persisted offset, its broker
             # lock left to lapse). A round that adds queues ends at once while stopping.
-            rebalancing = self.rebalancer is not None and await _acquire_by(
-                self.rebalancer.table_lock, _stage_deadline(stop_by, timeout))
-            locked = await _acquire_by(self._persist_lock, _stage_deadline(stop_by, timeout))
-            try:
+            rebalancing = locked = False
+            try:  # (both released whatever happens: a stop() cancelled here may be called again)
+                rebalancing = self.rebalancer is not None and await _acquire_by(
+                    self.rebalancer.table_lock, _stage_deadline(stop_by, timeout))
+                locked = await _acquire_by(self._persist_lock,
+                                           _stage_deadline(stop_by, timeout))
                 # The sinks' tasks and the sink send-backs among them. A sink's writer waits
                 # for a write running in its thread (a Spark call cannot be interrupted): it
                 # is given up, its batch unacknowledged, when the stage's time is up.

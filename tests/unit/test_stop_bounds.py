@@ -324,3 +324,22 @@ async def test_stop_lets_a_rebalance_round_under_way_finish_its_release() -> Non
         await c.stop(timeout=5.0)
     assert released == ["persisted and unlocked"]
     assert not c.rebalancer.table_lock.locked()
+
+
+async def test_a_stop_cancelled_while_waiting_for_the_persist_lock_lets_the_rebalance_lock_go() -> None:
+    # It held the rebalance lock it had taken: the rebalance and an admin reset stayed
+    # blocked, and a second stop() waited its whole timeout for the lock.
+    c = _running_consumer(pull=_Idle(), sinks=_Idle())
+    c.rebalancer = cast(Any, SimpleNamespace(table_lock=asyncio.Lock()))
+    await c._persist_lock.acquire()  # a periodic persist round under way, a slow broker
+    first = asyncio.create_task(c.stop(timeout=30.0))
+    await asyncio.sleep(0.2)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    c._persist_lock.release()
+    assert not c.rebalancer.table_lock.locked()
+    began = time.monotonic()
+    async with asyncio.timeout(20):
+        await c.stop(timeout=3.0)
+    assert time.monotonic() - began < 2.0
