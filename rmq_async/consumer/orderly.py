@@ -245,6 +245,8 @@ class OrderlyConsumeService:
                         failed += len(part)
                         if not holding:
                             through = part[-1].queue_offset
+                        else:  # sent: a ROLLBACK of what is held must not hand them out again
+                            pq.forget_taken(part)
                         continue
                     keep = {id(m) for m in back_later}
                     sent = [m for m in part if id(m) not in keep]

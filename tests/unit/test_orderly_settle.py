@@ -489,6 +489,41 @@ async def test_a_retry_message_of_a_topic_no_longer_subscribed_is_sent_back_not_
     assert got == [0, 3] and sent_back == [1, 2]
 
 
+async def test_a_retry_message_sent_back_while_others_wait_for_a_commit_goes_once() -> None:
+    """Without auto-commit, earlier messages wait for a COMMIT: a retry message of a topic no
+    longer subscribed, sent back meanwhile, stayed taken, and a ROLLBACK handed it out again
+    to be sent back a second time."""
+    sent_back: list[int] = []
+    rolled_back: list[int] = []
+
+    async def handler(msg: MessageExt, ctx: ConsumeContext) -> ConsumeResult:
+        ctx.auto_commit = False
+        if msg.queue_offset == 2:
+            if not rolled_back:
+                rolled_back.append(2)
+                return ConsumeResult.ROLLBACK
+            return ConsumeResult.COMMIT
+        return ConsumeResult.SUCCESS
+
+    async def send_back(msg: MessageExt, level: int) -> bool:
+        sent_back.append(msg.queue_offset)
+        return True
+
+    h = _Harness(handler)
+    h.rt.send_message_back = send_back
+    retry = MessageQueue(h.rt.retry_topic, "broker-a", 0)
+    h.rt.process_queues[retry] = h.pq
+    msgs = [MessageExt(h.rt.retry_topic, b"m", 0, i,
+                       properties={PROPERTY_RETRY_TOPIC: "TXT"[i]}) for i in range(3)]
+    h.service.start()
+    try:
+        h.service.submit(msgs, h.pq, retry, h.pq.put_messages(msgs))
+        await h.until(lambda: h.offsets.updates[-1:] == [3])
+    finally:
+        await h.service.aclose()
+    assert sent_back == [1] and rolled_back == [2]
+
+
 async def test_a_busy_queue_given_up_is_unlocked_once_its_batch_ends(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue given up while its batch ran on: once the batch ends, what it committed is
