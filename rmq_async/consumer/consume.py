@@ -117,10 +117,15 @@ class ConcurrentConsumeService:
         self._idle.set()
         self._draining = False
         self._inflight: set[ConsumeRequest] = set()
-        # Held by the consume-timeout cleaner for a whole look and by a chunk's settlement
-        # while it sends messages back: either could otherwise send back what the other is
-        # sending back or has just acknowledged (a duplicate) while it awaits the broker.
-        self._sending_back = asyncio.Lock()
+        # The consume-timeout cleaner and the settlements that send messages back take turns:
+        # either could otherwise send back what the other is sending back or has just
+        # acknowledged (a duplicate) while it awaits the broker. Settlements run side by side
+        # (their chunks are apart); a look waits for those under way and holds new ones back.
+        self._settling = 0
+        self._settled = asyncio.Event()  # no settlement sending back
+        self._settled.set()
+        self._looked = asyncio.Event()  # no look of the cleaner under way
+        self._looked.set()
 
     def start(self) -> None:
         for i in range(self._opts.consume_concurrency):
@@ -343,11 +348,19 @@ class ConcurrentConsumeService:
                       failed: list[tuple[MessageExt, int]], elapsed: float, calls: int) -> None:
         """One removal, one offset update and one stats update for the handled messages."""
         self._inflight.discard(req)
-        if failed or req.dead:
-            async with self._sending_back:
-                await self._settle_now(req, handled, failed, elapsed, calls)
-        else:
+        if not (failed or req.dead):
             await self._settle_now(req, handled, failed, elapsed, calls)
+            return
+        while not self._looked.is_set():
+            await self._looked.wait()
+        self._settling += 1
+        self._settled.clear()
+        try:
+            await self._settle_now(req, handled, failed, elapsed, calls)
+        finally:
+            self._settling -= 1
+            if not self._settling:
+                self._settled.set()
 
     async def _settle_now(self, req: ConsumeRequest, handled: list[MessageExt],
                           failed: list[tuple[MessageExt, int]], elapsed: float,
@@ -430,8 +443,14 @@ class ConcurrentConsumeService:
         """
         if self._opts.message_model != MessageModel.CLUSTERING:
             return
-        async with self._sending_back:
+        while not self._looked.is_set():  # (a look called while another runs)
+            await self._looked.wait()
+        self._looked.clear()
+        try:
+            await self._settled.wait()
             await self._clean_expired()
+        finally:
+            self._looked.set()
 
     async def _clean_expired(self) -> None:
         rt = self._rt

@@ -492,6 +492,42 @@ async def test_the_cleaner_waits_for_a_settlement_sending_back() -> None:
     assert h.updates == [4] and h.pq.msg_count == 0
 
 
+async def test_two_settlements_send_back_side_by_side() -> None:
+    """The cleaner's turn-taking with the settlements (above) must not make the settlements
+    take turns among themselves: with one lock for all, a broker slow to answer send-backs
+    held every failing worker behind one send at a time."""
+    async def listener(msg: MessageExt) -> ConsumeResult:
+        return ConsumeResult.RECONSUME_LATER
+
+    h = Harness(listener, consume_timeout=60.0)  # two workers
+    sent: list[int] = []
+    both = asyncio.Event()
+    in_flight = 0
+
+    async def slow_send_back(msg: MessageExt, level: int) -> bool:
+        nonlocal in_flight
+        in_flight += 1
+        if in_flight == 2:
+            both.set()
+        async with asyncio.timeout(5):
+            await both.wait()  # returns only once the other settlement's send is out too
+        sent.append(msg.queue_offset)
+        return True
+
+    h.service._rt.send_message_back = slow_send_back  # type: ignore[attr-defined]
+    try:
+        h.start_chunk(1, 0)
+        more = [MessageExt("T", b"m1", 0, 1)]
+        h.pq.put_messages(more)
+        h.service.submit(more, h.pq, MQ)
+        async with asyncio.timeout(10):
+            while len(sent) < 2:
+                await asyncio.sleep(0.005)
+    finally:
+        await h.service.aclose()
+    assert sorted(sent) == [0, 1]
+
+
 @pytest.mark.parametrize("kind", ["dead", "level"])
 async def test_what_a_call_of_a_long_chunk_failed_goes_where_its_answer_sends_it(
         kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
