@@ -418,6 +418,21 @@ async def test_a_queue_given_up_while_its_batch_runs_is_not_unlocked(
         await h.service.aclose()
 
 
+async def _consume_retry_queue(h: _Harness, origins: str) -> None:
+    """Hand ``h``'s service a retry queue whose messages 0, 1, ... were first sent to the
+    topics ``origins`` names (a letter each), and wait until all of them are committed."""
+    retry = MessageQueue(h.rt.retry_topic, "broker-a", 0)
+    h.rt.process_queues[retry] = h.pq
+    msgs = [MessageExt(h.rt.retry_topic, b"m", 0, i, properties={PROPERTY_RETRY_TOPIC: topic})
+            for i, topic in enumerate(origins)]
+    h.service.start()
+    try:
+        h.service.submit(msgs, h.pq, retry, h.pq.put_messages(msgs))
+        await h.until(lambda: h.offsets.updates[-1:] == [len(msgs)])
+    finally:
+        await h.service.aclose()
+
+
 async def test_a_retry_queue_batch_goes_to_each_topics_own_handler() -> None:
     """A consumer whose subscriptions are all orderly consumes its retry queue in order too;
     a batch of it can hold messages of several topics, and each went to the first one's
@@ -435,16 +450,7 @@ async def test_a_retry_queue_batch_goes_to_each_topics_own_handler() -> None:
     other = PushConsumer("G_settle", namesrv="127.0.0.1:9876")
     other.subscribe("U", listener=on_u, orderly=True, batch=True)
     consumer_subs.add(other.subscriptions.topics["U"])
-    retry = MessageQueue(h.rt.retry_topic, "broker-a", 0)
-    h.rt.process_queues[retry] = h.pq
-    msgs = [MessageExt(h.rt.retry_topic, b"m", 0, i,
-                       properties={PROPERTY_RETRY_TOPIC: "TUUT"[i]}) for i in range(4)]
-    h.service.start()
-    try:
-        h.service.submit(msgs, h.pq, retry, h.pq.put_messages(msgs))
-        await h.until(lambda: h.offsets.updates[-1:] == [4])
-    finally:
-        await h.service.aclose()
+    await _consume_retry_queue(h, "TUUT")
     assert got == {"T": [0, 3], "U": [1, 2]}
     # ... and each topic's statistics count its own.
     assert {t: (h.stats.totals[t].consumed, h.stats.totals[t].failed) for t in "TU"} == {
@@ -476,16 +482,7 @@ async def test_a_retry_message_of_a_topic_no_longer_subscribed_is_sent_back_not_
 
     h = _Harness(on_t, batch=True, batch_size=8)
     h.rt.send_message_back = send_back
-    retry = MessageQueue(h.rt.retry_topic, "broker-a", 0)
-    h.rt.process_queues[retry] = h.pq
-    msgs = [MessageExt(h.rt.retry_topic, b"m", 0, i,
-                       properties={PROPERTY_RETRY_TOPIC: "TXXT"[i]}) for i in range(4)]
-    h.service.start()
-    try:
-        h.service.submit(msgs, h.pq, retry, h.pq.put_messages(msgs))
-        await h.until(lambda: h.offsets.updates[-1:] == [4])
-    finally:
-        await h.service.aclose()
+    await _consume_retry_queue(h, "TXXT")
     assert got == [0, 3] and sent_back == [1, 2]
 
 
@@ -511,16 +508,7 @@ async def test_a_retry_message_sent_back_while_others_wait_for_a_commit_goes_onc
 
     h = _Harness(handler)
     h.rt.send_message_back = send_back
-    retry = MessageQueue(h.rt.retry_topic, "broker-a", 0)
-    h.rt.process_queues[retry] = h.pq
-    msgs = [MessageExt(h.rt.retry_topic, b"m", 0, i,
-                       properties={PROPERTY_RETRY_TOPIC: "TXT"[i]}) for i in range(3)]
-    h.service.start()
-    try:
-        h.service.submit(msgs, h.pq, retry, h.pq.put_messages(msgs))
-        await h.until(lambda: h.offsets.updates[-1:] == [3])
-    finally:
-        await h.service.aclose()
+    await _consume_retry_queue(h, "TXT")
     assert sent_back == [1] and rolled_back == [2]
 
 
