@@ -525,8 +525,20 @@ class OrderlyConsumeService:
             async with asyncio.timeout(UNLOCK_WAIT):
                 await lock.acquire()
         except TimeoutError:
-            log.warning("orderly.unlock_deferred_busy", queue=str(mq), waited=UNLOCK_WAIT)
             pq.locked = False
+            if rt.stopping:
+                # stop() has closed this service's tasks: nothing can wait for the batch any
+                # more. What it committed so far is persisted (the queue is out of the table,
+                # so stop()'s own persist leaves it out); the broker lock is left to lapse.
+                log.warning("orderly.unlock_skipped_stopping", queue=str(mq),
+                            waited=UNLOCK_WAIT)
+                try:
+                    await rt.offset_store.persist(mq)
+                except Exception as exc:
+                    log.warning("orderly.persist_on_release_failed", queue=str(mq),
+                                error=f"{type(exc).__name__}: {exc}")
+                return False
+            log.warning("orderly.unlock_deferred_busy", queue=str(mq), waited=UNLOCK_WAIT)
             self._releasing[mq] = self._owner.spawn(
                 self._release_when_idle(mq, pq, lock), name=f"release:{mq}")
             return False

@@ -418,6 +418,30 @@ async def test_a_queue_given_up_while_its_batch_runs_is_not_unlocked(
         await h.service.aclose()
 
 
+async def test_a_release_that_outlives_unlock_wait_during_stop_persists_and_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop() lets a rebalance round under way finish after the orderly service's tasks are
+    closed; a release whose batch still ran (a listener thread that ignores cancellation)
+    then tried to defer on the closed task owner, failed, and the queue missed its persist."""
+    monkeypatch.setattr(orderly_module, "UNLOCK_WAIT", 0.1)
+    h = _Harness(lambda msg: None)
+    persisted: list[MessageQueue] = []
+
+    async def persist(mq: MessageQueue) -> None:
+        persisted.append(mq)
+
+    h.offsets.persist = persist  # type: ignore[attr-defined]
+    h.service.start()
+    running_batch = h.service.consume_lock(MQ)
+    await running_batch.acquire()  # the batch that outlives the stop
+    await h.service.aclose()
+    h.rt.stopping = True
+    del h.rt.process_queues[MQ]
+    h.pq.dropped = True
+    assert await h.service.release(MQ, h.pq) is False
+    assert persisted == [MQ] and not h.pq.locked
+
+
 async def _consume_retry_queue(h: _Harness, origins: str) -> None:
     """Hand ``h``'s service a retry queue whose messages 0, 1, ... were first sent to the
     topics ``origins`` names (a letter each), and wait until all of them are committed."""
