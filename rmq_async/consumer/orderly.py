@@ -207,6 +207,10 @@ class OrderlyConsumeService:
         through = -1  # the batch is committed up to this offset once its calls are settled
         stop: ConsumeResult | None = None  # SUSPEND_... or ROLLBACK: the turn ends
         failing: list[MessageExt] = []
+        # When the call is retried because its ctx.dead_letters could not all be sent: those
+        # not sent (the call's other messages were consumed; out of retries, they are not
+        # the dead-letter queue's).
+        poison_left: set[int] | None = None
         ctx = ConsumeContext(message_queue=mq)
         # Messages of earlier turns taken and left uncommitted (SUCCESS without auto-commit)
         # wait for the handler's COMMIT: nothing the handler did not answer itself commits them.
@@ -289,6 +293,7 @@ class OrderlyConsumeService:
                     gone = {id(m) for m in sent}
                     stop = ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT
                     failing = [m for m in part if id(m) not in gone]
+                    poison_left = keep
                     break
             ok += max(len(part) - len(dead), 0)
             failed += len(dead)
@@ -333,7 +338,8 @@ class OrderlyConsumeService:
             return False
         # SUSPEND_CURRENT_QUEUE_A_MOMENT (or failure): retry in place, unless a message has used
         # up its retries, in which case it goes to the dead-letter queue and is skipped.
-        not_sent = await self._retries_exhausted(failing)
+        not_sent = await self._retries_exhausted(
+            failing if poison_left is None else [m for m in failing if id(m) in poison_left])
         if not_sent is not None and not not_sent:
             if ctx.auto_commit:
                 self._commit(mq, pq, failing[-1].queue_offset)

@@ -142,3 +142,31 @@ async def test_out_of_retries_a_message_in_the_dead_letter_queue_is_not_handed_o
     await h.run(range(0, 2), lambda: h.offsets.updates[-1:] == [2])
     assert sent == [0, 1]
     assert calls == [[0, 1], [0, 1], [1]]
+
+
+async def test_out_of_retries_only_the_poison_goes_to_the_dead_letter_queue(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch [0, 1]: the handler consumes 0 and puts 1 in ``ctx.dead_letters``, whose send to
+    the dead-letter queue fails, so the call is tried again in place. Out of retries, both
+    went to the dead-letter queue, 0 too, which the handler had consumed."""
+    from rmq_async import ConsumeContext, ConsumeResult
+    from tests.unit.test_orderly_settle import _Harness
+
+    to_dead_letter_queue: list[int] = []
+
+    async def handler(msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeResult:
+        ctx.dead_letters.extend((m, "poison") for m in msgs if m.queue_offset == 1)
+        return ConsumeResult.SUCCESS
+
+    async def refused(rt: Any, msg: MessageExt, reason: str) -> bool:
+        return False  # the broker is busy
+
+    async def send_back(msg: MessageExt, level: int) -> bool:
+        to_dead_letter_queue.append(msg.queue_offset)
+        return True
+
+    monkeypatch.setattr(orderly_module, "send_to_dlq", refused)
+    h = _Harness(handler, batch=True, batch_size=2, max_reconsume_times=0)
+    h.rt.send_message_back = send_back
+    await h.run(range(0, 2), lambda: h.offsets.updates[-1:] == [2])
+    assert to_dead_letter_queue == [1]
