@@ -217,11 +217,19 @@ class ListenerAdapter:
         if decode is None:
             return msgs
         out: list[Any] = []
+        handed: list[MessageExt] = []
         for m in msgs:
             try:
                 out.append(decode(m))
             except PayloadDecodeError as exc:
                 ctx.dead_letters.append((m, str(exc)))
+            else:
+                handed.append(m)
+        if len(handed) < len(msgs):
+            # ``ctx.messages`` is what the handler gets, one for each decoded object: zipped
+            # with them, or counted by ``ack_index`` (which the service applies to this list),
+            # it must not include the messages left out.
+            ctx.messages = handed
         return out
 
     async def invoke(self, msgs: list[MessageExt], ctx: ConsumeContext) -> Any:

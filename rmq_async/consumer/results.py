@@ -131,14 +131,16 @@ class ConsumeContext:
 
     * ``message``: the message of this call (per-message handlers; ``None`` for a batch call);
       with ``model=`` it is how the handler reaches the message behind the decoded object.
-    * ``messages``: the messages of this call (one for a per-message handler).
+    * ``messages``: the messages of this call (one for a per-message handler); with
+      ``model=``, those of the decoded objects the batch handler gets, in the same order
+      (a body that could not be decoded is left out, and is in ``dead_letters``).
     * ``dead_letters``: messages of this call bound for the dead-letter queue, with their
       reason (bodies a batch handler's decoder could not read are put here).
 
     Concurrent (Java ``ConsumeConcurrentlyContext``):
 
-    * ``ack_index``: with SUCCESS, ``k`` acknowledges the first ``k + 1`` messages of the batch
-      and the rest are treated as failed (sent back for retry). ``None`` (the default, Java's
+    * ``ack_index``: with SUCCESS, ``k`` acknowledges the first ``k + 1`` messages of
+      ``messages`` and the rest are treated as failed (sent back for retry). ``None`` (the default, Java's
       ``Integer.MAX_VALUE``) acknowledges the whole batch. Ignored for RECONSUME_LATER.
     * ``delay_level_when_next_consume``: delay level for messages sent back; ``0`` lets the
       broker pick (3 + reconsume times), ``-1`` sends them straight to the dead-letter queue.

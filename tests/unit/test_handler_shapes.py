@@ -613,3 +613,39 @@ async def test_plain_handlers_run_on_the_consumers_own_threads() -> None:
     finally:
         release.set()
     assert await asyncio.gather(*calls) == [ConsumeResult.SUCCESS] * 4
+
+
+def _three_orders_the_first_unreadable() -> list[MessageExt]:
+    bodies = [b"{not json", json.dumps({"id": 1}).encode(), json.dumps({"id": 2}).encode()]
+    return [MessageExt("T", body, 0, offset) for offset, body in enumerate(bodies)]
+
+
+async def test_a_batch_of_decoded_objects_lines_up_with_ctx_messages() -> None:
+    """A body left out of a ``model=`` batch (to the dead-letter queue) stayed in
+    ``ctx.messages``: zipped with the decoded objects, each order got the message before it;
+    and ``ack_index``, which the service applies to the messages handed over, counted over
+    ``ctx.messages`` acknowledged a message the handler meant as failed."""
+    from rmq_async.consumer.consume import _apply_outcome
+
+    seen: list[tuple[int, int]] = []
+
+    async def pairs(orders: list[dict[str, int]], ctx: ConsumeContext) -> None:
+        seen.extend((o["id"], m.queue_offset) for o, m in zip(orders, ctx.messages, strict=True))
+
+    await run_call(ListenerAdapter(pairs, model=dict), _three_orders_the_first_unreadable(),
+                   ConsumeContext(MQ), group="G", topic="T", queue=MQ, orderly=False,
+                   middlewares=[])
+    assert seen == [(1, 1), (2, 2)]
+
+    async def done_through_offset_1(orders: list[dict[str, int]], ctx: ConsumeContext) -> None:
+        ctx.ack_index = next(i for i, m in enumerate(ctx.messages) if m.queue_offset == 1)
+
+    msgs = _three_orders_the_first_unreadable()
+    ctx = ConsumeContext(MQ)
+    outcome = await run_call(ListenerAdapter(done_through_offset_1, model=dict), msgs, ctx,
+                             group="G", topic="T", queue=MQ, orderly=False, middlewares=[])
+    failed: list[tuple[MessageExt, int]] = []
+    dead: list[tuple[MessageExt, str]] = []
+    _apply_outcome(outcome, msgs, ctx, failed, dead)
+    assert [m.queue_offset for m, _ in dead] == [0]
+    assert [m.queue_offset for m, _ in failed] == [2]
