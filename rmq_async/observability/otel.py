@@ -141,12 +141,14 @@ class TracingMiddleware:
                 span.set_status(Status(StatusCode.ERROR, "cancelled before the handler "
                                                          "finished"))
                 raise
-            except Exception as exc:
+            except BaseException as exc:  # any other: the call failed (pytest's Failed too)
                 span.record_exception(exc)
                 span.set_attribute("error.type", type(exc).__qualname__)
                 span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
                 raise
-            size = len(call.messages)
+            # ack_index counts what the handler got (an inner middleware may have passed on
+            # fewer, a decoder left unreadable bodies out), as the service applies it.
+            size = len(call.context.messages)
             acked = call.context.acked_count(size, ConsumeResult.SUCCESS)
             if not call.orderly and acked < size:
                 # A success with an ack_index short of the batch: the rest is retried.

@@ -523,6 +523,57 @@ async def test_a_batch_acknowledged_in_part_is_an_error_span() -> None:
     assert full.status.status_code is StatusCode.UNSET
 
 
+async def test_a_batch_acknowledged_whole_after_an_inner_middleware_is_not_an_error_span() -> None:
+    """An inner middleware (a de-duplication) passed on two of four messages and the handler
+    acknowledged both: the service acknowledges all four (ack_index counts what the handler
+    got), but the span compared the handler's ack_index with the four and said RetryLater."""
+    import dataclasses
+
+    from rmq_async.consumer.consume import _apply_outcome
+    from rmq_async.consumer.listener import ListenerAdapter
+    from rmq_async.consumer.middleware import CallNext, run_call
+
+    mw, exporter = _tracing()
+    msgs = [MessageExt(topic="orders", body=b"x", queue_offset=i) for i in range(4)]
+
+    async def dedup(call: ConsumeCall, call_next: CallNext) -> None:
+        await call_next(dataclasses.replace(call, messages=call.messages[:2]))
+
+    async def handler(batch: list[MessageExt], ctx: ConsumeContext) -> None:
+        ctx.ack_index = len(batch) - 1
+
+    ctx = ConsumeContext(Q0)
+    outcome = await run_call(ListenerAdapter(handler), msgs, ctx, group="G", topic="orders",
+                             queue=Q0, orderly=False, middlewares=[mw, dedup])
+    failed: list[tuple[MessageExt, int]] = []
+    dead: list[tuple[MessageExt, str]] = []
+    _apply_outcome(outcome, msgs, ctx, failed, dead)
+    assert failed == [] and dead == []
+    (span,) = exporter.get_finished_spans()
+    assert span.status.status_code is StatusCode.UNSET
+
+
+async def test_a_call_failed_by_a_base_exception_is_an_error_span() -> None:
+    """pytest's Failed (a ``BaseException``) fails the call, which is retried; the span
+    ended UNSET, as a success."""
+    from rmq_async.consumer.listener import ListenerAdapter
+    from rmq_async.consumer.middleware import run_call
+    from rmq_async.consumer.results import ConsumeResult
+
+    mw, exporter = _tracing()
+
+    async def handler(msg: MessageExt) -> None:
+        raise NotAnException("pytest.fail() in the handler")
+
+    outcome = await run_call(ListenerAdapter(handler), [MessageExt(topic="orders", body=b"x")],
+                             ConsumeContext(Q0), group="G", topic="orders", queue=Q0,
+                             orderly=False, middlewares=[mw])
+    assert outcome.result is ConsumeResult.RECONSUME_LATER
+    (span,) = exporter.get_finished_spans()
+    assert span.status.status_code is StatusCode.ERROR
+    assert dict(span.attributes or {})["error.type"] == "NotAnException"
+
+
 async def test_the_producers_trace_context_is_the_parent_or_a_link() -> None:
     """A message carrying W3C trace context (as an instrumented producer writes it into the
     properties) is processed in a child span of the producer's; a batch links to each."""
