@@ -149,8 +149,10 @@ class ConsumerCollector(Collector):
         return [c for c in (r() for r in self._consumers) if c is not None]
 
     def describe(self) -> Iterable[Metric]:
-        # Names are not claimed up front: the series appear with the consumers.
-        return []
+        # The families, without samples: a scrape restricted to some names (``/metrics?
+        # name[]=...``, prometheus_client's restricted registry) finds this collector by them,
+        # and a collector of the user's that takes one of the names is refused at once.
+        return _Families().all()
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:

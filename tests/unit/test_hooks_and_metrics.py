@@ -326,6 +326,19 @@ def test_collector_exposes_the_documented_metrics_from_the_consumer() -> None:
     assert exposed == _documented_metrics()
 
 
+def test_a_scrape_restricted_to_some_names_finds_them() -> None:
+    """``/metrics?name[]=...`` (prometheus_client's restricted registry) finds a collector by
+    the names it describes; this one described none, and such a scrape came back empty."""
+    registry = CollectorRegistry()
+    c = _FakeConsumer("G")
+    c.stats.record_consume("orders", 3, 0, 0.01)
+    prom.instrument(c, registry)  # type: ignore[arg-type]
+    text = generate_latest(registry.restricted_registry(
+        ["rocketmq_consumer_messages_consumed_total"])).decode()
+    assert 'rocketmq_consumer_messages_consumed_total{group="G",topic="orders"} 3.0' in text
+    assert "rocketmq_consumer_messages_failed_total{" not in text
+
+
 def test_one_collector_per_registry_and_one_member_per_group() -> None:
     registry = CollectorRegistry()
     a, b = _FakeConsumer("A"), _FakeConsumer("B")
