@@ -230,7 +230,7 @@ class _Batch:
         self.chunks: list[list[MessageExt] | StoredChunk] = []
         self.acks: list[AckCallback] = []
         # The highest offset of each queue's chunks in pull order (not redelivered ones).
-        self.tops: dict[tuple[str, str, int], int] = {}
+        self.tops: dict[MessageQueue, int] = {}
         self.rows = 0
         self.bytes = 0
         self.opened_at = time.time()
@@ -414,7 +414,7 @@ class SparkSink:
         queue = _chunk_queue(msgs) if redelivered and rows else None
         # Each queue's lowest and highest offset in the chunk (one queue for a consumer's
         # chunk; a list offered by other code may mix them). Empty: none, it joins any batch.
-        spans = _chunk_spans(msgs) if not redelivered else {}
+        spans = chunk_offset_ranges([msgs]) if not redelivered else {}
         if batch is not None and batch.rows and (
             # Redelivered chunks share a batch only with redelivered chunks of other queues:
             # each lies within the range of the one batch that failed with it, which nothing
@@ -914,24 +914,6 @@ def _chunk_queue(chunk: list[MessageExt] | StoredChunk) -> tuple[str, str, int]:
         return (chunk.topic, chunk.broker_name, chunk.queue_id)
     first = chunk[0]
     return (first.topic, first.broker_name, first.queue_id)
-
-
-def _chunk_spans(chunk: list[MessageExt] | StoredChunk,
-                 ) -> dict[tuple[str, str, int], tuple[int, int]]:
-    """The lowest and highest offset of each queue in a chunk."""
-    if isinstance(chunk, StoredChunk):
-        return {(chunk.topic, chunk.broker_name, chunk.queue_id):
-                (chunk.first_offset, chunk.last_offset)}
-    spans: dict[tuple[str, str, int], tuple[int, int]] = {}
-    for m in chunk:
-        q = (m.topic, m.broker_name, m.queue_id)
-        offset = m.queue_offset
-        span = spans.get(q)
-        if span is None:
-            spans[q] = (offset, offset)
-        elif offset < span[0] or offset > span[1]:
-            spans[q] = (min(span[0], offset), max(span[1], offset))
-    return spans
 
 
 def _batch_info(batch: _Batch, chunks: Sequence[Sequence[MessageExt] | StoredChunk],
