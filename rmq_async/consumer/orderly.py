@@ -244,7 +244,7 @@ class OrderlyConsumeService:
                     # retries are unlimited by default).
                     log.warning("orderly.no_listener", topic=part[0].topic, queue=str(mq),
                                 count=len(part))
-                    back_later = await self._send_back_all(part)
+                    back_later = await self._send_back_all(part, 0)
                     if not back_later:
                         failed += len(part)
                         if not holding:
@@ -360,11 +360,11 @@ class OrderlyConsumeService:
         self.submit_later(pq, mq, self._suspend_time(ctx))
         return False
 
-    async def _send_back_all(self, msgs: list[MessageExt]) -> list[MessageExt]:
-        """Send ``msgs`` back for a later retry; those that could not be sent (the first
-        failure and those after it), none when all went."""
+    async def _send_back_all(self, msgs: list[MessageExt], level: int) -> list[MessageExt]:
+        """Send ``msgs`` back at delay ``level`` (-1: the dead-letter queue); those that could
+        not be sent (the first failure and those after it), none when all went."""
         for i, m in enumerate(msgs):
-            if not await self._rt.send_message_back(m, 0):
+            if not await self._rt.send_message_back(m, level):
                 return msgs[i:]
         return []
 
@@ -413,20 +413,18 @@ class OrderlyConsumeService:
         go to the dead-letter queue (Java ``checkReconsumeTimes``): returns those that could
         not be sent (the first failure and those after it), empty when all went; None when
         the batch still has retries."""
-        rt = self._rt
         limit = self._opts.effective_max_reconsume_times(orderly=True)
         if not all(m.reconsume_times >= limit for m in msgs):
             return None
         if self._opts.message_model == MessageModel.BROADCASTING:
             log.warning("orderly.broadcast_retries_exhausted", msg_ids=[m.msg_id for m in msgs])
             return []
-        for i, m in enumerate(msgs):
-            # Delay level -1 asks the broker for the dead-letter queue directly.
-            if not await rt.send_message_back(m, -1):
-                return msgs[i:]
+        # Delay level -1 asks the broker for the dead-letter queue directly.
+        not_sent = await self._send_back_all(msgs, -1)
+        for m in msgs[:len(msgs) - len(not_sent)]:
             log.warning("orderly.sent_to_dlq", msg_id=m.msg_id, offset=m.queue_offset,
                         reconsume_times=m.reconsume_times)
-        return []
+        return not_sent
 
     # ------------------------------------------------------------------ locks
 
