@@ -760,7 +760,7 @@ cdef int _split_raw(Row *row, Entries *entries) noexcept nogil:
     cdef const unsigned char *s = <const unsigned char *> row.props.p
     cdef Py_ssize_t n = row.props.n, i, j, start = 0, sep = -1
     cdef Py_ssize_t first = entries.size
-    cdef bint high = False
+    cdef bint high = False, repeated
     cdef unsigned char ch
     for i in range(n + 1):
         if i < n:
@@ -774,16 +774,24 @@ cdef int _split_raw(Row *row, Entries *entries) noexcept nogil:
                     high = True
                 continue
         if sep > start and i > sep + 1:
-            if entries.size - first == MAX_RAW_PAIRS:
-                entries.size = first
-                return 1
+            # A repeated name (the broker stores WAIT twice in every message of a batch) keeps
+            # its first place and takes the last value, as the dict does; the names compare
+            # as bytes, which is the same as comparing them decoded when the record is valid
+            # UTF-8 (checked below: an invalid one goes through Python).
+            repeated = False
             for j in range(first, entries.size):
                 if _span_is(entries.items[j].name, <const char *> s + start, sep - start):
+                    entries.items[j].value.p = <const char *> s + sep + 1
+                    entries.items[j].value.n = i - sep - 1
+                    repeated = True
+                    break
+            if not repeated:
+                if entries.size - first == MAX_RAW_PAIRS:
                     entries.size = first
-                    return 1  # a repeated name: the dict keeps the first place, the last value
-            if _entries_push(entries, <const char *> s + start, sep - start,
-                             <const char *> s + sep + 1, i - sep - 1) < 0:
-                return -1
+                    return 1
+                if _entries_push(entries, <const char *> s + start, sep - start,
+                                 <const char *> s + sep + 1, i - sep - 1) < 0:
+                    return -1
         start = i + 1
         sep = -1
     if high and not _valid_utf8(s, n):
@@ -1240,7 +1248,8 @@ def message_columns(list msgs not None):
     fixed-width columns as one data buffer, strings as (offsets, data), ``tags`` as (validity or
     None, offsets, data), ``keys`` as (list offsets, string offsets, data) and ``properties``
     as (map offsets, name offsets, name data, value offsets, value data); plus the counts
-    ``rows``, ``key_tokens``, ``entries`` and ``tags_null``.
+    ``rows``, ``key_tokens``, ``entries``, ``tags_null`` and ``python_rows`` (rows whose
+    properties had to be read through Python: not valid UTF-8, or over 64 pairs).
     """
     # A snapshot: the rows point into the messages' values, and the list may change (another
     # thread) while the rows are split without the GIL.
@@ -1251,7 +1260,7 @@ def message_columns(list msgs not None):
     cdef list refs = []
     cdef int failed = 0
     cdef object pending, last_pending = None
-    cdef Py_ssize_t last_first = 0, last_n = 0
+    cdef Py_ssize_t last_first = 0, last_n = 0, slow = 0
     entries.items = pend.items = NULL
     entries.size = pend.size = 0
     entries.cap = pend.cap = 0
@@ -1280,9 +1289,12 @@ def message_columns(list msgs not None):
             for r in range(n):
                 if rows[r].props_state == PROPS_FROM_DICT:
                     _pairs_from_dict(items[r], &rows[r], &entries, refs)
+                    slow += 1
         except (TypeError, UnicodeError):
             return None
-        return _columns(rows, n, &entries, None)
+        out = _columns(rows, n, &entries, None)
+        out["python_rows"] = slow
+        return out
     finally:
         free(rows)
         free(entries.items)
@@ -1448,7 +1460,7 @@ def record_columns(list chunks not None, Py_ssize_t rows_total, alloc=None):
     column would exceed 2 GiB or a body holds a different number of records. ``alloc(size)``,
     if given, returns the writable buffer for the body column's data (else a ``bytearray``).
     """
-    cdef Py_ssize_t n = rows_total, r, c, k = 0, start
+    cdef Py_ssize_t n = rows_total, r, c, k = 0, start, slow = 0
     cdef Row *rows = NULL
     cdef Entries entries, pend
     cdef list refs = []
@@ -1500,9 +1512,12 @@ def record_columns(list chunks not None, Py_ssize_t rows_total, alloc=None):
                     if pending is not None:
                         PyDict_Update(props, pending)
                     _put_dict(props, &rows[r], &entries, refs)
+                    slow += 1
         except (TypeError, UnicodeError):
             return None
-        return _columns(rows, n, &entries, alloc)
+        out = _columns(rows, n, &entries, alloc)
+        out["python_rows"] = slow
+        return out
     finally:
         free(rows)
         free(entries.items)

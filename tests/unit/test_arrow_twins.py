@@ -152,6 +152,26 @@ def test_columns_of_a_typical_batch_without_fallback(monkeypatch: pytest.MonkeyP
     assert dict(table.column("properties")[7].as_py())["MAX_OFFSET"] == "500"
 
 
+@needs_compiled
+def test_repeated_property_names_are_resolved_without_python() -> None:
+    # The broker stores WAIT twice in each message of a batch: the compiled pass keeps the
+    # dict's rule (first place, last value) itself instead of parsing a dict per message.
+    convert = message.message_columns
+    assert convert is not None
+    msgs = [m for i in range(20) for m in decode_messages(encode_stored_message(
+        MessageExt(topic="orders", body=b"b", queue_offset=i, properties={"TAGS": "t"},
+                   born_host="127.0.0.1:1", store_host="10.0.0.1:2")))]
+    for m in msgs:
+        m._props_raw = b"UNIQ_KEY\x01U1\x02WAIT\x01true\x02TAGS\x01t\x02WAIT\x01no\x02"
+    message.stamp_delivered(msgs, "broker-a", {"MIN_OFFSET": "0", "WAIT": "later"})
+    buffers = convert(msgs)
+    assert buffers is not None and buffers["python_rows"] == 0
+    table = _arrow.messages_to_arrow(msgs)
+    assert table.equals(_arrow._convert_values(msgs))
+    assert table.column("properties")[0].as_py() == \
+        [("UNIQ_KEY", "U1"), ("WAIT", "later"), ("TAGS", "t"), ("MIN_OFFSET", "0")]
+
+
 def _refuse(msgs: Any) -> pa.Table:
     raise AssertionError("the compiled converter declined a plain batch")
 

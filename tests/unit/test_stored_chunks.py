@@ -297,3 +297,40 @@ def test_a_typical_pull_converts_without_decoding(monkeypatch: pytest.MonkeyPatc
     monkeypatch.undo()
     assert table.num_rows == 320
     assert table.equals(_arrow._convert_values([m for c in group for m in c.messages()]))
+
+
+def _batch_record(offset: int, **kw: Any) -> bytes:
+    # As the broker stores each message of a batch: WAIT twice (the message's own, then the
+    # batch's), the second with another value here to show which one the row keeps.
+    raw = record(offset, props={"UNIQ_KEY": f"U{offset:06d}", "WAIT": "true", "TAGS": "t",
+                                "WAXX": "fals"}, **kw)
+    return raw.replace(b"WAXX\x01", b"WAIT\x01")
+
+
+@needs_compiled
+def test_a_pull_of_batch_sent_messages_is_read_without_python() -> None:
+    convert = message.record_columns
+    assert convert is not None
+    data = b"".join(_batch_record(o, body=b"q" * 100) for o in range(64, 96))
+    chunk = StoredChunk.scan(data, "orders", "broker-a", PULLED, 900)
+    assert chunk is not None
+    buffers = convert([(chunk.data, chunk.broker_name, chunk.pending)], 32, None)
+    assert buffers is not None
+    # A repeated name is resolved in the compiled pass, not by a dict per row.
+    assert buffers["python_rows"] == 0
+    table = _arrow.stored_to_arrow([chunk])
+    msgs = chunk.messages()
+    assert table.equals(_arrow._convert_values(msgs))
+    # The dict's rule: the first place, the last value.
+    assert list(msgs[0].properties.items())[:3] == \
+        [("UNIQ_KEY", "U000064"), ("WAIT", "fals"), ("TAGS", "t")]
+    assert table.column("properties")[0].as_py()[:3] == \
+        [("UNIQ_KEY", "U000064"), ("WAIT", "fals"), ("TAGS", "t")]
+    # What still goes through Python is counted: properties that are not valid UTF-8.
+    bad = record(96, props={"UNIQ_KEY": "U000096", "TAGS": "t", "X": "\u00e9"}).replace(
+        "\u00e9".encode(), b"\xc3\x28")
+    mixed = StoredChunk.scan(data + bad, "orders", "broker-a", PULLED, 900)
+    assert mixed is not None
+    buffers = convert([(mixed.data, mixed.broker_name, mixed.pending)], 33, None)
+    assert buffers is not None and buffers["python_rows"] == 1
+    assert _arrow.stored_to_arrow([mixed]).equals(_arrow._convert_values(mixed.messages()))
