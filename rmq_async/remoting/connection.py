@@ -105,6 +105,7 @@ class Connection(asyncio.BufferedProtocol):
         #: Called once the connection is closed (by anyone, for any reason), with itself.
         self.on_closed: Callable[[Connection], None] | None = None
         self._lost = False  # the transport reported connection_lost
+        self._peer_closed = False  # ... without an error: the peer closed the connection
         self._flush_timer: asyncio.TimerHandle | None = None
         self._close_when_idle = False
         self.last_activity = asyncio.get_running_loop().time()
@@ -222,8 +223,12 @@ class Connection(asyncio.BufferedProtocol):
         if self.on_closed is not None:
             self.on_closed(self)
         if exc is not None:
-            log.warning("remoting.connection_lost", addr=self.addr, error=str(exc),
-                        failed_requests=len(pending))
+            # The peer closing a connection with nothing in flight is routine (a broker or a
+            # name server closes one idle for 120 s; Java logs it at INFO too); a reset, an
+            # error or a request lost with it is worth a warning.
+            emit = log.info if self._peer_closed and not pending else log.warning
+            emit("remoting.connection_lost", addr=self.addr, error=str(exc),
+                 failed_requests=len(pending))
         else:
             log.debug("remoting.connection_closed", addr=self.addr, failed_requests=len(pending))
 
@@ -235,6 +240,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        self._peer_closed = exc is None
         if self._flush_timer is not None:  # the buffer drained: nothing to abort
             self._flush_timer.cancel()
             self._flush_timer = None

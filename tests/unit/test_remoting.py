@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 
 import pytest
+from structlog.testing import capture_logs
 
 from rmq_async.protocol.codes import RequestCode, ResponseCode
 from rmq_async.protocol.command import FrameDecoder, RemotingCommand
@@ -248,6 +250,46 @@ async def test_client_reconnects_on_next_use_after_drop() -> None:
             assert peer.connections == 2
         finally:
             await client.close()
+
+
+@pytest.mark.parametrize("how", ["idle-close", "close-with-a-request", "reset"])
+async def test_a_lost_connection_warns_only_when_something_was_lost(how: str) -> None:
+    # A server closing a connection with nothing in flight (a broker or a name server closes
+    # one idle for 120 s) is routine, logged at info as Java logs a channel going inactive.
+    seen = 0
+
+    async def first_only(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
+        nonlocal seen
+        seen += 1
+        if seen == 1 or how != "close-with-a-request":
+            await echo(cmd, writer)
+
+    async with Peer(first_only) as peer:
+        conn = await Connection.open(peer.addr, connect_timeout=5)
+        try:
+            await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), 5)  # connected
+            pending = None
+            if how == "close-with-a-request":
+                pending = asyncio.ensure_future(
+                    conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), 5))
+                await wait_until(lambda: len(peer.received) == 2, 5)
+            with capture_logs() as logs:
+                (writer,) = peer.writers
+                if how == "reset":
+                    writer.get_extra_info("socket").setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()
+                else:
+                    writer.close()
+                await asyncio.wait_for(conn.wait_closed(), 5)
+            if pending is not None:
+                with pytest.raises(ConnectionClosed):
+                    await pending
+        finally:
+            await conn.close()
+    (event,) = [e for e in logs if e["event"] == "remoting.connection_lost"]
+    assert event["log_level"] == ("info" if how == "idle-close" else "warning")
+    assert event["failed_requests"] == (1 if how == "close-with-a-request" else 0)
 
 
 async def test_connect_error_is_typed() -> None:
