@@ -291,6 +291,13 @@ async def _bounds(client: ClientInstance, opts: SourceOptions) -> dict[MessageQu
     return await queue_bounds(client, await list_queues(client, await source_topics(client, opts)))
 
 
+async def _read_what_arrived() -> None:
+    """Give a loop that was not running the turns to handle what its sockets received
+    meanwhile: a peer's close is read in one turn and ends the connection in the next."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
 async def _new_client(opts: SourceOptions, role: str) -> ClientInstance:
     return open_client(opts, role)
 
@@ -403,6 +410,12 @@ class RocketMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._runner = asyncio.Runner()
         if self._client is None:
             self._client = self._runner.run(_new_client(self.opts, "driver"))
+        else:
+            # Nothing ran the loop since the last call, so a connection its peer closed
+            # meanwhile (a broker or a name server closes one idle for 120 s) is still pooled.
+            # A few turns read those closes first: the work connects again instead of sending
+            # on a dead connection and failing (Java's event loop sees a close at once).
+            self._runner.run(_read_what_arrived())
         client = self._client
         return self._runner.run(work(client))
 

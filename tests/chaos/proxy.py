@@ -363,6 +363,14 @@ class FaultProxy:
         assert self.frames, "corrupting records needs a frame-aware proxy (frames=True)"
         self.corrupt_record = self.corrupted_index = index
 
+    async def hang_up(self) -> int:
+        """Close every open connection on both sides with a FIN, as a server closes one idle
+        for ``serverChannelMaxIdleTimeSeconds``; returns how many."""
+        conns = list(self._conns)
+        for conn in conns:
+            await conn.close()
+        return len(conns)
+
     async def reset(self) -> int:
         """Abort every open connection with a RST on both sides; returns how many."""
         conns = list(self._conns)
