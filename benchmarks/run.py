@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -416,11 +417,20 @@ class ChildRun:
         return proc.returncode or 0, ""
 
     def stderr_tail(self, n: int = 15) -> str:
+        """The last ``n`` lines of the child's stderr, after the last lines naming an error
+        (a JVM's stack trace ends in frames: the exception and its causes are above them)."""
         try:
             text = self.stderr_path.read_text(errors="replace")
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-n:])
+        lines = text.splitlines()
+        tail = lines[-n:]
+        named = [line for line in lines[:-n] if _NAMES_AN_ERROR.search(line)][-4:]
+        return "\n".join([*named, *(["..."] if named else []), *tail])
+
+
+#: A stderr line that names an error: a Python or Java exception, or a JVM's "Caused by".
+_NAMES_AN_ERROR = re.compile(r"(Error|Exception|Caused by)\b")
 
 
 @dataclass
