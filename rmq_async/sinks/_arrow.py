@@ -330,6 +330,14 @@ def chunk_offset_ranges(
     one pull's messages) is measured with a few C-level passes, without a Python step per
     message; a mixed one message by message.
     """
+    return {MessageQueue(*key): span for key, span in queue_offset_spans(chunks).items()}
+
+
+def queue_offset_spans(
+    chunks: Iterable[Sequence[MessageExt] | StoredChunk],
+) -> dict[tuple[str, str, int], tuple[int, int]]:
+    """:func:`chunk_offset_ranges` keyed by ``(topic, broker_name, queue_id)``: no
+    :class:`MessageQueue` is built or hashed (the sink measures every chunk it is offered)."""
     ranges: dict[tuple[str, str, int], tuple[int, int]] = {}
     for chunk in chunks:
         if type(chunk) is StoredChunk:
@@ -349,7 +357,7 @@ def chunk_offset_ranges(
         for msg in chunk:
             offset = msg.queue_offset
             _widen(ranges, (msg.topic, msg.broker_name, msg.queue_id), offset, offset)
-    return {MessageQueue(*key): span for key, span in ranges.items()}
+    return ranges
 
 
 def _widen(ranges: dict[tuple[str, str, int], tuple[int, int]], key: tuple[str, str, int],

@@ -123,6 +123,7 @@ from rmq_async.sinks._arrow import (
     chunk_offset_ranges,
     decode_values,
     messages_to_arrow,
+    queue_offset_spans,
     stored_to_arrow,
 )
 
@@ -230,7 +231,7 @@ class _Batch:
         self.chunks: list[list[MessageExt] | StoredChunk] = []
         self.acks: list[AckCallback] = []
         # The highest offset of each queue's chunks in pull order (not redelivered ones).
-        self.tops: dict[MessageQueue, int] = {}
+        self.tops: dict[tuple[str, str, int], int] = {}
         self.rows = 0
         self.bytes = 0
         self.opened_at = time.time()
@@ -414,7 +415,7 @@ class SparkSink:
         queue = _chunk_queue(msgs) if redelivered and rows else None
         # Each queue's lowest and highest offset in the chunk (one queue for a consumer's
         # chunk; a list offered by other code may mix them). Empty: none, it joins any batch.
-        spans = chunk_offset_ranges([msgs]) if not redelivered else {}
+        spans = queue_offset_spans([msgs]) if not redelivered else {}
         if batch is not None and batch.rows and (
             # Redelivered chunks share a batch only with redelivered chunks of other queues:
             # each lies within the range of the one batch that failed with it, which nothing
