@@ -252,8 +252,7 @@ class OrderlyConsumeService:
                         else:  # sent: a ROLLBACK of what is held must not hand them out again
                             pq.forget_taken(part)
                         continue
-                    keep = {id(m) for m in back_later}
-                    sent = [m for m in part if id(m) not in keep]
+                    sent = part[:len(part) - len(back_later)]  # the rest is a suffix
                     pq.forget_taken(sent)
                     failed += len(sent)
                     part = back_later
