@@ -4,6 +4,7 @@ pytest_plugins = [
     "rmq_async.devbroker.pytest_plugin",
     "tests.hang_report",
     "tests.error_tree",
+    "tests.scheduling",
 ]
 
 import logging  # noqa: E402

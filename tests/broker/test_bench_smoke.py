@@ -63,7 +63,7 @@ def _tables(markdown: str) -> list[list[list[str]]]:
 
 
 @pytest.mark.broker
-@pytest.mark.slow
+@pytest.mark.slow(seconds=160)
 @pytest.mark.timeout(600)  # two benchmark rounds with a JVM contender: minutes on 2 cores
 def test_bench_quick_writes_wellformed_outputs(tmp_path: Path) -> None:
     out = tmp_path / "bench"

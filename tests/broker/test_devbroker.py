@@ -137,6 +137,7 @@ async def test_create_topic_rejects_bad_input(rocketmq: LocalRocketMQ) -> None:
         await rocketmq.create_topic("T_ok", queues=0)
 
 
+@pytest.mark.slow(seconds=30)
 async def test_broker_stop_start_keeps_port_and_store(rocketmq: LocalRocketMQ,
                                                       topic: str) -> None:
     port = rocketmq.broker_port
@@ -170,6 +171,7 @@ def _system_temp_files() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.is_file()}
 
 
+@pytest.mark.slow(seconds=26)
 async def test_own_instance_retries_a_taken_port_and_cleans_up(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An instance of one's own: a picked broker port taken by someone else before the broker

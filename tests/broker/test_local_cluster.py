@@ -643,6 +643,7 @@ async def test_send_back_with_the_master_down_goes_through_another_group(
           f"broker-b's %RETRY% queue")
 
 
+@pytest.mark.slow(seconds=30)
 async def test_cluster_port_taken_before_the_jvm_binds_it_is_retried(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A broker port taken by someone else between the pick and the JVM's bind (two test

@@ -214,6 +214,7 @@ def batch_ranges(event: dict[str, Any]) -> dict[int, tuple[int, int]]:
 # ---------------------------------------------------------------------------- the tests
 
 
+@pytest.mark.slow(seconds=28)
 async def test_100k_mixed_messages_land_in_parquet_exactly(
         rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
     topic = unique("T_spark100k")
@@ -478,6 +479,7 @@ async def test_batch_out_of_retries_is_redelivered_into_a_later_batch(
     assert committed == maxes
 
 
+@pytest.mark.slow(seconds=24)
 async def test_offsets_never_pass_a_failed_batch_across_a_kill(
         rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
     topic = unique("T_spark_failkill")
@@ -520,6 +522,7 @@ async def test_offsets_never_pass_a_failed_batch_across_a_kill(
     assert duplicated == {k for k in run1 if k[2] >= committed[k[1]]} == set()
 
 
+@pytest.mark.slow(seconds=24)
 async def test_kill_between_write_and_offset_persist_duplicates_only_that_window(
         rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
     topic = unique("T_spark_kill9")
@@ -574,6 +577,7 @@ async def cached_bytes_per_message(namesrv: str, topic: str, sample: int = 4000)
     return (after - before) / len(msgs)
 
 
+@pytest.mark.slow(seconds=120)
 @pytest.mark.timeout(600)  # 500k messages through a deliberately slow writer
 async def test_slow_write_keeps_memory_bounded_over_500k_messages(
         rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:

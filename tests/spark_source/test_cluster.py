@@ -80,6 +80,7 @@ def _reads(work_dir: Path) -> list[tuple[int, int]]:
     return found
 
 
+@pytest.mark.slow(seconds=65)
 @pytest.mark.timeout(600 if FULL else 180)
 async def test_stream_on_a_standalone_cluster_reads_on_both_workers(
         rocketmq: LocalRocketMQ, topic: str, spark: SparkSession, tmp_path: Path) -> None:
