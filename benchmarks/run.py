@@ -428,6 +428,17 @@ class ChildRun:
         named = [line for line in lines[:-n] if _NAMES_AN_ERROR.search(line)][-4:]
         return "\n".join([*named, *(["..."] if named else []), *tail])
 
+    def keep_stderr(self, out: Path) -> str:
+        """Copy the child's whole stderr to ``out/failed/`` (the work folder is removed at the
+        end of the run) and return its path relative to ``out``; "" if there is none."""
+        kept = out / "failed" / self.stderr_path.name
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.stderr_path, kept)
+        except OSError:
+            return ""
+        return str(kept.relative_to(out))
+
 
 #: A stderr line that names an error: a Python or Java exception, or a JVM's "Caused by".
 _NAMES_AN_ERROR = re.compile(r"(Error|Exception|Caused by)\b")
@@ -441,6 +452,8 @@ class Runtime:
     work: Path
     progress: Progress
     stall_timeout: float
+    #: the run's output folder: a failed child's whole stderr is kept in its ``failed/``
+    out: Path
     profile_dir: Path | None = None
     java_flags: tuple[str, ...] = JAVA_FLAGS
 
@@ -530,6 +543,8 @@ async def run_contender(rt: Runtime, sc: Scenario, contender: str, rnd: int, top
     ok, reason = verify(sc, contender, res, rc, why)
     if not ok and not res:
         reason += f"; stderr: {child.stderr_tail(8)}"
+    if not ok and (kept := child.keep_stderr(rt.out)):
+        reason += f"; its stderr kept in {kept}"
     row: dict[str, Any] = {"contender": contender, "round": rnd, "group": group,
                            "exit_status": rc, "process_wall_seconds": round(wall, 3),
                            "host_steal_pct": steal}
@@ -647,8 +662,14 @@ async def run_spark(rt: Runtime, sc: Scenario, topic: str) -> dict[str, Any]:
     rt.progress.update("[spark] starting Spark", force=True)
     rc, why = await child.run(600 + sc.messages / 1_000, show)
     res = child.result
+    failed = res is None or not all(r["ok"] for r in res["runs"])
+    kept = child.keep_stderr(rt.out) if failed else ""
+    if kept:
+        rt.progress.line(f"[spark] the Spark child's stderr is kept in {kept}")
     if res is None:
         reason = why or f"no result (exit status {rc}): {child.stderr_tail(10)}"
+        if kept:
+            reason += f"; its stderr kept in {kept}"
         rt.progress.line(f"[spark] NOT VERIFIED: {reason}")
         return {"runs": [], "error": reason, "batch_rows": sc.batch_rows}
     for r in res["runs"]:
@@ -740,7 +761,7 @@ async def main_async(args: argparse.Namespace) -> int:
                           *args.java_flag)
             result["env"]["java_flags"] = list(java_flags)
             rt = Runtime(rmq=rmq, java_classes=java_classes, cpp_python=cpp_python, work=work,
-                         progress=progress, stall_timeout=args.stall_timeout,
+                         progress=progress, stall_timeout=args.stall_timeout, out=out,
                          profile_dir=args.profile, java_flags=java_flags)
             if args.profile is not None:
                 args.profile.mkdir(parents=True, exist_ok=True)

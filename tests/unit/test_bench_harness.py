@@ -44,3 +44,21 @@ def test_a_failed_childs_stderr_excerpt_names_the_error_above_the_frames(
     # Nothing named above the tail: the tail alone, as before.
     stderr.write_text("one\ntwo\nthree")
     assert child.stderr_tail(10) == "one\ntwo\nthree"
+
+
+def test_a_failed_childs_whole_stderr_is_kept_in_the_output(
+        run_module: ModuleType, tmp_path: Path) -> None:
+    # The work folder (where the child wrote it) is removed at the end of the run; the excerpt
+    # in the reason may not be enough to tell what failed.
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    stderr = work / "spark.stderr"
+    text = "\n".join(f"line {i}" for i in range(500))
+    stderr.write_text(text)
+    child = run_module.ChildRun(cmd=["true"], cwd=tmp_path, env={}, stderr_path=stderr)
+    assert child.keep_stderr(out) == "failed/spark.stderr"
+    assert (out / "failed" / "spark.stderr").read_text() == text
+    # A child that never wrote one: nothing kept, no error.
+    missing = run_module.ChildRun(cmd=["true"], cwd=tmp_path, env={},
+                                  stderr_path=work / "drain-java-r1.stderr")
+    assert missing.keep_stderr(out) == ""
