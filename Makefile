@@ -4,36 +4,43 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
-# make test runs the suite on two pytest-xdist workers, a test file per worker at a time (so a
-# module's broker fixture starts once). Two workers take 11 to 12 minutes on 2 cores (the
-# machine's hour moves it) and keep both cores busy for most of it (idle about 15% of the
-# pytest part): the suite's time is CPU, most of it JVM starts (brokers, name servers, Spark).
-# PYTEST_WORKERS=0 runs it serially.
+# make test runs the tests that need neither a broker nor Spark (most of their time is spent
+# waiting on timers: four workers take 55 s where two took 77), on the compiled and then on the
+# pure-Python path, then the tests on the real broker and Spark (their time is CPU, most of it
+# JVM starts) on two workers, each taking a whole file at a time (a module's broker fixture starts
+# once), the files with the longest tests first (tests/scheduling.py), then builds the docs.
+# PYTEST_WORKERS=0 / UNIT_WORKERS=0 run them serially.
 PYTEST_WORKERS ?= 2
+UNIT_WORKERS ?= 4
 
-.PHONY: setup test test-unit test-unit-pure lint demo broker-up broker-down broker-status bench bench-quick clean chaos docs
+.PHONY: setup test test-unit test-unit-pure test-broker lint demo broker-up broker-down broker-status bench bench-quick clean chaos docs
 
 $(STAMP): pyproject.toml setup.py rmq_async/protocol/_cmessage.pyx
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,spark,bench,docs]'
+	$(PY) -m pip install --quiet --no-compile -e '.[dev,spark,bench,docs]'
 	@touch $(STAMP)
 
 setup: $(STAMP)
 	$(PY) -m rmq_async.devbroker fetch
 
 test: setup
-	$(PY) -m pytest -ra -p no:cacheprovider --durations=25 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-unit
 	$(MAKE) --no-print-directory test-unit-pure
+	$(MAKE) --no-print-directory test-broker
 	$(MAKE) --no-print-directory docs
 
+# Every test that needs neither a broker nor Spark.
 test-unit: $(STAMP)
-	$(PY) -m pytest -ra -p no:cacheprovider -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -p no:cacheprovider --durations=10 -n $(UNIT_WORKERS) -m "not broker and not spark" $(PYTEST_ARGS)
 
-# The unit tests again on the pure-Python decoder (the fallback where the extension is missing),
-# on the same workers as make test (they are CPU-bound: two workers take 32 s where one took 55).
+# The unit tests again on the pure-Python decoder (the fallback where the extension is missing).
 test-unit-pure: $(STAMP)
-	RMQ_ASYNC_NO_EXTENSIONS=1 $(PY) -m pytest -ra -p no:cacheprovider -n $(PYTEST_WORKERS) -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
+	RMQ_ASYNC_NO_EXTENSIONS=1 $(PY) -m pytest -ra -p no:cacheprovider -n $(UNIT_WORKERS) -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
+
+# The tests on the real broker (and on local Spark): the rest of the suite.
+test-broker: setup
+	$(PY) -m pytest -ra -p no:cacheprovider --durations=25 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "broker or spark" $(PYTEST_ARGS)
 
 # The chaos suite (tests/chaos) at full sizes: 100,000-message broker kill, 50,000-message
 # retry storm, 200,000 messages of rebalance churn for 60 s. make test runs it at small sizes.
