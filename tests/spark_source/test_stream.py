@@ -109,7 +109,7 @@ def check_exactly_once(spark: SparkSession, path: Path, maxes: dict[MessageQueue
 
 
 @pytest.mark.slow(seconds=100)
-@pytest.mark.timeout(900 if FULL else 200)
+@pytest.mark.timeout(900 if FULL else 300)
 async def test_stream_killed_mid_stream_restarts_from_checkpoint_exactly_once(
         rocketmq: LocalRocketMQ, topic: str, spark: SparkSession, tmp_path: Path) -> None:
     ns = rocketmq.namesrv_addr
