@@ -22,11 +22,16 @@ def slow_seconds(item: pytest.Item) -> float:
     return float(mark.kwargs.get("seconds", 0.0))
 
 
+def file_of(item: pytest.Item) -> str:
+    """The file's part of the item's node id: xdist's ``loadfile`` unit."""
+    return item.nodeid.split("::", 1)[0]
+
+
 def file_weights(items: list[pytest.Item]) -> dict[str, float]:
-    """The sum of the slow marks of each file's items, by the file's part of the node id."""
+    """The sum of the slow marks of each file's items."""
     weights: dict[str, float] = {}
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
+        path = file_of(item)
         weights[path] = weights.get(path, 0.0) + slow_seconds(item)
     return weights
 
@@ -36,4 +41,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     weights = file_weights(items)
     # A stable sort: a file's items stay together and in their order, and files of equal
     # weight (every file without a slow test) keep the order they were collected in.
-    items.sort(key=lambda item: -weights[item.nodeid.split("::", 1)[0]])
+    items.sort(key=lambda item: -weights[file_of(item)])
