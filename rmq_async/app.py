@@ -22,7 +22,8 @@ from types import TracebackType
 
 import structlog
 
-from rmq_async.consumer.push import PushConsumer
+from rmq_async.consumer.push import PushConsumer, lifecycle_under_way
+from rmq_async.consumer.tasks import owned_caller
 from rmq_async.errors import IllegalStateError, InvalidTypeError
 
 __all__ = ["App"]
@@ -42,6 +43,7 @@ class App:
     def __init__(self, *consumers: PushConsumer) -> None:
         self._consumers: list[PushConsumer] = []
         self._started = False
+        self._stopping = False
         self._start_lock = asyncio.Lock()
         for c in consumers:
             self.add(c)
@@ -99,13 +101,29 @@ class App:
         own ``stop()``. The app counts as running until its members' stops have returned:
         a ``stop()`` that was cancelled (a drain cut short) can be called again, and stops
         the members still running.
+
+        Called from a member's own code (a handler, a listener, a hook) it stops the app as
+        :meth:`PushConsumer.stop` stops a consumer from there, without waiting for that code;
+        while the app's stop is under way already it returns at once. From a member's
+        ``on_startup`` hook it raises :class:`~rmq_async.errors.IllegalStateError`.
         """
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
+        within = lifecycle_under_way()
+        member_hook = within is not None and any(c is within[0] for c in self._consumers)
+        if member_hook and within is not None and within[1] == "start":
+            raise IllegalStateError("App.stop() called from inside a member's start() "
+                                    "(an on_startup hook raises to fail the start)")
+        if self._stopping and (member_hook or owned_caller() is not None):
+            return  # the stop under way waits for the calling code
         async with self._start_lock:
             if not self._started:
                 return
-            await _stop_all(self._consumers, timeout)
+            self._stopping = True
+            try:
+                await _stop_all(self._consumers, timeout)
+            finally:
+                self._stopping = False
             self._started = False
             log.info("app.stopped", consumers=[c.group for c in self._consumers])
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -44,7 +44,7 @@ from rmq_async.consumer.results import (
     RetryLater,
     normalize_result,
 )
-from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY, PullRequest
+from rmq_async.consumer.service import SEND_BACK_FAILED_RETRY_DELAY, BusyWorkers, PullRequest
 from rmq_async.consumer.subscriptions import reset_retry_topic
 from rmq_async.consumer.tasks import TaskOwner, ends_the_caller
 from rmq_async.protocol.message import put_each
@@ -111,10 +111,8 @@ class ConcurrentConsumeService:
         self._rt = rt
         self._opts = rt.options
         self._queue: asyncio.Queue[ConsumeRequest] = asyncio.Queue()
-        self._owner = TaskOwner(f"consume[{rt.group}]")
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._owner = TaskOwner(f"consume[{rt.group}]", family=rt.tasks)
+        self._busy = BusyWorkers()  # the workers with a chunk in hand
         self._draining = False
         self._inflight: set[ConsumeRequest] = set()
         # The consume-timeout cleaner and the settlements that send messages back take turns:
@@ -177,14 +175,15 @@ class ConcurrentConsumeService:
             if msgs:
                 self.submit(msgs, pq, mq)
 
-    async def wait_idle(self) -> None:
-        """Stop starting listener calls and wait until none is running.
+    async def wait_idle(self, caller: asyncio.Task[Any] | None = None) -> None:
+        """Stop starting listener calls and wait until none is running but the one in
+        ``caller`` (which called ``stop()``).
 
         Requests still queued stay unacknowledged in their ProcessQueues, so their offsets are
         not committed and they are delivered again later.
         """
         self._draining = True
-        await self._idle.wait()
+        await self._busy.wait_idle(caller)
 
     async def aclose(self) -> None:
         await self._owner.aclose()
@@ -192,12 +191,15 @@ class ConcurrentConsumeService:
     # ------------------------------------------------------------------ workers
 
     async def _worker(self) -> None:
-        while True:
+        me = asyncio.current_task()
+        assert me is not None
+        busy = self._busy
+        # (A worker spared by aclose, its handler having called stop(), ends here.)
+        while not self._owner.closed:
             req = await self._queue.get()
             if req.pq.dropped or self._draining:
                 continue
-            self._in_flight += 1
-            self._idle.clear()
+            busy.take(me)
             try:
                 await self._consume(req)
             except BaseException as exc:
@@ -211,9 +213,7 @@ class ConcurrentConsumeService:
                     self.submit_later(req.msgs, req.pq, req.mq, SEND_BACK_FAILED_RETRY_DELAY)
             finally:
                 self._inflight.discard(req)
-                self._in_flight -= 1
-                if self._in_flight == 0:
-                    self._idle.set()
+                busy.done(me)
 
     async def _consume(self, req: ConsumeRequest) -> None:
         rt = self._rt

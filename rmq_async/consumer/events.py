@@ -111,15 +111,21 @@ class ErrorReporter:
         except IllegalStateError:  # the consumer is stopping: no task may start now
             self._pending.clear()
 
-    async def drain(self, timeout: float) -> bool:
+    async def drain(self, timeout: float, caller: asyncio.Task[Any] | None = None) -> bool:
         """Wait, for at most ``timeout`` seconds, until the events reported so far (and any
         reported meanwhile) have reached the handlers; False when some had not (``stop()``
-        then cancels the delivery, and the undelivered events are logged as dropped)."""
+        then cancels the delivery, and the undelivered events are logged as dropped).
+
+        Not when the delivery is the ``caller`` (a handler called ``stop()``): it goes on
+        with the events behind it once that handler has returned, and then ends.
+        """
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + max(timeout, 0.0)
         # An event reported after a delivery ended (from a plain handler's thread, say)
         # starts the next one: wait for that too.
         while (delivery := self._delivery) is not None and not delivery.done():
+            if delivery is caller:
+                return True
             await asyncio.wait({delivery}, timeout=max(give_up_at - loop.time(), 0.0))
             if not delivery.done():
                 log.warning("consumer.error_events_undelivered", pending=len(self._pending) + 1,

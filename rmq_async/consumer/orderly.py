@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -35,6 +35,7 @@ from rmq_async.consumer.middleware import once_each, run_call
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
+from rmq_async.consumer.service import BusyWorkers
 from rmq_async.consumer.subscriptions import Subscription, reset_retry_topic
 from rmq_async.consumer.tasks import TaskOwner, ends_the_caller
 from rmq_async.protocol.errors import ProtocolError
@@ -77,15 +78,13 @@ class OrderlyConsumeService:
         self._rt = rt
         self._opts = rt.options
         self._queue: asyncio.Queue[_Turn] = asyncio.Queue()
-        self._owner = TaskOwner(f"orderly[{rt.group}]")
+        self._owner = TaskOwner(f"orderly[{rt.group}]", family=rt.tasks)
         # One lock per queue: held while a batch of that queue is with the listener.
         self._consume_locks: dict[MessageQueue, asyncio.Lock] = {}
         # Queues given up while a batch of theirs ran on, until that batch has ended and the
         # queue is persisted and unlocked (see release()).
         self._releasing: dict[MessageQueue, asyncio.Task[None]] = {}
-        self._active = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._busy = BusyWorkers()  # the workers with a turn in hand
 
     @property
     def clustering(self) -> bool:
@@ -103,8 +102,10 @@ class OrderlyConsumeService:
         if self.clustering:
             self._owner.spawn(self._lock_renewal_loop(), name="lock-renewal")
 
-    async def wait_idle(self) -> None:
-        await self._idle.wait()
+    async def wait_idle(self, caller: asyncio.Task[Any] | None = None) -> None:
+        """Wait until no turn runs but the one in ``caller`` (which called ``stop()``);
+        the turns end at their next batch, ``stop()`` having begun."""
+        await self._busy.wait_idle(caller)
 
     async def aclose(self) -> None:
         await self._owner.aclose()
@@ -130,10 +131,12 @@ class OrderlyConsumeService:
             self._queue.put_nowait(_Turn(mq, pq))
 
     async def _worker(self) -> None:
-        while True:
+        me = asyncio.current_task()
+        assert me is not None
+        # (A worker spared by aclose, its handler having called stop(), ends here.)
+        while not self._owner.closed:
             turn = await self._queue.get()
-            self._active += 1
-            self._idle.clear()
+            self._busy.take(me)
             try:
                 await self._run_turn(turn.mq, turn.pq)
             except BaseException as exc:
@@ -145,9 +148,7 @@ class OrderlyConsumeService:
                           error=f"{type(exc).__name__}: {exc}", exc_info=exc)
                 self._retry_turn_later(turn.mq, turn.pq)
             finally:
-                self._active -= 1
-                if self._active == 0:
-                    self._idle.set()
+                self._busy.done(me)
 
     def _retry_turn_later(self, mq: MessageQueue, pq: ProcessQueue) -> None:
         if pq.dropped or self._rt.stopping:

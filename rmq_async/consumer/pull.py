@@ -79,7 +79,7 @@ class PullService:
         self._router = router
         self._on_queue_forgotten = on_queue_forgotten
         self._opts = rt.options
-        self._owner = TaskOwner(f"pull[{rt.group}]")
+        self._owner = TaskOwner(f"pull[{rt.group}]", family=rt.tasks)
         self.requests: dict[MessageQueue, PullRequest] = {}
         self.flow_count = _RateLimitedCounter("pull.flow_control.cached_count")
         self.flow_size = _RateLimitedCounter("pull.flow_control.cached_size")

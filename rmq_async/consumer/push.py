@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -50,7 +51,7 @@ from rmq_async.consumer.subscriptions import (
     Subscription,
     Subscriptions,
 )
-from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.consumer.tasks import TaskOwner, owned_caller
 from rmq_async.errors import IllegalStateError, InvalidArgumentError, InvalidTypeError
 from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP, ConsumerData, HeartbeatData, ProducerData
 from rmq_async.protocol.command import RemotingCommand
@@ -63,6 +64,20 @@ if TYPE_CHECKING:
     from rmq_async.sinks.spark import SparkSink
 
 log = structlog.get_logger(__name__)
+
+#: The consumer whose ``start()`` hooks or ``stop()`` the running code is part of, and which
+#: of the two: calling ``start()`` or ``stop()`` of that consumer there could only wait for
+#: itself.
+_LIFECYCLE: contextvars.ContextVar[tuple[PushConsumer, str] | None] = \
+    contextvars.ContextVar("rmq_async_lifecycle", default=None)
+
+
+
+def lifecycle_under_way() -> tuple[PushConsumer, str] | None:
+    """The consumer whose ``start()`` hooks (``"start"``) or ``stop()`` (``"stop"``) the
+    running code is part of; None elsewhere."""
+    return _LIFECYCLE.get()
+
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -383,6 +398,9 @@ class PushConsumer:
         refusal (for example a missing permission) raises its
         :class:`~rmq_async.client.errors.MQBrokerError`.
         """
+        within = _LIFECYCLE.get()
+        if within is not None and within[0] is self:
+            raise IllegalStateError(f"start() called from inside this consumer's {within[1]}()")
         async with self._start_lock:
             if self._started:
                 raise IllegalStateError("consumer already started")
@@ -444,7 +462,12 @@ class PushConsumer:
                         raise
             await raise_if_refused(self, await self.instance.send_heartbeats())
             await self.sink_service.start_sinks()
-            await self.hooks.run_startup(self.group)  # before the first rebalance and pull
+            # Before the first rebalance and pull.
+            lifecycle = _LIFECYCLE.set((self, "start"))
+            try:
+                await self.hooks.run_startup(self.group)
+            finally:
+                _LIFECYCLE.reset(lifecycle)
         except BaseException:
             await self._owner.aclose()
             await self.instance.close()
@@ -505,98 +528,128 @@ class PushConsumer:
         a hook that ignored its cancellation and a sink write still running in its thread
         past the timeout (a Spark call cannot be interrupted; that batch is not acknowledged,
         and its messages come again).
+
+        Called from the consumer's own code (a handler, a rebalance listener, an ``on_error``
+        handler, or a thread or task one of them started), ``stop()`` does not wait for that
+        very call: it stops the consumer and returns to it. The call then ends as it would,
+        but as with Java's ``shutdown()`` called from a listener its messages are not
+        acknowledged (its queue is given up under it): they come again, to the group's next
+        consumer of the queue. There, while a stop is under way already (and from the
+        ``on_revoked`` and ``on_shutdown`` hooks of a stop), it returns at once: that stop
+        goes on. From an ``on_startup`` hook it raises
+        :class:`~rmq_async.errors.IllegalStateError` (the hook raises to fail the start).
         """
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
-        async with self._start_lock:
-            if not self._started:
-                return
-            assert self._owner is not None and self._rt is not None
-            stop_by = asyncio.get_running_loop().time() + timeout
-            self._rt.stopping = True
-            shortfalls: list[str] = []
-            self.stop_shortfalls = ("failed",)  # until this stop has gone through
-            owner = self._owner
-            # 1. no new rebalances, heartbeats or pulls
-            await self.pull_service.aclose()
-            # 2. sinks flush what they hold; running listeners finish (side by side)
-            if not await wait_all_idle(self._services(), timeout):
-                log.warning("consumer.stop_timeout", group=self.group, timeout=timeout)
-                shortfalls.append("listeners")
-            await self.consume_service.aclose()
-            # Orderly queues given up while a batch ran on: persisted and unlocked once it ended.
-            await self.orderly_service.finish_releases(
-                _stage_deadline(stop_by, timeout) - asyncio.get_running_loop().time())
-            await self.orderly_service.aclose()
-            # The error events reported so far reach their handlers before the delivery
-            # task ends with the others below, in at most half of what is left of the
-            # timeout (a hung handler must not take the offsets' and sinks' time), but at
-            # least half a second (or of the timeout when shorter).
-            await self.errors.drain(max((stop_by - asyncio.get_running_loop().time()) / 2,
-                                        min(STAGE_MIN_SECONDS, timeout) / 2))
-            # A periodic persist round still sending ends first (an older offset of it that
-            # the broker applied after the final one would move the queue back), as long as
-            # the timeout lasts; one still going then is cancelled with the other tasks.
-            # A rebalance round under way ends first too: a queue it is releasing is out of
-            # the table already, so cut off (its task is cancelled below) it would miss the
-            # final persist and unlock (redelivered from its last persisted offset, its broker
-            # lock left to lapse). A round that adds queues ends at once while stopping.
-            rebalancing = locked = False
-            try:  # (both released whatever happens: a stop() cancelled here may be called again)
-                rebalancing = self.rebalancer is not None and await _acquire_by(
-                    self.rebalancer.table_lock, _stage_deadline(stop_by, timeout))
-                locked = await _acquire_by(self._persist_lock,
-                                           _stage_deadline(stop_by, timeout))
-                # The sinks' tasks and the sink send-backs among them. A sink's writer waits
-                # for a write running in its thread (a Spark call cannot be interrupted): it
-                # is given up, its batch unacknowledged, when the stage's time is up.
-                stage_end = _stage_deadline(stop_by, timeout)
-                await owner.aclose(
-                    abandon_after=stage_end - asyncio.get_running_loop().time())
-            finally:
-                if locked:
-                    self._persist_lock.release()
-                if rebalancing:
-                    self.rebalancer.table_lock.release()
-            self.errors.owner = None
-            try:
-                async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):
-                    await self.sink_service.aclose()
-            except TimeoutError:
-                log.warning("consumer.sink_close_timeout", group=self.group)
-                shortfalls.append("sinks")
-            # 3. the rebalance listeners hear that every queue is given up, then what was
-            # acknowledged is persisted and the queues are forgotten
-            await self.hooks.fire_revoked(self.group, set(self.process_queues),
-                                          deadline=_stage_deadline(stop_by, timeout))
-            try:
-                async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):
-                    await self.offset_store.persist_all(set(self.process_queues), oneway=False)
-            except TimeoutError:
-                log.warning("consumer.persist_on_stop_timeout", group=self.group)
-                shortfalls.append("offsets")
-            except Exception as exc:
-                log.warning("consumer.persist_on_stop_failed", error=str(exc))
-                shortfalls.append("offsets")
-            try:
-                async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):
-                    await self._unlock_all_on_stop()
-            except TimeoutError:
-                log.warning("consumer.unlock_on_stop_timeout", group=self.group)
-                shortfalls.append("unlocks")
-            for pq in self.process_queues.values():
-                pq.dropped = True
-            self.process_queues.clear()
-            await self.hooks.run_shutdown(self.group, deadline=_stage_deadline(stop_by, timeout))
-            # 4. leave the group and close the connections
-            await self.instance.unregister(None, self.group)
-            await self.instance.close()
-            self._owner = None
-            self._lag = None
-            self._started = False
-            self.stop_shortfalls = tuple(shortfalls)
-            log.info("consumer.stopped", group=self.group, client_id=self.client_id,
-                     **({"left_undone": list(shortfalls)} if shortfalls else {}))
+        within = _LIFECYCLE.get()
+        if within is not None and within[0] is self:
+            if within[1] == "stop":
+                return  # a hook of this very stop
+            raise IllegalStateError("stop() called from inside this consumer's start() "
+                                    "(an on_startup hook raises to fail the start)")
+        caller = owned_caller(self._owner.family) if self._owner is not None else None
+        if caller is not None and self.stopping:
+            return  # the stop under way waits for this very call
+        lifecycle = _LIFECYCLE.set((self, "stop"))
+        try:
+            async with self._start_lock:
+                if self._started:
+                    await self._stop(timeout, caller)
+        finally:
+            _LIFECYCLE.reset(lifecycle)
+
+    async def _stop(self, timeout: float, caller: asyncio.Task[Any] | None) -> None:
+        """The body of :meth:`stop`, under its lock; ``caller`` is the consumer's own task
+        that called it (a handler's), or None."""
+        assert self._owner is not None and self._rt is not None
+        stop_by = asyncio.get_running_loop().time() + timeout
+        self._rt.stopping = True
+        shortfalls: list[str] = []
+        self.stop_shortfalls = ("failed",)  # until this stop has gone through
+        owner = self._owner
+        # 1. no new rebalances, heartbeats or pulls
+        await self.pull_service.aclose()
+        # 2. sinks flush what they hold; running listeners finish (side by side)
+        if not await wait_all_idle(self._services(), timeout, caller):
+            log.warning("consumer.stop_timeout", group=self.group, timeout=timeout)
+            shortfalls.append("listeners")
+        await self.consume_service.aclose()
+        # Orderly queues given up while a batch ran on: persisted and unlocked once it ended.
+        await self.orderly_service.finish_releases(
+            _stage_deadline(stop_by, timeout) - asyncio.get_running_loop().time())
+        await self.orderly_service.aclose()
+        # The error events reported so far reach their handlers before the delivery
+        # task ends with the others below, in at most half of what is left of the
+        # timeout (a hung handler must not take the offsets' and sinks' time), but at
+        # least half a second (or of the timeout when shorter).
+        await self.errors.drain(max((stop_by - asyncio.get_running_loop().time()) / 2,
+                                    min(STAGE_MIN_SECONDS, timeout) / 2), caller)
+        # A periodic persist round still sending ends first (an older offset of it that
+        # the broker applied after the final one would move the queue back), as long as
+        # the timeout lasts; one still going then is cancelled with the other tasks.
+        # A rebalance round under way ends first too: a queue it is releasing is out of
+        # the table already, so cut off (its task is cancelled below) it would miss the
+        # final persist and unlock (redelivered from its last persisted offset, its broker
+        # lock left to lapse). A round that adds queues ends at once while stopping. (A
+        # round whose rebalance listener called this stop holds the lock, waiting for it.)
+        rebalancing = locked = False
+        try:  # (both released whatever happens: a stop() cancelled here may be called again)
+            rebalancing = (self.rebalancer is not None
+                           and (caller is None or self.rebalancer.round_task is not caller)
+                           and await _acquire_by(self.rebalancer.table_lock,
+                                                 _stage_deadline(stop_by, timeout)))
+            locked = await _acquire_by(self._persist_lock,
+                                       _stage_deadline(stop_by, timeout))
+            # The sinks' tasks and the sink send-backs among them. A sink's writer waits
+            # for a write running in its thread (a Spark call cannot be interrupted): it
+            # is given up, its batch unacknowledged, when the stage's time is up.
+            stage_end = _stage_deadline(stop_by, timeout)
+            await owner.aclose(
+                abandon_after=stage_end - asyncio.get_running_loop().time())
+        finally:
+            if locked:
+                self._persist_lock.release()
+            if rebalancing:
+                self.rebalancer.table_lock.release()
+        self.errors.owner = None
+        try:
+            async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):
+                await self.sink_service.aclose()
+        except TimeoutError:
+            log.warning("consumer.sink_close_timeout", group=self.group)
+            shortfalls.append("sinks")
+        # 3. the rebalance listeners hear that every queue is given up, then what was
+        # acknowledged is persisted and the queues are forgotten
+        await self.hooks.fire_revoked(self.group, set(self.process_queues),
+                                      deadline=_stage_deadline(stop_by, timeout))
+        try:
+            async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):
+                await self.offset_store.persist_all(set(self.process_queues), oneway=False)
+        except TimeoutError:
+            log.warning("consumer.persist_on_stop_timeout", group=self.group)
+            shortfalls.append("offsets")
+        except Exception as exc:
+            log.warning("consumer.persist_on_stop_failed", error=str(exc))
+            shortfalls.append("offsets")
+        try:
+            async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):
+                await self._unlock_all_on_stop()
+        except TimeoutError:
+            log.warning("consumer.unlock_on_stop_timeout", group=self.group)
+            shortfalls.append("unlocks")
+        for pq in self.process_queues.values():
+            pq.dropped = True
+        self.process_queues.clear()
+        await self.hooks.run_shutdown(self.group, deadline=_stage_deadline(stop_by, timeout))
+        # 4. leave the group and close the connections
+        await self.instance.unregister(None, self.group)
+        await self.instance.close()
+        self._owner = None
+        self._lag = None
+        self._started = False
+        self.stop_shortfalls = tuple(shortfalls)
+        log.info("consumer.stopped", group=self.group, client_id=self.client_id,
+                 **({"left_undone": list(shortfalls)} if shortfalls else {}))
 
     async def _unlock_all_on_stop(self) -> None:
         """Orderly consumers give their broker locks back."""

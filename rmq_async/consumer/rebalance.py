@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -64,6 +64,9 @@ class Rebalancer:
         """Held by a round, and by an admin offset reset while it drops queues and persists
         their new offsets (Java suspends the rebalance for a reset): a round that saw a queue
         half removed would take it again from the broker's old offset and lose the reset."""
+        self.round_task: asyncio.Task[Any] | None = None
+        """The task running a round, while it holds :attr:`table_lock` (``stop()`` called by
+        a rebalance listener runs in it, and does not wait for the lock it holds)."""
 
     def retry_soon(self) -> None:
         """Mark this round unbalanced so the next one runs after a short pause."""
@@ -85,21 +88,31 @@ class Rebalancer:
                 log.exception("rebalance.round_failed", group=self._rt.group, error=str(exc))
                 self._last_round_balanced = False
             # 5.x behaviour: an unbalanced round (a broker call failed) retries after 1 s.
-            wait = interval if self._last_round_balanced else min(1.0, interval)
-            # Not ``asyncio.wait_for``: on Python 3.11 it returns normally when the task is
-            # cancelled in the same loop iteration as the event is set (a broker's
-            # NOTIFY_CONSUMER_IDS_CHANGED arriving while stop() cancels this task), and the
-            # swallowed cancellation left this loop running forever. ``asyncio.timeout``
-            # delivers the cancellation to this task itself, so it is never lost.
-            try:
-                async with asyncio.timeout(wait):
-                    await self._wakeup.wait()
-            except TimeoutError:
-                pass
+            await self._pause(interval if self._last_round_balanced else min(1.0, interval))
+
+    async def _pause(self, wait: float) -> None:
+        """Until the next round: ``wait`` seconds or a wake-up, not at all when stopping (a
+        rebalance listener called ``stop()``: the loop ends with the round)."""
+        if self._rt.stopping:
+            return
+        # Not ``asyncio.wait_for``: on Python 3.11 it returns normally when the task is
+        # cancelled in the same loop iteration as the event is set (a broker's
+        # NOTIFY_CONSUMER_IDS_CHANGED arriving while stop() cancels this task), and the
+        # swallowed cancellation left this loop running forever. ``asyncio.timeout``
+        # delivers the cancellation to this task itself, so it is never lost.
+        try:
+            async with asyncio.timeout(wait):
+                await self._wakeup.wait()
+        except TimeoutError:
+            pass
 
     async def rebalance_once(self) -> None:
         async with self.table_lock:
-            await self._round()
+            self.round_task = asyncio.current_task()
+            try:
+                await self._round()
+            finally:
+                self.round_task = None
 
     async def _round(self) -> None:
         rt = self._rt
@@ -108,6 +121,8 @@ class Rebalancer:
         self._retry = False
         topics = rt.subscriptions.subscribed_topics()
         for topic in topics:
+            if rt.stopping:  # (a rebalance listener called stop(): the round ends)
+                return
             try:
                 allocated = await self._allocate(topic)
             except NoRouteError as exc:

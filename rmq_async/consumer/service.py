@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC
 
@@ -63,8 +63,9 @@ class ConsumeService(Protocol):
     async def pull_gate(self, req: PullRequest) -> float:
         """Seconds to wait before pulling ``req``'s queue (in-order services only)."""
 
-    async def wait_idle(self) -> None:
-        """Start nothing new and wait until what runs has ended (``stop()``)."""
+    async def wait_idle(self, caller: asyncio.Task[Any] | None = None) -> None:
+        """Start nothing new and wait until what runs has ended (``stop()``), but for a call
+        running in ``caller``: the task that called ``stop()`` from a handler."""
 
     async def aclose(self) -> None:
         """End every task of the service."""
@@ -139,9 +140,44 @@ class ServiceRouter:
         self.concurrent.submit(msgs, pq, mq, first)
 
 
-async def wait_all_idle(services: Iterable[ConsumeService], timeout: float) -> bool:
+class BusyWorkers:
+    """Which worker tasks of a service have work in hand (a chunk, an orderly turn).
+
+    :meth:`wait_idle` waits until none has, but for the ``caller`` of ``stop()``: a handler
+    that calls ``stop()`` is part of a worker's work, and that work cannot end before
+    ``stop()`` does.
+    """
+
+    __slots__ = ("_busy", "_idle", "_spared")
+
+    def __init__(self) -> None:
+        self._busy: set[asyncio.Task[Any]] = set()
+        self._spared: set[asyncio.Task[Any]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def take(self, worker: asyncio.Task[Any]) -> None:
+        self._busy.add(worker)
+        self._idle.clear()
+
+    def done(self, worker: asyncio.Task[Any]) -> None:
+        busy = self._busy
+        busy.discard(worker)
+        if not busy or busy <= self._spared:
+            self._idle.set()
+
+    async def wait_idle(self, caller: asyncio.Task[Any] | None = None) -> None:
+        self._spared = {caller} if caller is not None else set()
+        while self._busy - self._spared:
+            self._idle.clear()
+            await self._idle.wait()
+
+
+async def wait_all_idle(services: Iterable[ConsumeService], timeout: float,
+                        caller: asyncio.Task[Any] | None = None) -> bool:
     """Wait for every service's :meth:`~ConsumeService.wait_idle` side by side, for at most
     ``timeout`` seconds in all; False when the time ran out (what still ran is cancelled).
+    A call running in ``caller`` (``stop()`` called from a handler) is not waited for.
 
     Side by side, so a sink's slow final write does not use up the time of listener calls
     that would have finished: each service drains for the whole ``timeout``.
@@ -149,7 +185,7 @@ async def wait_all_idle(services: Iterable[ConsumeService], timeout: float) -> b
     try:
         async with asyncio.timeout(timeout), asyncio.TaskGroup() as tg:
             for service in services:
-                tg.create_task(service.wait_idle())
+                tg.create_task(service.wait_idle(caller))
     except TimeoutError:
         return False
     return True

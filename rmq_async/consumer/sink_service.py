@@ -37,7 +37,7 @@ import contextlib
 import inspect
 from collections import Counter
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -153,8 +153,9 @@ class SinkConsumeService:
                 sinks.append(sink)
         return sinks
 
-    async def wait_idle(self) -> None:
-        """Each sink writes what it holds."""
+    async def wait_idle(self, caller: asyncio.Task[Any] | None = None) -> None:
+        """Each sink writes what it holds (a sink's writes run in threads, never in
+        ``caller``)."""
         for sink in self._sinks():
             await sink.flush()
 

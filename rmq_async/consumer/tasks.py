@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Callable, Coroutine, Hashable, Iterable
 from typing import Any, TypeVar
@@ -41,6 +42,27 @@ def in_user_thread(fn: Callable[..., _T], *args: Any) -> _T:
         USER_THREADS.discard(me)
 
 
+#: The task of a :class:`TaskOwner` that the running code belongs to, with that owner's family
+#: (see :func:`owned_caller`). Set in each spawned task's own context, so it is inherited by
+#: what the task's code starts: a plain handler's worker thread, a task of the handler's own,
+#: a coroutine a thread hands back to the event loop (``anyio.from_thread.run``).
+_SPAWNED: contextvars.ContextVar[tuple[asyncio.Task[Any], object] | None] = \
+    contextvars.ContextVar("rmq_async_spawned", default=None)
+
+
+def owned_caller(family: object | None = None) -> asyncio.Task[Any] | None:
+    """The owned task the running code runs in, or was started from (a handler's thread, a
+    task the handler started): one a :class:`TaskOwner` spawned, of ``family`` when given.
+
+    ``stop()`` called from a handler must not wait for that task, nor cancel it: it is the
+    one waiting for ``stop()``.
+    """
+    spawned = _SPAWNED.get()
+    if spawned is None or (family is not None and spawned[1] is not family):
+        return None
+    return spawned[0]
+
+
 def being_cancelled() -> bool:
     """Is the running task being cancelled, rather than user code raising ``CancelledError``
     of its own (awaiting a task it cancelled, a library cancelling its futures)?
@@ -77,7 +99,9 @@ class TaskOwner:
     unexpected exception is logged (``task.crashed``) instead of vanishing. ``aclose`` cancels
     every task still running and waits for all of them, so after it returns nothing this owner
     started is left running. Keyed tasks (``spawn(..., key=mq)``) can be cancelled one by one,
-    which the pull service uses for one task per assigned queue.
+    which the pull service uses for one task per assigned queue. The owners of one consumer
+    form a family (``family=``, the consumer's own owner): :func:`owned_caller` tells whether
+    the running code belongs to one of its tasks.
 
     Waiting for a cancelled task is bounded: a task that swallows its cancellation (Python
     3.11's ``asyncio.wait_for`` does so when its inner future completes in the same loop
@@ -87,8 +111,9 @@ class TaskOwner:
     caller.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, family: TaskOwner | None = None) -> None:
         self.name = name
+        self.family: object = family.family if family is not None else object()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._keyed: dict[Hashable, asyncio.Task[Any]] = {}
         self._closed = False
@@ -98,7 +123,10 @@ class TaskOwner:
         if self._closed:
             coro.close()
             raise IllegalStateError(f"{self.name}: cannot start task {name!r} after close")
-        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}:{name}")
+        context = contextvars.copy_context()
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}:{name}",
+                                                      context=context)
+        context.run(_SPAWNED.set, (task, self.family))
         self._tasks.add(task)
         if key is not None:
             self._keyed[key] = task
@@ -131,16 +159,24 @@ class TaskOwner:
         return len(self._tasks)
 
     @property
+    def closed(self) -> bool:
+        """:meth:`aclose` was called: a spared task still running ends at its next turn."""
+        return self._closed
+
+    @property
     def tasks(self) -> set[asyncio.Task[Any]]:
         return set(self._tasks)
 
     async def aclose(self, *, abandon_after: float = ABANDON_AFTER) -> None:
+        """Cancel every task and wait for them, but for the calling one and the owned task
+        the caller runs for (:func:`owned_caller`: ``stop()`` called by a handler), which
+        cannot be waited for from where they wait; they end on their own."""
         self._closed = True
-        current = asyncio.current_task()
+        spared = {asyncio.current_task(), owned_caller()}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + abandon_after
         while True:
-            tasks = [t for t in self._tasks if t is not current and not t.done()]
+            tasks = [t for t in self._tasks if t not in spared and not t.done()]
             if not tasks:
                 break
             if not await self._cancel_and_wait(tasks, deadline - loop.time()):

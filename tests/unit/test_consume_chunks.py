@@ -15,6 +15,7 @@ from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
 from rmq_async.consumer.stats import ConsumerStats
 from rmq_async.consumer.subscriptions import Subscription, Subscriptions
+from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.filter import build_subscription
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
 from tests.helpers import NotAnException
@@ -44,6 +45,7 @@ class Harness:
         self.pq = CountingProcessQueue()
         # The narrow things the service uses of a started consumer (a ConsumerRuntime).
         rt = SimpleNamespace(
+            tasks=TaskOwner("consumer[G]"),
             group="G", options=self.options, stats=self.stats, retry_topic="%RETRY%G",
             offset_store=SimpleNamespace(update=lambda mq, off, increase_only: self.updates.append(off)),
             subscriptions=self.subscriptions,

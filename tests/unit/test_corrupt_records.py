@@ -13,6 +13,7 @@ from rmq_async.consumer.options import ConsumerOptions
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.pull import PullRequest, PullService
 from rmq_async.consumer.runtime import PullThresholds
+from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.message import encode_stored_message
 from rmq_async.protocol.salvage import decode_messages_salvaging
 from rmq_async.protocol.types import MessageExt, MessageQueue
@@ -31,7 +32,8 @@ def _records(first: int, n: int) -> list[bytes]:
 def _service() -> tuple[PullService, list[ConsumerError]]:
     reported: list[ConsumerError] = []
     opts = ConsumerOptions.from_kwargs("G")
-    rt = SimpleNamespace(group="G", options=opts, errors=SimpleNamespace(report=reported.append),
+    rt = SimpleNamespace(tasks=TaskOwner("consumer[G]"), group="G", options=opts,
+                         errors=SimpleNamespace(report=reported.append),
                          thresholds=PullThresholds(opts))
     return PullService(rt, router=None, on_queue_forgotten=lambda: None), reported  # type: ignore[arg-type]
 

@@ -20,6 +20,7 @@ from rmq_async.consumer.pull import PullService
 from rmq_async.consumer.rebalance import Rebalancer
 from rmq_async.consumer.runtime import ConsumerRuntime, PullThresholds
 from rmq_async.consumer.service import PullRequest
+from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.types import MessageQueue
 from tests.unit.test_pull_loop import MQ, Pending, router, runtime
 
@@ -268,6 +269,7 @@ async def test_a_queue_whose_start_offset_is_unknown_leaves_the_round_unbalanced
 
     data = SimpleNamespace(sub_version=0)
     rt: Any = SimpleNamespace(
+        tasks=TaskOwner("consumer[G]"),
         group="G", client_id="me", options=opts, stopping=False, process_queues={},
         thresholds=PullThresholds(opts),
         subscriptions=SimpleNamespace(subscribed_topics=lambda: ["T"], is_orderly=lambda t: False,
@@ -353,6 +355,7 @@ async def test_a_subscribed_topic_without_a_route_does_not_spin_the_rebalancer()
         raise failing[topic]
 
     rt: Any = SimpleNamespace(
+        tasks=TaskOwner("consumer[G]"),
         group="G", client_id="me", stopping=False, options=opts, process_queues={},
         subscriptions=SimpleNamespace(subscribed_topics=lambda: ["%RETRY%G", "T"]),
         instance=SimpleNamespace(subscribe_queues=subscribe_queues))

@@ -16,6 +16,7 @@ from rmq_async.consumer.orderly import OrderlyConsumeService
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.rebalance import Rebalancer
 from rmq_async.consumer.stats import ConsumerStats
+from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.types import MessageExt, MessageQueue
 
 A = MessageQueue("T", "broker-a", 0)
@@ -50,6 +51,7 @@ async def test_no_queue_revoked_together_is_consumed_after_on_revoked(
         pq.locked = True
         pq.last_lock_timestamp = time.monotonic() + 3600
     rt = SimpleNamespace(
+        tasks=TaskOwner("consumer[G]"),
         group="G", options=consumer.options, stopping=False, client_id="me",
         subscriptions=consumer.subscriptions, retry_topic=consumer.retry_topic,
         stats=ConsumerStats(), process_queues=dict(pqs),
@@ -105,7 +107,9 @@ def test_a_suspend_pause_is_kept_within_javas_bounds(given: dict[str, float],
 
     opts = ConsumerOptions.from_kwargs(
         "G", **({"suspend_current_queue_time": given["option"]} if "option" in given else {}))
-    service = OrderlyConsumeService(SimpleNamespace(group="G", options=opts))  # type: ignore[arg-type]
+    service = OrderlyConsumeService(SimpleNamespace(  # type: ignore[arg-type]
+        tasks=TaskOwner("consumer[G]"),
+        group="G", options=opts))
     ctx = ConsumeContext(message_queue=A)
     if "millis" in given:
         ctx.suspend_current_queue_time_millis = int(given["millis"])

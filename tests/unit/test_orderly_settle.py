@@ -19,6 +19,7 @@ from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.orderly import OrderlyConsumeService
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.stats import ConsumerStats
+from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, MessageExt, MessageQueue
 from tests.helpers import NotAnException
 
@@ -52,7 +53,7 @@ class _Harness:
         self.offsets = _Offsets()
         self.stats = ConsumerStats()
         self.rt = SimpleNamespace(
-            group="G_settle", options=consumer.options, stopping=False,
+            tasks=TaskOwner("consumer[G_settle]"), group="G_settle", options=consumer.options, stopping=False,
             subscriptions=consumer.subscriptions, retry_topic=consumer.retry_topic,
             stats=self.stats, offset_store=self.offsets, process_queues={MQ: self.pq})
         self.service = OrderlyConsumeService(self.rt)  # type: ignore[arg-type]

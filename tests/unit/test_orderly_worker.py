@@ -10,13 +10,14 @@ from structlog.testing import capture_logs
 from rmq_async.consumer.options import ConsumerOptions
 from rmq_async.consumer.orderly import OrderlyConsumeService
 from rmq_async.consumer.process_queue import ProcessQueue
+from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.types import MessageExt, MessageQueue
 
 
 async def test_failing_turn_is_logged_rolled_back_and_retried() -> None:
     opts = ConsumerOptions.from_kwargs("G", consume_concurrency=1,
                                        suspend_current_queue_time=0.05)
-    rt = SimpleNamespace(group="G", options=opts, stopping=False)
+    rt = SimpleNamespace(tasks=TaskOwner("consumer[G]"), group="G", options=opts, stopping=False)
     service = OrderlyConsumeService(rt)  # type: ignore[arg-type]
     mq = MessageQueue("T", "broker-a", 0)
     pq = ProcessQueue()
@@ -64,6 +65,7 @@ async def test_a_malformed_lock_answer_is_a_failed_lock_not_a_dead_renewal_loop(
 
     opts = ConsumerOptions.from_kwargs("G")
     rt = SimpleNamespace(
+        tasks=TaskOwner("consumer[G]"),
         group="G", client_id="c", options=opts, stopping=False, process_queues={mq: pq},
         subscriptions=SimpleNamespace(is_orderly=lambda topic: True),
         instance=SimpleNamespace(find_broker_master=master,

@@ -17,6 +17,7 @@ from rmq_async.consumer.pull import PullService
 from rmq_async.consumer.rebalance import Rebalancer
 from rmq_async.consumer.runtime import PullThresholds
 from rmq_async.consumer.service import PullRequest
+from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.protocol.types import MessageExt, MessageQueue
 
 MQ = MessageQueue("T", "broker-a", 0)
@@ -50,6 +51,7 @@ def runtime(opts: ConsumerOptions, pq: ProcessQueue, **extra: Any) -> Any:
         return None
 
     return SimpleNamespace(
+        tasks=TaskOwner("consumer[G]"),
         group="G", stopping=False, options=opts, paused=set(), thresholds=PullThresholds(opts),
         process_queues={MQ: pq}, retry_topic="%RETRY%G",
         stats=SimpleNamespace(record_pull=lambda *a: None),

@@ -57,7 +57,7 @@ class _Instance:
 class _Idle:
     in_order = False
 
-    async def wait_idle(self) -> None:
+    async def wait_idle(self, caller: object = None) -> None:
         return None
 
     async def finish_releases(self, timeout: float) -> None:
@@ -118,7 +118,7 @@ class _WritingSinks:
     def __init__(self) -> None:
         self.write_done = asyncio.Event()
 
-    async def wait_idle(self) -> None:
+    async def wait_idle(self, caller: object = None) -> None:
         await self.write_done.wait()
 
     async def aclose(self) -> None:
@@ -285,7 +285,7 @@ async def test_a_stop_cancelled_part_way_can_be_called_again_and_finishes() -> N
         def __init__(self) -> None:
             self.release = asyncio.Event()
 
-        async def wait_idle(self) -> None:  # a listener call still running
+        async def wait_idle(self, caller: object = None) -> None:  # a listener call still running
             await self.release.wait()
 
     busy = _Busy()

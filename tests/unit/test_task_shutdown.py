@@ -136,7 +136,7 @@ async def test_stop_waits_for_every_service_side_by_side() -> None:
         def __init__(self, name: str, seconds: float) -> None:
             self.name, self.seconds = name, seconds
 
-        async def wait_idle(self) -> None:
+        async def wait_idle(self, caller: object = None) -> None:
             await asyncio.sleep(self.seconds)
             finished.append(self.name)
 
