@@ -413,8 +413,22 @@ class StuckHandler(App):
         if os.environ["STUCK"] == "hook":  # a plain on_shutdown hook over its time
             from rmq_async.consumer.hooks import call_user
 
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(call_user(time.sleep, 60), 0.3)
+            # Given up once it runs in its thread (a wait given up before the thread took
+            # the call would leave nothing running: the call is then dropped unstarted).
+            began = threading.Event()
+
+            def hook():
+                began.set()
+                time.sleep(60)
+
+            hook_call = asyncio.ensure_future(call_user(hook))
+            for _ in range(1000):
+                if began.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            hook_call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await hook_call
 
 app = StuckHandler()
 '''
