@@ -25,11 +25,14 @@ $(STAMP): pyproject.toml setup.py rmq_async/protocol/_cmessage.pyx
 setup: $(STAMP)
 	$(PY) -m rmq_async.devbroker fetch
 
+# Every part runs even when one before it failed (a failing unit test must not hide what the
+# broker tests would have found in the same run); make test fails if any part did, and names it.
 test: setup
-	$(MAKE) --no-print-directory test-unit
-	$(MAKE) --no-print-directory test-unit-pure
-	$(MAKE) --no-print-directory test-broker
-	$(MAKE) --no-print-directory docs
+	@failed=""; \
+	for part in test-unit test-unit-pure test-broker docs; do \
+		$(MAKE) --no-print-directory $$part || failed="$$failed $$part"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "make test: failed:$$failed"; exit 1; fi
 
 # Every test that needs neither a broker nor Spark.
 test-unit: $(STAMP)
