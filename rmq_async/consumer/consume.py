@@ -112,7 +112,7 @@ class ConcurrentConsumeService:
         self._opts = rt.options
         self._queue: asyncio.Queue[ConsumeRequest] = asyncio.Queue()
         self._owner = TaskOwner(f"consume[{rt.group}]", family=rt.tasks)
-        self._busy = BusyWorkers()  # the workers with a chunk in hand
+        self._busy = BusyWorkers(rt.tasks.family)  # the workers with a chunk in hand
         self._draining = False
         self._inflight: set[ConsumeRequest] = set()
         # The consume-timeout cleaner and the settlements that send messages back take turns:
@@ -199,7 +199,7 @@ class ConcurrentConsumeService:
             req = await self._queue.get()
             if req.pq.dropped or self._draining:
                 continue
-            busy.take(me)
+            call = busy.take(me)
             try:
                 await self._consume(req)
             except BaseException as exc:
@@ -213,7 +213,7 @@ class ConcurrentConsumeService:
                     self.submit_later(req.msgs, req.pq, req.mq, SEND_BACK_FAILED_RETRY_DELAY)
             finally:
                 self._inflight.discard(req)
-                busy.done(me)
+                busy.done(call)
 
     async def _consume(self, req: ConsumeRequest) -> None:
         rt = self._rt

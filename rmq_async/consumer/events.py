@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from rmq_async.consumer.hooks import call_user, is_async_callable
-from rmq_async.consumer.tasks import TaskOwner, ends_the_caller
+from rmq_async.consumer.tasks import TaskOwner, ends_the_caller, enter_user_call
 from rmq_async.errors import IllegalStateError
 from rmq_async.protocol.types import MessageQueue
 
@@ -137,16 +137,24 @@ class ErrorReporter:
         # Ends (and is done) as soon as nothing is pending: an event reported after that
         # starts the next delivery. Cancelled by stop() (after drain() gave it what was left
         # of stop's timeout), it leaves the rest undelivered.
+        me = asyncio.current_task()
+        assert me is not None
+        family = self._owner.family if self._owner is not None else None
         try:
             while self._pending:
                 event = self._pending.popleft()
-                for handler in list(self.handlers):
-                    try:
-                        await call_user(handler, event)
-                    except BaseException as exc:
-                        if ends_the_caller(exc):
-                            raise
-                        _handler_failed(handler, exc)
+                # (A handler that calls stop() is this task's user call: not waited for.)
+                call = enter_user_call(me, family)
+                try:
+                    for handler in list(self.handlers):
+                        try:
+                            await call_user(handler, event)
+                        except BaseException as exc:
+                            if ends_the_caller(exc):
+                                raise
+                            _handler_failed(handler, exc)
+                finally:
+                    call.done = True
         except asyncio.CancelledError:
             self._pending.clear()
             raise

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -84,7 +84,7 @@ class OrderlyConsumeService:
         # Queues given up while a batch of theirs ran on, until that batch has ended and the
         # queue is persisted and unlocked (see release()).
         self._releasing: dict[MessageQueue, asyncio.Task[None]] = {}
-        self._busy = BusyWorkers()  # the workers with a turn in hand
+        self._busy = BusyWorkers(rt.tasks.family)  # the workers with a turn in hand
 
     @property
     def clustering(self) -> bool:
@@ -136,7 +136,7 @@ class OrderlyConsumeService:
         # (A worker spared by aclose, its handler having called stop(), ends here.)
         while not self._owner.closed:
             turn = await self._queue.get()
-            self._busy.take(me)
+            call = self._busy.take(me, turn.mq)
             try:
                 await self._run_turn(turn.mq, turn.pq)
             except BaseException as exc:
@@ -148,7 +148,7 @@ class OrderlyConsumeService:
                           error=f"{type(exc).__name__}: {exc}", exc_info=exc)
                 self._retry_turn_later(turn.mq, turn.pq)
             finally:
-                self._busy.done(me)
+                self._busy.done(call)
 
     def _retry_turn_later(self, mq: MessageQueue, pq: ProcessQueue) -> None:
         if pq.dropped or self._rt.stopping:
@@ -560,10 +560,13 @@ class OrderlyConsumeService:
         """Is ``mq`` still being given up (its batch running on)? Not to be taken again yet."""
         return mq in self._releasing
 
-    async def finish_releases(self, timeout: float) -> None:
-        """Wait, for at most ``timeout`` seconds, for the deferred releases (``stop()``)."""
-        if self._releasing:
-            await asyncio.wait(list(self._releasing.values()), timeout=max(timeout, 0.0))
+    async def finish_releases(self, timeout: float, caller_queue: Hashable | None = None) -> None:
+        """Wait, for at most ``timeout`` seconds, for the deferred releases (``stop()``), but
+        for that of ``caller_queue``: the queue whose turn called ``stop()`` (its release
+        waits for that turn's batch, which waits for ``stop()``)."""
+        waits = [task for mq, task in self._releasing.items() if mq != caller_queue]
+        if waits:
+            await asyncio.wait(waits, timeout=max(timeout, 0.0))
 
     async def _release_when_idle(self, mq: MessageQueue, pq: ProcessQueue,
                                  lock: asyncio.Lock) -> None:

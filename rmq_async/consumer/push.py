@@ -51,7 +51,7 @@ from rmq_async.consumer.subscriptions import (
     Subscription,
     Subscriptions,
 )
-from rmq_async.consumer.tasks import TaskOwner, owned_caller
+from rmq_async.consumer.tasks import TaskOwner, UserCall, running_user_call
 from rmq_async.errors import IllegalStateError, InvalidArgumentError, InvalidTypeError
 from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP, ConsumerData, HeartbeatData, ProducerData
 from rmq_async.protocol.command import RemotingCommand
@@ -75,8 +75,14 @@ _LIFECYCLE: contextvars.ContextVar[tuple[PushConsumer, str] | None] = \
 
 def lifecycle_under_way() -> tuple[PushConsumer, str] | None:
     """The consumer whose ``start()`` hooks (``"start"``) or ``stop()`` (``"stop"``) the
-    running code is part of; None elsewhere."""
-    return _LIFECYCLE.get()
+    running code is part of, while that start or stop runs; None elsewhere (a task a hook
+    started, say, once the hook's start or stop has ended)."""
+    within = _LIFECYCLE.get()
+    if within is None:
+        return None
+    consumer, which = within
+    running = consumer.starting if which == "start" else consumer._stop_running
+    return within if running else None
 
 
 P = ParamSpec("P")
@@ -131,6 +137,7 @@ class PushConsumer:
         back), or ``"failed"`` (the stop raised part-way). Empty after a clean stop."""
         self._started = False
         self._starting = False
+        self._stop_running = False  # a stop() is under way (its body, under the lock)
         self._start_lock = asyncio.Lock()
         self._owner: TaskOwner | None = None
         self._rt: ConsumerRuntime | None = None
@@ -398,7 +405,7 @@ class PushConsumer:
         refusal (for example a missing permission) raises its
         :class:`~rmq_async.client.errors.MQBrokerError`.
         """
-        within = _LIFECYCLE.get()
+        within = lifecycle_under_way()
         if within is not None and within[0] is self:
             raise IllegalStateError(f"start() called from inside this consumer's {within[1]}()")
         async with self._start_lock:
@@ -529,39 +536,45 @@ class PushConsumer:
         past the timeout (a Spark call cannot be interrupted; that batch is not acknowledged,
         and its messages come again).
 
-        Called from the consumer's own code (a handler, a rebalance listener, an ``on_error``
-        handler, or a thread or task one of them started), ``stop()`` does not wait for that
-        very call: it stops the consumer and returns to it. The call then ends as it would,
-        but as with Java's ``shutdown()`` called from a listener its messages are not
-        acknowledged (its queue is given up under it): they come again, to the group's next
-        consumer of the queue. There, while a stop is under way already (and from the
+        Called from the consumer's own code while it runs (a handler, a rebalance listener,
+        an ``on_error`` handler, a thread one of them runs in or a task it started and
+        awaits), ``stop()`` does not wait for that very call: it stops the consumer and
+        returns to it. The call then ends as it would, but as with Java's ``shutdown()``
+        called from a listener its messages are not acknowledged (its queue is given up
+        under it), nor are the others of its pulled chunk: they come again, to the group's
+        next consumer of the queue. There, while a stop is under way already (and from the
         ``on_revoked`` and ``on_shutdown`` hooks of a stop), it returns at once: that stop
         goes on. From an ``on_startup`` hook it raises
         :class:`~rmq_async.errors.IllegalStateError` (the hook raises to fail the start).
         """
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
-        within = _LIFECYCLE.get()
+        within = lifecycle_under_way()
         if within is not None and within[0] is self:
             if within[1] == "stop":
                 return  # a hook of this very stop
             raise IllegalStateError("stop() called from inside this consumer's start() "
                                     "(an on_startup hook raises to fail the start)")
-        caller = owned_caller(self._owner.family) if self._owner is not None else None
-        if caller is not None and self.stopping:
+        call = running_user_call(self._owner.family) if self._owner is not None else None
+        if call is not None and self._stop_running:
             return  # the stop under way waits for this very call
         lifecycle = _LIFECYCLE.set((self, "stop"))
         try:
             async with self._start_lock:
                 if self._started:
-                    await self._stop(timeout, caller)
+                    self._stop_running = True
+                    try:
+                        await self._stop(timeout, call)
+                    finally:
+                        self._stop_running = False
         finally:
             _LIFECYCLE.reset(lifecycle)
 
-    async def _stop(self, timeout: float, caller: asyncio.Task[Any] | None) -> None:
-        """The body of :meth:`stop`, under its lock; ``caller`` is the consumer's own task
-        that called it (a handler's), or None."""
+    async def _stop(self, timeout: float, call: UserCall | None) -> None:
+        """The body of :meth:`stop`, under its lock; ``call`` is the consumer's own user call
+        (a handler's) that called it, or None."""
         assert self._owner is not None and self._rt is not None
+        caller = call.task if call is not None else None
         stop_by = asyncio.get_running_loop().time() + timeout
         self._rt.stopping = True
         shortfalls: list[str] = []
@@ -576,7 +589,8 @@ class PushConsumer:
         await self.consume_service.aclose()
         # Orderly queues given up while a batch ran on: persisted and unlocked once it ended.
         await self.orderly_service.finish_releases(
-            _stage_deadline(stop_by, timeout) - asyncio.get_running_loop().time())
+            _stage_deadline(stop_by, timeout) - asyncio.get_running_loop().time(),
+            call.queue if call is not None else None)
         await self.orderly_service.aclose()
         # The error events reported so far reach their handlers before the delivery
         # task ends with the others below, in at most half of what is left of the

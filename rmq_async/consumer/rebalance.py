@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -28,6 +28,7 @@ from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.service import PullRequest
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
+from rmq_async.consumer.tasks import enter_user_call
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.errors import RemotingError
 
@@ -238,7 +239,8 @@ class Rebalancer:
         if changed:
             await self._on_allocation_changed(topic)
         if added and self._hooks is not None:
-            await self._hooks.fire_assigned(rt.group, (req.mq for req in added))
+            await self._listeners(self._hooks.fire_assigned, rt.group,
+                                  frozenset(req.mq for req in added))
         for req in added:
             if not req.pq.dropped and not rt.stopping:
                 self._pull.start_queue(req)
@@ -301,7 +303,19 @@ class Rebalancer:
     async def _revoke(self, queues: Iterable[MessageQueue]) -> None:
         """Await the ``on_revoked`` listeners while the queues are still held."""
         if self._hooks is not None:
-            await self._hooks.fire_revoked(self._rt.group, queues)
+            await self._listeners(self._hooks.fire_revoked, self._rt.group, frozenset(queues))
+
+    async def _listeners(self, fire: Callable[[str, frozenset[MessageQueue]], Awaitable[None]],
+                         group: str, queues: frozenset[MessageQueue]) -> None:
+        """Run rebalance listeners as this task's user call (``stop()`` called by one of them
+        does not wait for this round, nor for the table lock it holds)."""
+        task = asyncio.current_task()
+        assert task is not None
+        call = enter_user_call(task, self._rt.tasks.family)
+        try:
+            await fire(group, queues)
+        finally:
+            call.done = True
 
     async def _on_allocation_changed(self, topic: str) -> None:
         """New subscription version, new per-queue thresholds, and a heartbeat right away.

@@ -15,10 +15,11 @@ queue's offset in the offset store; a queue dropped meanwhile commits nothing. T
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rmq_async.consumer.tasks import UserCall, enter_user_call
 from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC
 
 if TYPE_CHECKING:
@@ -143,26 +144,31 @@ class ServiceRouter:
 class BusyWorkers:
     """Which worker tasks of a service have work in hand (a chunk, an orderly turn).
 
-    :meth:`wait_idle` waits until none has, but for the ``caller`` of ``stop()``: a handler
-    that calls ``stop()`` is part of a worker's work, and that work cannot end before
-    ``stop()`` does.
+    :meth:`take` enters the work as the worker's :class:`~rmq_async.consumer.tasks.UserCall`
+    (the handler calls it makes), :meth:`done` ends it. :meth:`wait_idle` waits until no
+    worker has work in hand, but for the ``caller`` of ``stop()``: a handler that calls
+    ``stop()`` is part of its worker's work, which cannot end before ``stop()`` does.
     """
 
-    __slots__ = ("_busy", "_idle", "_spared")
+    __slots__ = ("_busy", "_family", "_idle", "_spared")
 
-    def __init__(self) -> None:
+    def __init__(self, family: object) -> None:
+        self._family = family
         self._busy: set[asyncio.Task[Any]] = set()
         self._spared: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def take(self, worker: asyncio.Task[Any]) -> None:
+    def take(self, worker: asyncio.Task[Any], queue: Hashable | None = None) -> UserCall:
+        """Called by ``worker`` itself (its context is marked)."""
         self._busy.add(worker)
         self._idle.clear()
+        return enter_user_call(worker, self._family, queue)
 
-    def done(self, worker: asyncio.Task[Any]) -> None:
+    def done(self, call: UserCall) -> None:
+        call.done = True
         busy = self._busy
-        busy.discard(worker)
+        busy.discard(call.task)
         if not busy or busy <= self._spared:
             self._idle.set()
 

@@ -154,8 +154,8 @@ class SinkConsumeService:
         return sinks
 
     async def wait_idle(self, caller: asyncio.Task[Any] | None = None) -> None:
-        """Each sink writes what it holds (a sink's writes run in threads, never in
-        ``caller``)."""
+        """Each sink writes what it holds (``caller`` is not looked at: a write that
+        calls ``stop()`` is waited for, up to the stop's timeout)."""
         for sink in self._sinks():
             await sink.flush()
 

@@ -42,25 +42,47 @@ def in_user_thread(fn: Callable[..., _T], *args: Any) -> _T:
         USER_THREADS.discard(me)
 
 
-#: The task of a :class:`TaskOwner` that the running code belongs to, with that owner's family
-#: (see :func:`owned_caller`). Set in each spawned task's own context, so it is inherited by
-#: what the task's code starts: a plain handler's worker thread, a task of the handler's own,
-#: a coroutine a thread hands back to the event loop (``anyio.from_thread.run``).
-_SPAWNED: contextvars.ContextVar[tuple[asyncio.Task[Any], object] | None] = \
-    contextvars.ContextVar("rmq_async_spawned", default=None)
+class UserCall:
+    """User code that a task of a consumer is running now: a handler's chunk or orderly turn,
+    the rebalance listeners of a round, the handlers of an error event.
 
-
-def owned_caller(family: object | None = None) -> asyncio.Task[Any] | None:
-    """The owned task the running code runs in, or was started from (a handler's thread, a
-    task the handler started): one a :class:`TaskOwner` spawned, of ``family`` when given.
-
-    ``stop()`` called from a handler must not wait for that task, nor cancel it: it is the
-    one waiting for ``stop()``.
+    ``stop()`` called from within it must neither wait for ``task`` nor cancel it: ``task`` is
+    waiting for that ``stop()``, directly, through a thread it runs the code in, or through a
+    task the code started and awaits. Entered with :func:`enter_user_call`, which marks the
+    running context (and so the threads and tasks the code starts); ``done`` once the code has
+    returned, after which a task it left running is on its own (a ``stop()`` there waits for
+    the consumer's calls as any other). ``queue``: the orderly queue of a turn.
     """
-    spawned = _SPAWNED.get()
-    if spawned is None or (family is not None and spawned[1] is not family):
+
+    __slots__ = ("done", "family", "queue", "task")
+
+    def __init__(self, task: asyncio.Task[Any], family: object, queue: Hashable | None) -> None:
+        self.task = task
+        self.family = family
+        self.queue = queue
+        self.done = False
+
+
+_USER_CALL: contextvars.ContextVar[UserCall | None] = \
+    contextvars.ContextVar("rmq_async_user_call", default=None)
+
+
+def enter_user_call(task: asyncio.Task[Any], family: object,
+                    queue: Hashable | None = None) -> UserCall:
+    """Mark the running context as running user code for ``task`` (of the owner ``family``,
+    see :class:`TaskOwner`) until the returned call is marked ``done``."""
+    call = UserCall(task, family, queue)
+    _USER_CALL.set(call)
+    return call
+
+
+def running_user_call(family: object | None = None) -> UserCall | None:
+    """The :class:`UserCall` the running code is part of, while it runs (of ``family`` when
+    given), or None."""
+    call = _USER_CALL.get()
+    if call is None or call.done or (family is not None and call.family is not family):
         return None
-    return spawned[0]
+    return call
 
 
 def being_cancelled() -> bool:
@@ -100,8 +122,8 @@ class TaskOwner:
     every task still running and waits for all of them, so after it returns nothing this owner
     started is left running. Keyed tasks (``spawn(..., key=mq)``) can be cancelled one by one,
     which the pull service uses for one task per assigned queue. The owners of one consumer
-    form a family (``family=``, the consumer's own owner): :func:`owned_caller` tells whether
-    the running code belongs to one of its tasks.
+    form a family (``family=``, the consumer's own owner): :func:`running_user_call` tells
+    whether the running code is a user call of one of its tasks.
 
     Waiting for a cancelled task is bounded: a task that swallows its cancellation (Python
     3.11's ``asyncio.wait_for`` does so when its inner future completes in the same loop
@@ -123,10 +145,7 @@ class TaskOwner:
         if self._closed:
             coro.close()
             raise IllegalStateError(f"{self.name}: cannot start task {name!r} after close")
-        context = contextvars.copy_context()
-        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}:{name}",
-                                                      context=context)
-        context.run(_SPAWNED.set, (task, self.family))
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}:{name}")
         self._tasks.add(task)
         if key is not None:
             self._keyed[key] = task
@@ -168,11 +187,12 @@ class TaskOwner:
         return set(self._tasks)
 
     async def aclose(self, *, abandon_after: float = ABANDON_AFTER) -> None:
-        """Cancel every task and wait for them, but for the calling one and the owned task
-        the caller runs for (:func:`owned_caller`: ``stop()`` called by a handler), which
-        cannot be waited for from where they wait; they end on their own."""
+        """Cancel every task and wait for them, but for the calling one and the task whose
+        user code the caller is part of (:func:`running_user_call`: ``stop()`` called by a
+        handler), which cannot be waited for from where they wait; they end on their own."""
         self._closed = True
-        spared = {asyncio.current_task(), owned_caller()}
+        call = running_user_call()
+        spared = {asyncio.current_task(), call.task if call is not None else None}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + abandon_after
         while True:

@@ -5,7 +5,8 @@ of what ``stop()`` waits for. It must not wait for itself: the stop goes through
 shortfall (``stop_shortfalls`` names ``listeners`` when the wait for running calls timed out),
 returns to the caller, and no task of the consumer is left once the caller has returned. The
 calling message is not acknowledged (Java's ``shutdown()`` from a listener drops its queue
-under it): the group's next consumer gets it again.
+under it): the group's next consumer gets it again. A stop in a task the handler started and
+left is outside code once the handler has returned: it waits for the calls as any stop.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rmq_async import App, ConsumeResult, MessageExt, PushConsumer
 from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
 from rmq_async.errors import IllegalStateError
 from rmq_async.protocol.types import MessageQueue
-from tests.helpers import produce, simple_messages, unique, wait_until
+from tests.helpers import AdminClient, produce, simple_messages, unique, wait_until
 
 pytestmark = pytest.mark.broker
 
@@ -48,7 +49,8 @@ async def _topic_with(rocketmq, prefix: str, n: int = 20) -> str:
 
 
 async def _redelivered(namesrv: str, group: str, topic: str, n: int) -> set[int]:
-    """The offsets the group's next consumer gets (all of ``n`` messages consumed)."""
+    """The offsets the group's next consumer gets, the calling message among them, up to the
+    last (one pull brings a whole test topic, handled in offset order)."""
     seen: set[int] = set()
     again = _consumer(namesrv, group)
 
@@ -57,7 +59,7 @@ async def _redelivered(namesrv: str, group: str, topic: str, n: int) -> set[int]
         seen.add(msg.queue_offset)
 
     async with again:
-        await wait_until(lambda: STOP_AT in seen and max(seen) == n - 1, 60,
+        await wait_until(lambda: STOP_AT in seen and n - 1 in seen, 60,
                          what="the rest of the topic")
     return seen
 
@@ -91,6 +93,31 @@ async def test_an_async_handler_stops_its_consumer(rocketmq, orderly: bool) -> N
     assert max(calls) == STOP_AT and all(c == 1 for c in calls.values())
     # Not acknowledged: the next consumer of the group gets the calling message again.
     assert STOP_AT in await _redelivered(rocketmq.namesrv_addr, group, topic, 20)
+
+
+async def test_a_stop_a_handler_starts_and_leaves_waits_for_its_chunk(rocketmq) -> None:
+    """``asyncio.create_task(consumer.stop())``, not awaited: once the handler has returned the
+    stop is outside code, so it waits for the calls running (the worker is not spared) and
+    the calling message is acknowledged."""
+    topic = await _topic_with(rocketmq, "T_stop_task")
+    group = unique("G_stop_task")
+    consumer = _consumer(rocketmq.namesrv_addr, group)
+    stopping: list[asyncio.Task[None]] = []
+
+    @consumer.subscribe(topic)
+    async def on(msg: MessageExt) -> None:
+        if msg.queue_offset == STOP_AT and not stopping:
+            stopping.append(asyncio.get_running_loop().create_task(consumer.stop(timeout=LONG)))
+
+    await consumer.start()
+    await wait_until(lambda: bool(stopping), 60, what="the handler's stop task")
+    await asyncio.wait_for(stopping[0], 30)
+    assert consumer.stop_shortfalls == () and not consumer.is_running
+    assert not _tasks_of(group)
+    # Acknowledged: the group's committed offset is past it.
+    async with AdminClient(rocketmq.namesrv_addr) as admin:
+        committed = await admin.committed_offsets(group, topic)
+    assert min(committed.values()) > STOP_AT, committed
 
 
 async def test_a_plain_handler_stops_its_consumer_from_its_thread(rocketmq) -> None:
@@ -203,21 +230,37 @@ async def test_a_shutdown_hook_calling_stop(rocketmq) -> None:
     group = unique("G_stop_hooks")
     consumer = _consumer(rocketmq.namesrv_addr, group)
     consumer.subscribe(topic, listener=lambda msgs: None, batch=True)
-    shutdown_stop_returned: list[bool] = []
+    in_hook: list[str] = []
+    left_running: list[asyncio.Task[None]] = []
+
+    async def stop_later() -> None:
+        await asyncio.sleep(0.5)
+        await consumer.stop(timeout=LONG)
 
     # From an on_shutdown hook of the stop itself: returns at once, the stop goes on.
     @consumer.on_shutdown
     async def shutdown() -> None:
+        if left_running:
+            return  # the second run's stop
         await consumer.stop()
-        shutdown_stop_returned.append(True)
+        in_hook.append("stop returned")
         # Nor can the consumer be started again from within its own stop.
-        with pytest.raises(IllegalStateError, match="stop"):
+        try:
             await consumer.start()
+        except IllegalStateError as exc:
+            in_hook.append(str(exc))
+        # A task the hook starts is not part of the stop once the stop has ended.
+        left_running.append(asyncio.get_running_loop().create_task(stop_later()))
 
     await consumer.start()
     await consumer.stop(timeout=LONG)
-    assert shutdown_stop_returned == [True]
+    assert in_hook == ["stop returned", "start() called from inside this consumer's stop()"]
     assert consumer.stop_shortfalls == () and not consumer.is_running
+    # Started again, the hook's task stops the consumer as any outside code would.
+    await consumer.start()
+    await asyncio.wait_for(left_running[0], 30)
+    assert not consumer.is_running and consumer.stop_shortfalls == ()
+    assert not _tasks_of(group)
 
 
 async def test_a_handler_stops_its_app(rocketmq) -> None:

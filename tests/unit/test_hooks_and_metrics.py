@@ -25,6 +25,7 @@ from rmq_async.consumer.middleware import ConsumeCall
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext
 from rmq_async.consumer.stats import ConsumerStats, CumulativeHistogram
+from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.errors import InvalidArgumentError, InvalidTypeError
 from rmq_async.observability.otel import TracingMiddleware
 from rmq_async.protocol.types import MessageExt, MessageQueue
@@ -667,6 +668,7 @@ async def test_rebalancer_revokes_before_persisting_and_assigns_before_pulling()
         return 0
 
     rt: Any = SimpleNamespace(
+        tasks=TaskOwner("consumer[G]"),
         group="G", stopping=False, process_queues=held, offset_store=_Store(events),
         options=SimpleNamespace(message_model=MessageModel.CLUSTERING, pull_max_idle_time=120.0),
         subscriptions=SimpleNamespace(is_orderly=lambda topic: False,
@@ -765,6 +767,7 @@ async def test_a_changed_allocation_announces_its_version_after_a_heartbeat_in_f
 
     events: list[tuple[str, Any]] = []
     rt: Any = SimpleNamespace(
+        tasks=TaskOwner("consumer[G]"),
         group="G", stopping=False, process_queues={Q0: ProcessQueue()},
         offset_store=_Store(events),
         options=SimpleNamespace(message_model=MessageModel.CLUSTERING, pull_max_idle_time=120.0),

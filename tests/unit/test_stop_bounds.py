@@ -60,7 +60,7 @@ class _Idle:
     async def wait_idle(self, caller: object = None) -> None:
         return None
 
-    async def finish_releases(self, timeout: float) -> None:
+    async def finish_releases(self, timeout: float, caller_queue: object = None) -> None:
         return None
 
     async def aclose(self) -> None:
