@@ -22,8 +22,7 @@ from types import TracebackType
 
 import structlog
 
-from rmq_async.consumer.push import PushConsumer, lifecycle_under_way
-from rmq_async.consumer.tasks import running_user_call
+from rmq_async.consumer.push import PushConsumer, lifecycle_under_way, running_call_of
 from rmq_async.errors import IllegalStateError, InvalidTypeError
 
 __all__ = ["App"]
@@ -114,7 +113,9 @@ class App:
         if member_hook and within is not None and within[1] == "start":
             raise IllegalStateError("App.stop() called from inside a member's start() "
                                     "(an on_startup hook raises to fail the start)")
-        if self._stopping and (member_hook or running_user_call() is not None):
+        from_member = member_hook or any(running_call_of(c) is not None
+                                         for c in self._consumers)
+        if self._stopping and from_member:
             return  # the stop under way waits for the calling code
         async with self._start_lock:
             if not self._started:

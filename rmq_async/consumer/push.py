@@ -85,6 +85,13 @@ def lifecycle_under_way() -> tuple[PushConsumer, str] | None:
     return within if running else None
 
 
+def running_call_of(consumer: PushConsumer) -> UserCall | None:
+    """The user call of ``consumer`` (a handler's, a listener's) that the running code is
+    part of, while it runs; None elsewhere."""
+    owner = consumer._owner
+    return running_user_call(owner.family) if owner is not None else None
+
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -555,7 +562,7 @@ class PushConsumer:
                 return  # a hook of this very stop
             raise IllegalStateError("stop() called from inside this consumer's start() "
                                     "(an on_startup hook raises to fail the start)")
-        call = running_user_call(self._owner.family) if self._owner is not None else None
+        call = running_call_of(self)
         if call is not None and self._stop_running:
             return  # the stop under way waits for this very call
         lifecycle = _LIFECYCLE.set((self, "stop"))

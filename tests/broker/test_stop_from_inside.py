@@ -285,3 +285,41 @@ async def test_a_handler_stops_its_app(rocketmq) -> None:
     await wait_until(lambda: not any(_tasks_of(g) for g in groups), 10,
                      what="the members' tasks ended")
 
+
+
+async def test_an_app_stop_from_a_consumer_outside_the_app_waits_for_it(rocketmq) -> None:
+    """Only the app's own members' code is spared: another consumer's handler calling
+    ``app.stop()`` while the app stops waits for that stop like any outside code."""
+    topic = await _topic_with(rocketmq, "T_stop_outside")
+    member = _consumer(rocketmq.namesrv_addr, unique("G_stop_member"))
+    outsider = _consumer(rocketmq.namesrv_addr, unique("G_stop_outsider"))
+    app = App(member)
+    entered, go = asyncio.Event(), asyncio.Event()
+    outer: list[asyncio.Task[None]] = []
+    returned: list[tuple[bool, bool]] = []
+
+    @member.subscribe(topic)
+    async def held(msg: MessageExt) -> None:
+        if msg.queue_offset == STOP_AT:
+            entered.set()
+            await go.wait()
+
+    @outsider.subscribe(topic)
+    async def outside(msg: MessageExt) -> None:
+        if msg.queue_offset == STOP_AT:
+            await entered.wait()
+            await wait_until(lambda: bool(outer) and member.stopping, 30,
+                             what="the app's stop under way")
+            stop = asyncio.get_running_loop().create_task(app.stop())
+            await asyncio.sleep(0.5)
+            early = stop.done()  # it waits: the member's held call keeps the app stopping
+            go.set()
+            await stop
+            returned.append((early, outer[0].done()))
+
+    await app.start()
+    await asyncio.wait_for(entered.wait(), 60)
+    outer.append(asyncio.create_task(app.stop(timeout=LONG)))
+    async with outsider:
+        await wait_until(lambda: bool(returned), 30, what="the outsider's app.stop()")
+    assert returned == [(False, True)] and member.stop_shortfalls == ()
