@@ -144,8 +144,7 @@ class ErrorReporter:
             while self._pending:
                 event = self._pending.popleft()
                 # (A handler that calls stop() is this task's user call: not waited for.)
-                call = enter_user_call(me, family)
-                try:
+                with enter_user_call(me, family):
                     for handler in list(self.handlers):
                         try:
                             await call_user(handler, event)
@@ -153,8 +152,6 @@ class ErrorReporter:
                             if ends_the_caller(exc):
                                 raise
                             _handler_failed(handler, exc)
-                finally:
-                    call.done = True
         except asyncio.CancelledError:
             self._pending.clear()
             raise

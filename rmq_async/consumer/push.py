@@ -72,7 +72,6 @@ _LIFECYCLE: contextvars.ContextVar[tuple[PushConsumer, str] | None] = \
     contextvars.ContextVar("rmq_async_lifecycle", default=None)
 
 
-
 def lifecycle_under_way() -> tuple[PushConsumer, str] | None:
     """The consumer whose ``start()`` hooks (``"start"``) or ``stop()`` (``"stop"``) the
     running code is part of, while that start or stop runs; None elsewhere (a task a hook

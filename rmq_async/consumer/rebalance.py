@@ -311,11 +311,8 @@ class Rebalancer:
         does not wait for this round, nor for the table lock it holds)."""
         task = asyncio.current_task()
         assert task is not None
-        call = enter_user_call(task, self._rt.tasks.family)
-        try:
+        with enter_user_call(task, self._rt.tasks.family):
             await fire(group, queues)
-        finally:
-            call.done = True
 
     async def _on_allocation_changed(self, topic: str) -> None:
         """New subscription version, new per-queue thresholds, and a heartbeat right away.

@@ -62,6 +62,12 @@ class UserCall:
         self.queue = queue
         self.done = False
 
+    def __enter__(self) -> UserCall:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done = True
+
 
 _USER_CALL: contextvars.ContextVar[UserCall | None] = \
     contextvars.ContextVar("rmq_async_user_call", default=None)
@@ -70,7 +76,8 @@ _USER_CALL: contextvars.ContextVar[UserCall | None] = \
 def enter_user_call(task: asyncio.Task[Any], family: object,
                     queue: Hashable | None = None) -> UserCall:
     """Mark the running context as running user code for ``task`` (of the owner ``family``,
-    see :class:`TaskOwner`) until the returned call is marked ``done``."""
+    see :class:`TaskOwner`) until the returned call is marked ``done`` (or, used as a context
+    manager, until its block ends)."""
     call = UserCall(task, family, queue)
     _USER_CALL.set(call)
     return call
