@@ -28,7 +28,13 @@ from rmq_async import (
 from rmq_async.devbroker import AclAccount, LocalRocketMQ
 from rmq_async.devbroker.java import classpath, compile_java, run_java
 from rmq_async.devbroker.pytest_plugin import run_blocking
-from tests.helpers import SHORT_LIVED_BROKER_FLAGS, simple_messages, unique, wait_until
+from tests.helpers import (
+    SHORT_LIVED_BROKER_CONFIG,
+    SHORT_LIVED_BROKER_FLAGS,
+    simple_messages,
+    unique,
+    wait_until,
+)
 
 pytestmark = pytest.mark.broker
 
@@ -37,7 +43,8 @@ ACCOUNT = AclAccount("alice", "alice-secret-1", admin=False)
 
 @pytest.fixture(scope="module")
 def acl_broker() -> Iterator[LocalRocketMQ]:
-    rmq = LocalRocketMQ(acl=ACCOUNT, broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS)
+    rmq = LocalRocketMQ(acl=ACCOUNT, broker_config=SHORT_LIVED_BROKER_CONFIG,
+                        broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS)
     run_blocking(rmq.start_all())
     try:
         yield rmq

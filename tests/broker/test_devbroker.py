@@ -18,7 +18,12 @@ from rmq_async.devbroker import DevBrokerError, LocalRocketMQ
 from rmq_async.devbroker.broker import parse_lenient_json
 from rmq_async.devbroker.java import classpath, compile_java, run_java, start_java
 from rmq_async.devbroker.procs import pid_alive, pid_cmdline, reap_stale_runs
-from tests.helpers import SHORT_LIVED_BROKER_FLAGS, AdminClient, first_broker_port_taken
+from tests.helpers import (
+    SHORT_LIVED_BROKER_CONFIG,
+    SHORT_LIVED_BROKER_FLAGS,
+    AdminClient,
+    first_broker_port_taken,
+)
 
 pytestmark = pytest.mark.broker
 
@@ -179,7 +184,7 @@ async def test_own_instance_retries_a_taken_port_and_cleans_up(
     not a failure; on exit no process, run folder or temp file of either start is left."""
     temp_before = _system_temp_files()
     with first_broker_port_taken(monkeypatch) as (busy, picks):
-        async with LocalRocketMQ(broker_config={"brokerName": "broker-own"},
+        async with LocalRocketMQ(broker_config={"brokerName": "broker-own", **SHORT_LIVED_BROKER_CONFIG},
                                  broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS) as rmq:
             assert rmq.broker_port != busy
             assert picks[0] == busy and len(picks) == 2

@@ -29,6 +29,7 @@ from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.types import Message, MessageQueue
 from tests.helpers import (
     JAVA_CONSUMER_FLAGS,
+    SHORT_LIVED_BROKER_CONFIG,
     SHORT_LIVED_BROKER_FLAGS,
     AdminClient,
     first_broker_port_taken,
@@ -650,6 +651,7 @@ async def test_cluster_port_taken_before_the_jvm_binds_it_is_retried(
     workers starting brokers at once) costs the cluster a second start on other ports."""
     with first_broker_port_taken(monkeypatch) as (busy, picks):
         async with LocalCluster(groups=1, slaves=0, namesrvs=1,
+                                broker_config=SHORT_LIVED_BROKER_CONFIG,
                                 broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS) as c:
             node = c.broker("broker-a")
             assert node.port != busy and picks[0] == busy and len(picks) == 2

@@ -17,7 +17,7 @@ import pytest
 from rmq_async.devbroker import AclAccount, LocalRocketMQ
 from rmq_async.devbroker.pytest_plugin import SESSION_BROKER_CONFIG, run_blocking
 from rmq_async.devbroker.versions import profile
-from tests.helpers import SHORT_LIVED_BROKER_FLAGS
+from tests.helpers import SHORT_LIVED_BROKER_CONFIG, SHORT_LIVED_BROKER_FLAGS
 
 DEFAULT_COMPAT_VERSIONS = "4.9.7"
 #: The account of the ACL scenario's broker (a normal user: publish and subscribe only).
@@ -54,7 +54,8 @@ def compat_broker(compat_version: str) -> Iterator[LocalRocketMQ]:
 @pytest.fixture(scope="module")
 def compat_acl_broker(compat_version: str) -> Iterator[LocalRocketMQ]:
     """A broker of ``compat_version`` with ACL on (ACL 1.0 before 5.3, 2.0 from 5.3)."""
-    rmq = LocalRocketMQ(compat_version, acl=ACL_ACCOUNT, broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS)
+    rmq = LocalRocketMQ(compat_version, acl=ACL_ACCOUNT, broker_config=SHORT_LIVED_BROKER_CONFIG,
+                        broker_jvm_flags=SHORT_LIVED_BROKER_FLAGS)
     run_blocking(rmq.start_all())
     try:
         yield rmq
