@@ -35,6 +35,10 @@ SHORT_LIVED_BROKER_FLAGS = ("-XX:TieredStopAtLevel=1",)
 #: the default three days) with its file byte by byte every second: about 0.03 CPU s with C2,
 #: but 0.3 with C1 alone, a third of a core for every such broker alive.
 SHORT_LIVED_BROKER_CONFIG = {"timerWheelEnable": "false"}
+#: The send timeout of the producers that fill topics for a test (Java's default is 3 s). A
+#: first send to a broker that has just started (C1 alone, TLS and ACL checks cold) once took
+#: longer than 3 s on the two loaded cores of a full run; what these sends check is delivery.
+TEST_SEND_TIMEOUT = 15.0
 
 
 class NotAnException(BaseException):
@@ -83,7 +87,7 @@ async def produce(namesrv: str, topic: str, messages: Sequence[Message], *,
                   batch: int = 64, concurrency: int = 4) -> list[tuple[int, int]]:
     """Send ``messages`` (batched, a few batches in flight) and return (queue_id, offset) of each."""
     placed: list[tuple[int, int]] = []
-    async with Producer(unique("PG"), namesrv) as producer:
+    async with Producer(unique("PG"), namesrv, send_timeout=TEST_SEND_TIMEOUT) as producer:
         sem = asyncio.Semaphore(concurrency)
 
         async def send_chunk(chunk: Sequence[Message]) -> None:

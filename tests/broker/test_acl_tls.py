@@ -31,6 +31,7 @@ from rmq_async.devbroker.pytest_plugin import run_blocking
 from tests.helpers import (
     SHORT_LIVED_BROKER_CONFIG,
     SHORT_LIVED_BROKER_FLAGS,
+    TEST_SEND_TIMEOUT,
     simple_messages,
     unique,
     wait_until,
@@ -55,7 +56,8 @@ def acl_broker() -> Iterator[LocalRocketMQ]:
 async def _signed_produce(rmq: LocalRocketMQ, topic: str, n: int) -> None:
     msgs = simple_messages(topic, n)
     async with Producer(unique("PG_acl"), rmq.namesrv_addr,
-                        credentials=(ACCOUNT.access_key, ACCOUNT.secret_key)) as producer:
+                        credentials=(ACCOUNT.access_key, ACCOUNT.secret_key),
+                        send_timeout=TEST_SEND_TIMEOUT) as producer:
         for chunk in range(0, n, 20):
             await producer.send_batch(msgs[chunk:chunk + 20])
 

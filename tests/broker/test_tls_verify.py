@@ -28,7 +28,13 @@ from rmq_async import (
 )
 from rmq_async.devbroker import AclAccount, LocalRocketMQ, TlsServerFiles
 from rmq_async.devbroker.pytest_plugin import run_blocking
-from tests.helpers import SHORT_LIVED_BROKER_CONFIG, SHORT_LIVED_BROKER_FLAGS, unique, wait_until
+from tests.helpers import (
+    SHORT_LIVED_BROKER_CONFIG,
+    SHORT_LIVED_BROKER_FLAGS,
+    TEST_SEND_TIMEOUT,
+    unique,
+    wait_until,
+)
 from tests.tls_certs import issue_server_cert, make_ca
 
 pytestmark = pytest.mark.broker
@@ -82,11 +88,8 @@ async def test_consumer_and_producer_verify_the_broker_certificate(tls_broker: T
     topic = unique("T_tlsv")
     await rmq.create_topic(topic, queues=2)
     n = 50
-    # The first send to the new topic goes to a broker that has just started (no JIT beyond
-    # C1, TLS and signature checks cold): on two loaded cores it once took over the default
-    # 3 s. This checks verification, not send latency.
     async with Producer(unique("PG_tlsv"), rmq.namesrv_addr, credentials=CREDS,
-                        tls_ca_file=tls_broker.ca_file, send_timeout=20.0) as producer:
+                        tls_ca_file=tls_broker.ca_file, send_timeout=TEST_SEND_TIMEOUT) as producer:
         placed = {}
         for i in range(n):
             body = f"tls-{i}".encode() * (1 if i % 10 else 800)  # a few compressed ones

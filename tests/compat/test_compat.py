@@ -31,7 +31,7 @@ from rmq_async.protocol.filter import java_string_hash
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.sources.ranges import EARLIEST, Position, SourceOptions, open_client, resolve_offsets
 from tests.compat.conftest import ACL_ACCOUNT
-from tests.helpers import AdminClient, produce, simple_messages, unique, wait_until
+from tests.helpers import TEST_SEND_TIMEOUT, AdminClient, produce, simple_messages, unique, wait_until
 
 pytestmark = pytest.mark.broker
 
@@ -113,7 +113,7 @@ async def test_retry_and_dlq(compat_broker: LocalRocketMQ) -> None:
         return ConsumeResult.SUCCESS
 
     async with consumer:
-        async with Producer(unique("PG"), ns) as p:
+        async with Producer(unique("PG"), ns, send_timeout=TEST_SEND_TIMEOUT) as p:
             for body in (b"always-fail", b"fail-once", b"fine"):
                 await p.send(Message(topic, body))
         await wait_until(lambda: len(attempts[b"always-fail"]) >= 3
@@ -168,7 +168,7 @@ async def test_orderly(compat_broker: LocalRocketMQ) -> None:
     topic = unique("T_cmp_orderly")
     await compat_broker.create_topic(topic, queues=4, order=True)
     keys, per_key = 20, 20
-    async with Producer(unique("PG"), ns) as producer:
+    async with Producer(unique("PG"), ns, send_timeout=TEST_SEND_TIMEOUT) as producer:
         queues = await producer.instance.publish_queues(topic)
         per_queue: dict[MessageQueue, list[Message]] = collections.defaultdict(list)
         for seq in range(per_key):
@@ -339,7 +339,7 @@ async def test_a_timestamp_position_is_the_first_message_stored_since(
 
 
 async def _signed_produce(rmq: LocalRocketMQ, topic: str, n: int) -> None:
-    async with Producer(unique("PG_acl"), rmq.namesrv_addr) as producer:
+    async with Producer(unique("PG_acl"), rmq.namesrv_addr, send_timeout=TEST_SEND_TIMEOUT) as producer:
         producer.instance.remoting.rpc_hook = ACL_CREDENTIALS.rpc_hook()
         msgs = simple_messages(topic, n)
         for i in range(0, n, 20):
