@@ -94,6 +94,51 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_waits() -> tuple[float, int] | None:
+    """(seconds runnable but waiting for a CPU, involuntary context switches) of the calling
+    thread so far, from ``/proc/thread-self``; None where those files are not there.
+
+    rmq_async's event loop is one thread: while another thread (the broker's, on this
+    machine) runs on its core, nothing of the consumer moves, and a round that lost much time
+    that way is a contended round, not a slower consumer.
+    """
+    try:
+        with open("/proc/thread-self/schedstat", encoding="ascii") as fh:
+            waited_ns = int(fh.read().split()[1])
+        with open("/proc/thread-self/status", encoding="ascii") as fh:
+            status = fh.read()
+    except (OSError, IndexError, ValueError):
+        return None
+    for line in status.splitlines():
+        if line.startswith("nonvoluntary_ctxt_switches:"):
+            return waited_ns / 1e9, int(line.split()[1])
+    return None
+
+
+#: :func:`side_readings`: the calling thread's :func:`thread_waits` and the broker's CPU seconds.
+SideReadings = tuple[tuple[float, int] | None, float | None]
+
+
+def side_readings(broker_pid: int | None) -> SideReadings:
+    """What a timed run reads at its start and at its end besides its own CPU: the event
+    loop's waits (call it on that thread) and the broker's CPU (when its pid is known)."""
+    return thread_waits(), process_cpu_seconds(broker_pid) if broker_pid else None
+
+
+def side_figures(start: SideReadings, end: SideReadings) -> dict[str, Any]:
+    """The figures of two :func:`side_readings` for a run's result (None where unknown)."""
+    waits = (start[0], end[0])
+    broker = (start[1], end[1])
+    return {
+        "loop_waited_s": round(waits[1][0] - waits[0][0], 3)
+        if waits[0] is not None and waits[1] is not None else None,
+        "loop_involuntary_switches": waits[1][1] - waits[0][1]
+        if waits[0] is not None and waits[1] is not None else None,
+        "broker_cpu": round(broker[1] - broker[0], 3)
+        if broker[0] is not None and broker[1] is not None else None,
+    }
+
+
 def tree_cpu_seconds(root: int) -> dict[tuple[int, int], float]:
     """CPU seconds of every live process below ``root`` (children, their children, ...), with
     the CPU of the children each has waited for, keyed by (pid, start time) so that a reused

@@ -39,6 +39,8 @@ from benchlib import (
     emit_result,
     host_cpu_ticks,
     process_cpu_seconds,
+    side_figures,
+    side_readings,
     steal_percent,
     tree_cpu_seconds,
 )
@@ -138,19 +140,22 @@ async def run_push(spec: dict[str, Any]) -> dict[str, Any]:
         return ConsumeResult.SUCCESS
 
     consumer.subscribe(spec["topic"], listener=on_messages, batch=True)
+    broker_pid = spec.get("broker_pid")
+    side0 = side_readings(broker_pid)
     cpu0 = cpu_times()
     t0 = time.perf_counter()
     await consumer.start()
     try:
         ok = await watch.wait()
         cpu1 = cpu_times()
+        side1 = side_readings(broker_pid)
         # Late duplicates (a redelivery) would show up right after the last message.
         await asyncio.sleep(0.3)
     finally:
         with contextlib.suppress(Exception):
             await consumer.stop(timeout=5.0)
     return tally.result(ok=ok, reason=watch.reason, started_at=t0, ready_at=watch.ready_at,
-                        cpu_start=cpu0, cpu_end=cpu1)
+                        cpu_start=cpu0, cpu_end=cpu1, extra=side_figures(side0, side1))
 
 
 # ---------------------------------------------------------------------- raw pull loop
@@ -163,6 +168,8 @@ async def run_raw(spec: dict[str, Any]) -> dict[str, Any]:
     instance = ClientInstance(spec["namesrv"], f"127.0.0.1@bench-raw-{os.getpid()}")
     topic = spec["topic"]
     group = spec["group"]
+    broker_pid = spec.get("broker_pid")
+    side0 = side_readings(broker_pid)
     cpu0 = cpu_times()
     t0 = time.perf_counter()
     try:
@@ -203,6 +210,7 @@ async def run_raw(spec: dict[str, Any]) -> dict[str, Any]:
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
         cpu1 = cpu_times()
+        side1 = side_readings(broker_pid)
     finally:
         await instance.close()
     emit(f"PROGRESS {tally.consumed}")
@@ -212,7 +220,8 @@ async def run_raw(spec: dict[str, Any]) -> dict[str, Any]:
         tally.end_at = time.perf_counter()
     return tally.result(ok=ok, reason=reason, started_at=t0, ready_at=0.0, cpu_start=cpu0,
                         cpu_end=cpu1, extra={"decode": decode,
-                                             "body_bytes_note": "wire bytes (stored records)"})
+                                             "body_bytes_note": "wire bytes (stored records)",
+                                             **side_figures(side0, side1)})
 
 
 # ---------------------------------------------------------------------- spark sink

@@ -52,6 +52,9 @@ def summarize(scenarios: dict[str, Any]) -> dict[str, Any]:
                 "peak_rss_mib": _median(r["peak_rss_mib"] for r in good),
                 "first_message_seconds": _median(r["first_message_seconds"] for r in good),
                 "end_to_end_msgs_per_s": _median(r["end_to_end_msgs_per_s"] for r in good),
+                "broker_cpu_s_per_million": _median(r.get("broker_cpu_s_per_million")
+                                                    for r in good),
+                "loop_waited_s": _median(r.get("loop_waited_s") for r in good),
             }
             if sc.get("kind") == "latency":
                 for metric in ("latency_b2c_ms", "latency_s2c_ms"):
@@ -186,8 +189,9 @@ def markdown(result: dict[str, Any]) -> str:
                     f"| {_fmt_ratio(vs.get('msgs_per_s'))} "
                     f"| {_fmt_ratio(vs.get('cpu_s_per_million'))} |"
                 )
-        failed = [r for r in sc["runs"] if not r["verified"]]
         lines.append("")
+        lines += _rounds_lines(sc)
+        failed = [r for r in sc["runs"] if not r["verified"]]
         for r in failed:
             lines.append(f"- **not verified**: {r['contender']} round {r['round']}: {r['reason']}")
         if failed:
@@ -214,6 +218,34 @@ def _steal_line(result: dict[str, Any]) -> str:
             f"benchmark{spread}. It slows every contender, a single-threaded one (rmq_async's "
             f"event loop) more than a JVM spread over both cores: read a run with much of it "
             f"as a contended one.")
+
+
+def _rounds_lines(sc: dict[str, Any]) -> list[str]:
+    """Each contender's verified rounds, in order: the spread behind the medians, with the
+    broker's CPU in each and, for the single-threaded rmq_async, how long its event loop's
+    thread waited for a CPU (runnable while another thread ran on its core)."""
+    if sc["kind"] != "drain":
+        return []
+    out: list[str] = []
+    for contender in sc.get("contenders", []):
+        rounds = []
+        for r in sc["runs"]:
+            if r["contender"] != contender or not r["verified"]:
+                continue
+            side = []
+            if r.get("broker_cpu_s_per_million") is not None:
+                side.append(f"broker {r['broker_cpu_s_per_million']:.1f} CPU s / M")
+            if r.get("loop_waited_s") is not None:
+                side.append(f"loop waited {r['loop_waited_s']:.1f} s")
+            rounds.append(_fmt(r["msgs_per_s"]) + (f" ({'; '.join(side)})" if side else ""))
+        if rounds:
+            out.append(f"- {LABELS.get(contender, contender)}: {', '.join(rounds)}")
+    if not out:
+        return []
+    return ["Rounds, msgs/s in run order (the broker's CPU per million messages from the "
+            "consumer's start to its last message; for rmq_async, the seconds its event loop's "
+            "thread spent runnable but waiting for a CPU, another thread on its core):", "",
+            *out, ""]
 
 
 def _runs_note(row: dict[str, Any]) -> str:

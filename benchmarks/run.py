@@ -464,6 +464,8 @@ def contender_command(rt: Runtime, contender: str, spec: dict[str, Any]) -> list
                 f"expected={spec['expected']}", f"queues={spec['queues']}",
                 f"latency={'true' if spec.get('latency') else 'false'}",
                 f"timeout={spec['stall_timeout']}", f"clktck={os.sysconf('SC_CLK_TCK')}"]
+        if spec.get("broker_pid"):
+            args.append(f"brokerpid={spec['broker_pid']}")
         if contender == "java-tuned":
             args.append(f"batch={TUNED_BATCH}")
         home = Path(tempfile.mkdtemp(prefix="java-home-", dir=rt.work))
@@ -516,7 +518,7 @@ async def run_contender(rt: Runtime, sc: Scenario, contender: str, rnd: int, top
     spec: dict[str, Any] = {
         "namesrv": rt.rmq.namesrv_addr, "group": group, "topic": topic,
         "expected": sc.messages, "queues": QUEUES, "latency": sc.kind == "latency",
-        "stall_timeout": rt.stall_timeout,
+        "stall_timeout": rt.stall_timeout, "broker_pid": rt.rmq.pids.get("broker"),
     }
     if rt.profile_dir is not None and contender.startswith("rmq_async"):
         spec["profile"] = str(rt.profile_dir / f"{sc.name}-{contender}-r{rnd}.pstats")
@@ -562,6 +564,8 @@ async def run_contender(rt: Runtime, sc: Scenario, contender: str, rnd: int, top
             end_to_end_msgs_per_s=round(consumed / seconds, 1) if seconds > 0 else None,
             cpu_s_per_million=round(cpu / consumed * 1e6, 2) if consumed else None,
             peak_rss_mib=round(int(res["peak_rss_kib"]) / 1024, 1),
+            broker_cpu_s_per_million=round(float(res["broker_cpu"]) / consumed * 1e6, 2)
+            if consumed and res.get("broker_cpu") is not None else None,
         )
     row.update(verified=ok, reason=reason)
     mark = "ok" if ok else f"NOT VERIFIED: {reason}"
@@ -576,6 +580,10 @@ async def run_contender(rt: Runtime, sc: Scenario, contender: str, rnd: int, top
     if res:
         detail += (f", CPU {float(res['cpu_user']) + float(res['cpu_sys']):.1f} s, "
                    f"peak RSS {row['peak_rss_mib']:.0f} MiB")
+        if res.get("broker_cpu") is not None:
+            detail += f", broker CPU {float(res['broker_cpu']):.1f} s"
+        if res.get("loop_waited_s") is not None:
+            detail += f", event loop waited for a CPU {float(res['loop_waited_s']):.1f} s"
     if steal is not None:
         detail += f", steal {steal:.1f}%"
     rt.progress.line(f"[{label}] {contender:<16} {detail} — {mark}")

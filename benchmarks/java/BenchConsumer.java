@@ -26,7 +26,8 @@ import org.apache.rocketmq.common.message.MessageExt;
  * Arguments are key=value pairs: namesrv, group, topic, expected (messages to wait for),
  * queues (the topic's queue count), batch (consumeMessageBatchMaxSize, 0 keeps the default),
  * latency (true records born/store-to-listener latencies), timeout (seconds without progress
- * before giving up), clktck (kernel clock ticks per second, for /proc/self/stat).
+ * before giving up), clktck (kernel clock ticks per second, for /proc/self/stat), brokerpid
+ * (optional: the broker's pid, whose CPU over the timed part is reported as broker_cpu).
  *
  * Prints, on standard output: "READY" once messages arrive (latency mode: once a probe message,
  * tagged "probe", has arrived from every queue; probes, and the warm-up messages tagged "warmup"
@@ -140,9 +141,26 @@ public class BenchConsumer {
     }
 
     static long[] procTicks() throws Exception {
-        String stat = new String(Files.readAllBytes(Paths.get("/proc/self/stat")), StandardCharsets.US_ASCII);
+        return procTicks("self");
+    }
+
+    /** (utime, stime) clock ticks of a process, all its threads. */
+    static long[] procTicks(String pid) throws Exception {
+        String stat = new String(Files.readAllBytes(Paths.get("/proc/" + pid + "/stat")), StandardCharsets.US_ASCII);
         String[] f = stat.substring(stat.lastIndexOf(')') + 2).trim().split(" ");
         return new long[] {Long.parseLong(f[11]), Long.parseLong(f[12])};
+    }
+
+    /** The broker's CPU ticks, or null when its pid is not given or it cannot be read. */
+    static long[] brokerTicks(String pid) {
+        if (pid == null) {
+            return null;
+        }
+        try {
+            return procTicks(pid);
+        } catch (Exception e) {
+            return null;
+        }
     }
 
     static long peakRssKib() throws Exception {
@@ -194,6 +212,7 @@ public class BenchConsumer {
         boolean latency = Boolean.parseBoolean(a.getOrDefault("latency", "false"));
         double timeout = Double.parseDouble(a.getOrDefault("timeout", "60"));
         double clkTck = Double.parseDouble(a.getOrDefault("clktck", "100"));
+        String brokerPid = a.get("brokerpid");
 
         BenchConsumer bench = new BenchConsumer(topic, expected, latency);
         DefaultMQPushConsumer consumer = new DefaultMQPushConsumer(a.get("group"));
@@ -207,6 +226,7 @@ public class BenchConsumer {
         consumer.registerMessageListener(
             (MessageListenerConcurrently) (msgs, ctx) -> bench.onMessages(msgs));
 
+        long[] broker0 = brokerTicks(brokerPid);
         long[] cpu0 = procTicks();
         long t0 = System.nanoTime();
         consumer.start();
@@ -240,6 +260,7 @@ public class BenchConsumer {
             }
         }
         long[] cpu1 = procTicks();
+        long[] broker1 = brokerTicks(brokerPid);
         long end = ok ? bench.endNanos : System.nanoTime();
         // Give late duplicates a moment to show up before the verdict.
         Thread.sleep(300);
@@ -262,6 +283,10 @@ public class BenchConsumer {
             (cpu1[0] - cpu0[0]) / clkTck, (cpu1[1] - cpu0[1]) / clkTck));
         sb.append(String.format(Locale.ROOT, "\"cpu_user_total\":%.3f,\"cpu_sys_total\":%.3f,",
             cpuTotal[0] / clkTck, cpuTotal[1] / clkTck));
+        if (broker0 != null && broker1 != null) {
+            sb.append(String.format(Locale.ROOT, "\"broker_cpu\":%.3f,",
+                (broker1[0] + broker1[1] - broker0[0] - broker0[1]) / clkTck));
+        }
         sb.append("\"peak_rss_kib\":").append(peakRssKib()).append(',');
         sb.append("\"runtime\":\"").append(System.getProperty("java.vm.name")).append(' ')
             .append(System.getProperty("java.version")).append("\",");

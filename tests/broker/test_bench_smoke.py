@@ -111,6 +111,13 @@ def test_bench_quick_writes_wellformed_outputs(tmp_path: Path) -> None:
             assert run["peak_rss_mib"] > 0, where
             assert 0 <= run["first_message_seconds"] <= run["seconds"], where
             assert 0.0 <= run["host_steal_pct"] <= 100.0, where
+            # Serving the pulls costs the broker something, whoever pulls; the pure-Python
+            # contenders also say how long their event loop waited for a CPU.
+            if not run["contender"].startswith("rocketmq"):
+                assert run["broker_cpu_s_per_million"] > 0, where
+            if run["contender"].startswith(("rmq_async", "raw")):
+                assert 0.0 <= run["loop_waited_s"] <= run["seconds"], where
+                assert run["loop_involuntary_switches"] >= 0, where
     preload = scenarios["drain-1KiB"]["preload"]
     assert sum(preload["per_queue"]) == preload["messages"] == scenarios["drain-1KiB"]["messages"]
     raw = {r["contender"] for r in scenarios["drain-1KiB"]["runs"]}
@@ -149,6 +156,9 @@ def test_bench_quick_writes_wellformed_outputs(tmp_path: Path) -> None:
     # The host's steal over the whole run (every contender's figures move with it).
     assert 0.0 <= data["host_steal_pct"] <= 100.0
     assert f"{data['host_steal_pct']:.1f}% of the machine's time" in md
+    # Each drain's rounds, in order, under its table.
+    assert md.count("Rounds, msgs/s in run order") == len(DRAINS)
+    assert "loop waited" in md and "broker" in md
     if "skipped" not in spark:
         assert "CPU seconds per million rows, per process" in md
     tables = _tables(md)
