@@ -226,26 +226,33 @@ def _rounds_lines(sc: dict[str, Any]) -> list[str]:
     thread waited for a CPU (runnable while another thread ran on its core)."""
     if sc["kind"] != "drain":
         return []
+
+    def shown(r: dict[str, Any]) -> str:
+        if not r["verified"]:
+            return "not verified"
+        side = []
+        if r.get("broker_cpu_s_per_million") is not None:
+            side.append(f"broker {r['broker_cpu_s_per_million']:.1f} CPU s / M")
+        if r.get("loop_waited_s") is not None:
+            side.append(f"loop waited {r['loop_waited_s']:.1f} s")
+        return _fmt(r["msgs_per_s"]) + (f" ({'; '.join(side)})" if side else "")
+
     out: list[str] = []
     for contender in sc.get("contenders", []):
-        rounds = []
-        for r in sc["runs"]:
-            if r["contender"] != contender or not r["verified"]:
-                continue
-            side = []
-            if r.get("broker_cpu_s_per_million") is not None:
-                side.append(f"broker {r['broker_cpu_s_per_million']:.1f} CPU s / M")
-            if r.get("loop_waited_s") is not None:
-                side.append(f"loop waited {r['loop_waited_s']:.1f} s")
-            rounds.append(_fmt(r["msgs_per_s"]) + (f" ({'; '.join(side)})" if side else ""))
+        rounds = [shown(r) for r in sc["runs"] if r["contender"] == contender and r["verified"]]
+        warm = [shown(r) for r in sc.get("warm_up", []) if r["contender"] == contender]
         if rounds:
-            out.append(f"- {LABELS.get(contender, contender)}: {', '.join(rounds)}")
+            out.append(f"- {LABELS.get(contender, contender)}: {', '.join(rounds)}"
+                       + (f"; untimed warm-up before them: {warm[0]}" if warm else ""))
     if not out:
         return []
+    warm_note = (" Before the timed rounds, every contender drained the topic once on the "
+                 "freshly started broker, untimed and not in the medians (its JIT compiles "
+                 "the pull path during the first drains)." if sc.get("warm_up") else "")
     return ["Rounds, msgs/s in run order (the broker's CPU per million messages from the "
             "consumer's start to its last message; for rmq_async, the seconds its event loop's "
-            "thread spent runnable but waiting for a CPU, another thread on its core):", "",
-            *out, ""]
+            f"thread spent runnable but waiting for a CPU, another thread on its core).{warm_note}",
+            "", *out, ""]
 
 
 def _runs_note(row: dict[str, Any]) -> str:
