@@ -86,9 +86,9 @@ class Scenario:
     rate: int = 0  # latency: messages per second
     warmup_seconds: float = 0.0  # latency: traffic at the rate before the measured messages
     batch_rows: int = 50_000  # spark
-    #: spark: one untimed pass of each path before the rounds (the JVMs' JIT); the quick run,
-    #: which checks the harness rather than speeds, goes without. drains: the first drain on
-    #: the broker starts with an untimed pass of every contender (the broker's JIT).
+    #: spark: one untimed pass of each path before the rounds (the JVMs' JIT); drains: the
+    #: first drain on the broker starts with an untimed pass of every contender (the broker's
+    #: JIT). The quick run, which checks the harness rather than speeds, goes without.
     jit_warm_up: bool = True
 
 
@@ -99,11 +99,11 @@ def plan(quick: bool, rounds: int | None) -> list[Scenario]:
         r = rounds or 1
         return [
             Scenario("drain-1KiB", "Drain: 40,000 x 1 KiB on 8 queues (quick)", "drain",
-                     40_000, 1024, r, raw + consumers),
+                     40_000, 1024, r, raw + consumers, jit_warm_up=False),
             Scenario("drain-100B", "Drain: 40,000 x 100 B (quick)", "drain", 40_000, 100, r,
-                     ["rmq_async-tuned", "java-tuned"]),
+                     ["rmq_async-tuned", "java-tuned"], jit_warm_up=False),
             Scenario("drain-16KiB", "Drain: 4,000 x 16 KiB (quick)", "drain", 4_000, 16384, r,
-                     ["rmq_async-tuned", "java-tuned"]),
+                     ["rmq_async-tuned", "java-tuned"], jit_warm_up=False),
             Scenario("latency", "Latency at 2,000 msg/s for 3 s, 1 KiB (quick)", "latency",
                      6_000, 1024, r, ["rmq_async", "rmq_async-tuned", "java", "java-tuned"],
                      rate=2_000, warmup_seconds=1.0),

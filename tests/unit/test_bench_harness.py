@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -62,3 +64,63 @@ def test_a_failed_childs_whole_stderr_is_kept_in_the_output(
     missing = run_module.ChildRun(cmd=["true"], cwd=tmp_path, env={},
                                   stderr_path=work / "drain-java-r1.stderr")
     assert missing.keep_stderr(out) == ""
+
+
+def test_the_first_drain_on_a_broker_starts_with_an_untimed_round_of_every_contender(
+        run_module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, str, int]] = []
+
+    async def fake_run_contender(rt: Any, sc: Any, contender: str, rnd: int, topic: str,
+                                 during: Any = None) -> dict[str, Any]:
+        calls.append((sc.name, contender, rnd))
+        return {"contender": contender, "round": rnd, "verified": True, "msgs_per_s": 1.0}
+
+    monkeypatch.setattr(run_module, "run_contender", fake_run_contender)
+    rt = SimpleNamespace(broker_warm=False)
+    first = run_module.Scenario("drain-a", "a", "drain", 10, 1024, 2, ["x", "y", "slow"],
+                                capped_rounds={"slow": 1})
+    second = run_module.Scenario("drain-b", "b", "drain", 10, 100, 2, ["x", "y"])
+    result = asyncio.run(run_module.run_drain(rt, first, first.contenders, topic="t1"))
+    # Round 0 (every contender but the one capped to fewer rounds), then the timed rounds.
+    assert calls == [("drain-a", "x", 0), ("drain-a", "y", 0),
+                     ("drain-a", "x", 1), ("drain-a", "y", 1), ("drain-a", "slow", 1),
+                     ("drain-a", "x", 2), ("drain-a", "y", 2)]
+    assert [r["round"] for r in result["warm_up"]] == [0, 0]
+    assert all(r["round"] >= 1 for r in result["runs"])
+    assert rt.broker_warm
+    # The drains after it meet a warm broker; a scenario without warm-up never has one.
+    calls.clear()
+    result = asyncio.run(run_module.run_drain(rt, second, second.contenders, topic="t2"))
+    assert result["warm_up"] == [] and [c[2] for c in calls] == [1, 1, 2, 2]
+    cold = SimpleNamespace(broker_warm=False)
+    quick = run_module.Scenario("drain-q", "q", "drain", 10, 100, 1, ["x"], jit_warm_up=False)
+    calls.clear()
+    assert asyncio.run(run_module.run_drain(cold, quick, quick.contenders,
+                                            topic="t3"))["warm_up"] == []
+    assert calls == [("drain-q", "x", 1)] and not cold.broker_warm
+
+
+def test_the_summary_lists_each_drains_rounds_and_its_warm_up(run_module: ModuleType) -> None:
+    import report
+
+    def run(contender: str, rnd: int, rate: float, **side: float) -> dict[str, Any]:
+        return {"contender": contender, "round": rnd, "verified": True, "msgs_per_s": rate,
+                **side}
+
+    sc = {"kind": "drain", "contenders": ["rmq_async", "java"],
+          "warm_up": [run("rmq_async", 0, 90_000.0, broker_cpu_s_per_million=9.8,
+                          loop_waited_s=1.5), run("java", 0, 70_000.0)],
+          "runs": [run("rmq_async", 1, 120_000.0, broker_cpu_s_per_million=3.5,
+                       loop_waited_s=0.8),
+                   run("java", 1, 80_000.0, broker_cpu_s_per_million=4.6),
+                   run("rmq_async", 2, 150_000.0, loop_waited_s=0.2),
+                   {**run("java", 2, 0.0), "verified": False}]}
+    lines = report._rounds_lines(sc)
+    assert "untimed and not in the medians" in lines[0]
+    assert ("- rmq_async (defaults): 120,000 (broker 3.5 CPU s / M; loop waited 0.8 s), "
+            "150,000 (loop waited 0.2 s); untimed warm-up before them: 90,000 (broker 9.8 "
+            "CPU s / M; loop waited 1.5 s)") in lines
+    # A run that failed verification is left out of the rounds, as of the medians.
+    assert ("- Java DefaultMQPushConsumer (defaults): 80,000 (broker 4.6 CPU s / M); untimed "
+            "warm-up before them: 70,000") in lines
+    assert report._rounds_lines({**sc, "kind": "latency"}) == []
