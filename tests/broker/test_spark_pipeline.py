@@ -3,8 +3,8 @@
 What is checked: exact round trips of every column, retries of a failing write, redelivery of a
 batch whose retries ran out, committed offsets that never pass an unwritten batch (a consumer
 process SIGKILLed after a failed write, and after a successful write before its offsets were
-persisted, then restarted), bounded memory under a slow write, and batch sizes that follow the
-consumer's flow control instead of waiting for ``max_batch_latency``.
+persisted, then restarted), and batch sizes that follow the consumer's flow control instead of
+waiting for ``max_batch_latency``. Bounded memory under a slow write: ``test_spark_slow_write.py``.
 
 The crash tests run the consumer as a subprocess (``tests/broker/spark_consumer_proc.py``) so
 that it can be killed with SIGKILL; the others run it in the test's own event loop.
@@ -12,16 +12,10 @@ that it can be killed with SIGKILL; the others run it in the test's own event lo
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
-import json
-import os
 import random
-import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +23,17 @@ import pytest
 
 pytest.importorskip("pyspark", reason="needs the spark extra")
 
-from rmq_async import Message, MessageQueue, Producer, PushConsumer
+from rmq_async import Message, PushConsumer
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.protocol import message
 from rmq_async.sinks.spark import BatchInfo, SparkSink, parquet_writer
-from tests.helpers import AdminClient, send_batch_unchecked, unique, wait_until
+from tests.broker.spark_pipeline_support import (
+    consumer_process,
+    key_counts,
+    produce_tracked,
+    small_messages,
+)
+from tests.helpers import AdminClient, unique, wait_until
 from tests.spark.session import local_spark
 
 if TYPE_CHECKING:
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.broker, pytest.mark.spark]
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = ["topic", "broker_name", "queue_id", "queue_offset"]
 #: Properties the client or broker adds to what the producer set.
 SYSTEM_PROPERTIES = {"UNIQ_KEY", "WAIT", "MIN_OFFSET", "MAX_OFFSET", "CLUSTER", "MSG_REGION", "TRACE_ON"}
@@ -80,34 +79,6 @@ def mixed_messages(topic: str, n: int, *, seed: int = 11) -> list[Message]:
     return msgs
 
 
-def small_messages(topic: str, n: int, *, size: int = 100) -> list[Message]:
-    pad = b"." * size
-    return [Message(topic, (f"{i:09d}".encode() + pad)[:size], tags="t", keys=[f"k{i}"],
-                    properties={"seq": str(i)}) for i in range(n)]
-
-
-async def produce_tracked(namesrv: str, msgs: Sequence[Message], *, batch: int = 128,
-                          in_flight: int = 4, queue: MessageQueue | None = None,
-                          ) -> list[tuple[int, int]]:
-    """Batch-send ``msgs``; returns ``(queue_id, queue_offset)`` of each, in order."""
-    placed: list[tuple[int, int]] = [(-1, -1)] * len(msgs)
-    async with Producer(unique("PG_spark"), namesrv) as producer:
-        sem = asyncio.Semaphore(in_flight)
-
-        async def send(start: int) -> None:
-            chunk = list(msgs[start:start + batch])
-            async with sem:
-                # (Unchecked: the mixed messages' empty bodies, which the producer refuses
-                # as Java's does, as another client stores them.)
-                r = await send_batch_unchecked(producer, chunk, queue=queue)
-            for i in range(len(chunk)):
-                placed[start + i] = (r.queue_id, r.queue_offset + i)
-
-        async with asyncio.TaskGroup() as tg:
-            for start in range(0, len(msgs), batch):
-                tg.create_task(send(start))
-    assert len(set(placed)) == len(msgs)
-    return placed
 
 
 # ---------------------------------------------------------------------------- reading back
@@ -118,13 +89,6 @@ def read_table(spark: SparkSession, path: Path, columns: Sequence[str] | None = 
     if columns is not None:
         df = df.select(*columns)
     return df.toArrow()
-
-
-def key_counts(table: pa.Table) -> collections.Counter[tuple[str, int, int]]:
-    """How often each (topic, queue_id, queue_offset) occurs (one broker in these tests)."""
-    return collections.Counter(zip(table.column("topic").to_pylist(),
-                                   table.column("queue_id").to_pylist(),
-                                   table.column("queue_offset").to_pylist(), strict=True))
 
 
 def seq_of(props: Any) -> int:
@@ -156,54 +120,6 @@ async def consume_until(consumer: PushConsumer, sink: SparkSink, rows: int, time
 
 
 # ---------------------------------------------------------------------------- consumer process
-
-
-@dataclass
-class ConsumerProcess:
-    """The subprocess consumer of ``spark_consumer_proc``, read event by event."""
-
-    proc: asyncio.subprocess.Process
-    stderr_path: Path
-    events: list[dict[str, Any]]
-
-    async def next_event(self, predicate: Callable[[dict[str, Any]], bool],
-                         timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        async with asyncio.timeout(timeout):
-            while True:
-                line = await self.proc.stdout.readline()
-                if not line:
-                    await self.proc.wait()
-                    raise AssertionError(f"consumer process exited ({self.proc.returncode}):\n"
-                                         f"{self.stderr_tail()}")
-                event: dict[str, Any] = json.loads(line)
-                self.events.append(event)
-                if predicate(event):
-                    return event
-
-    def stderr_tail(self, n: int = 4000) -> str:
-        return self.stderr_path.read_text(errors="replace")[-n:]
-
-    async def kill(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()  # SIGKILL
-        await self.proc.wait()
-
-
-@contextlib.asynccontextmanager
-async def consumer_process(cfg: dict[str, Any], workdir: Path) -> AsyncIterator[ConsumerProcess]:
-    err = workdir / f"{unique('consumer')}.err"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with err.open("wb") as err_file:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.broker.spark_consumer_proc", json.dumps(cfg),
-            cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=err_file,
-        )
-    cp = ConsumerProcess(proc, err, [])
-    try:
-        yield cp
-    finally:
-        await cp.kill()
 
 
 def batch_ranges(event: dict[str, Any]) -> dict[int, tuple[int, int]]:
@@ -560,62 +476,3 @@ async def test_kill_between_write_and_offset_persist_duplicates_only_that_window
     dedup = spark.read.parquet(str(out)).dropDuplicates(KEY)
     assert dedup.count() == len(sent)
     assert set(key_counts(dedup.select("topic", "queue_id", "queue_offset").toArrow())) == sent
-
-
-async def cached_bytes_per_message(namesrv: str, topic: str, sample: int = 4000) -> float:
-    """Python heap bytes one pulled message of ``topic`` takes, measured on a sample."""
-    import tracemalloc
-
-    async with AdminClient(namesrv) as admin:
-        tracemalloc.start()
-        try:
-            before = tracemalloc.get_traced_memory()[0]
-            msgs = await admin.read_all(topic, max_per_queue=sample // 8)
-            after = tracemalloc.get_traced_memory()[0]
-        finally:
-            tracemalloc.stop()
-    return (after - before) / len(msgs)
-
-
-@pytest.mark.slow(seconds=120)
-@pytest.mark.timeout(600)  # 500k messages through a deliberately slow writer
-async def test_slow_write_keeps_memory_bounded_over_500k_messages(
-        rocketmq: LocalRocketMQ, spark: SparkSession, tmp_path: Path) -> None:
-    topic = unique("T_spark_slow")
-    await rocketmq.create_topic(topic, queues=8)
-    total = 500_000
-    placed = await produce_tracked(rocketmq.namesrv_addr, small_messages(topic, total),
-                                   batch=512, in_flight=4)
-    per_message = await cached_bytes_per_message(rocketmq.namesrv_addr, topic)
-    out = tmp_path / "rows.parquet"
-    per_queue = 6250  # 8 queues: at most ~50,000 messages held, batches of 25,000
-    cfg = {
-        "namesrv": rocketmq.namesrv_addr, "topic": topic, "group": unique("G_spark_slow"),
-        "out": str(out), "batch_rows": 1_000_000, "max_batch_latency": 5.0, "write_sleep": 2.0,
-        "expect_rows": total,
-        "consumer": {"pull_threshold_for_queue": per_queue,
-                     "consume_concurrently_max_span": per_queue},
-    }
-    started = time.monotonic()
-    async with consumer_process(cfg, tmp_path) as proc:
-        done = await proc.next_event(lambda e: e["event"] == "done", 300)
-        assert await proc.proc.wait() == 0, proc.stderr_tail()
-    seconds = time.monotonic() - started
-    growth_mib = (done["peak_rss_kib"] - done["baseline_rss_kib"]) / 1024
-    all_cached_mib = total * per_message / 2**20
-    print(f"\n500k messages, 2 s per write: {seconds:.0f} s, {done['batches']} batches of "
-          f"{done['effective_batch_rows']}, peak RSS {done['peak_rss_kib'] / 1024:.0f} MiB "
-          f"(+{growth_mib:.0f} MiB over the started consumer; all 500k messages cached would be "
-          f"{all_cached_mib:.0f} MiB at {per_message:.0f} B each), {done}")
-    capacity = 8 * (per_queue + 32)
-    assert done["effective_batch_rows"] == 8 * (per_queue + 1) // 2
-    assert done["rows_written"] == total
-    assert done["max_cached"] <= capacity and done["max_backlog"] <= capacity
-    # What the process grew by is a fraction of what holding the 500,000 waiting messages
-    # would take (it holds at most a tenth of them, plus up to two batches in Arrow form: the
-    # one being written and the next one, converted while that write runs). Measured on the
-    # project's machine: +84 MiB with one batch in Arrow form, +121 to +124 MiB with two, of 361.
-    assert growth_mib < all_cached_mib / 2.5, done
-    counts = key_counts(read_table(spark, out, ["topic", "queue_id", "queue_offset"]))
-    assert len(counts) == total and max(counts.values()) == 1
-    assert set(counts) == {(topic, q, o) for q, o in placed}
