@@ -127,16 +127,15 @@ def side_readings(broker_pid: int | None) -> SideReadings:
 
 def side_figures(start: SideReadings, end: SideReadings) -> dict[str, Any]:
     """The figures of two :func:`side_readings` for a run's result (None where unknown)."""
-    waits = (start[0], end[0])
-    broker = (start[1], end[1])
-    return {
-        "loop_waited_s": round(waits[1][0] - waits[0][0], 3)
-        if waits[0] is not None and waits[1] is not None else None,
-        "loop_involuntary_switches": waits[1][1] - waits[0][1]
-        if waits[0] is not None and waits[1] is not None else None,
-        "broker_cpu": round(broker[1] - broker[0], 3)
-        if broker[0] is not None and broker[1] is not None else None,
-    }
+    (waits0, broker0), (waits1, broker1) = start, end
+    out: dict[str, Any] = dict.fromkeys(
+        ("loop_waited_s", "loop_involuntary_switches", "broker_cpu"))
+    if waits0 is not None and waits1 is not None:
+        out["loop_waited_s"] = round(waits1[0] - waits0[0], 3)
+        out["loop_involuntary_switches"] = waits1[1] - waits0[1]
+    if broker0 is not None and broker1 is not None:
+        out["broker_cpu"] = round(broker1 - broker0, 3)
+    return out
 
 
 def tree_cpu_seconds(root: int) -> dict[tuple[int, int], float]:
