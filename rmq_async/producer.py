@@ -27,7 +27,13 @@ import anyio
 import structlog
 
 from rmq_async.client.api import SendResult
-from rmq_async.client.errors import MQBrokerError, MQClientError, NoPermissionError, NoRouteError
+from rmq_async.client.errors import (
+    RETRY_SEND_CODES,
+    MQBrokerError,
+    MQClientError,
+    NoPermissionError,
+    NoRouteError,
+)
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.options import (
     Credentials,
@@ -51,7 +57,6 @@ from rmq_async.protocol.codes import (
     COMPRESSION_ZLIB,
     COMPRESSION_ZSTD,
     MessageSysFlag,
-    ResponseCode,
 )
 from rmq_async.protocol.filter import java_string_hash
 from rmq_async.protocol.message import (
@@ -75,14 +80,6 @@ log = structlog.get_logger(__name__)
 
 # Bodies at least this large are compressed in a worker thread.
 _COMPRESS_INLINE = 64 * 1024
-
-# Broker answers after which Java's producer tries again (on another broker; 5.3.3's
-# DefaultMQProducer retryResponseCodes); any other answer is final.
-_RETRY_BROKER_CODES = frozenset({
-    ResponseCode.TOPIC_NOT_EXIST, ResponseCode.SERVICE_NOT_AVAILABLE, ResponseCode.SYSTEM_ERROR,
-    ResponseCode.SYSTEM_BUSY, ResponseCode.NO_PERMISSION, ResponseCode.NO_BUYER_ID,
-    ResponseCode.NOT_IN_CURRENT_UNIT, ResponseCode.GO_AWAY,
-})
 
 QueueSelector = Callable[[list[MessageQueue], Message], MessageQueue]
 
@@ -505,7 +502,7 @@ class Producer:
                     break
                 if selector is not None:
                     break
-                if isinstance(exc, MQBrokerError) and exc.code not in _RETRY_BROKER_CODES:
+                if isinstance(exc, MQBrokerError) and exc.code not in RETRY_SEND_CODES:
                     break
         if timed_out:
             raise RemotingTimeout(

@@ -28,6 +28,16 @@ class MQBrokerError(MQClientError):
         super().__init__(f"{what}failed{where}: {name} ({code}) {self.remark}".rstrip())
 
 
+#: Broker answers after which Java's producer sends again (on another broker where it can:
+#: 5.3.3's ``DefaultMQProducer.retryResponseCodes``, and GO_AWAY, a broker shutting down);
+#: any other answer is final.
+RETRY_SEND_CODES = frozenset({
+    ResponseCode.TOPIC_NOT_EXIST, ResponseCode.SERVICE_NOT_AVAILABLE, ResponseCode.SYSTEM_ERROR,
+    ResponseCode.SYSTEM_BUSY, ResponseCode.NO_PERMISSION, ResponseCode.NO_BUYER_ID,
+    ResponseCode.NOT_IN_CURRENT_UNIT, ResponseCode.GO_AWAY,
+})
+
+
 class NoPermissionError(MQBrokerError):
     """The broker refused the request for lack of permission (ACL): check the credentials."""
 

@@ -8,11 +8,12 @@ owner. No part below ``push.py`` sees the consumer itself.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 import structlog
 
-from rmq_async.client.errors import MQClientError
+from rmq_async.client.errors import RETRY_SEND_CODES, MQBrokerError, MQClientError
 from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND
 from rmq_async.consumer.options import ConsumeFromWhere
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
@@ -30,7 +31,7 @@ from rmq_async.protocol.types import (
     PROPERTY_RETRY_TOPIC,
     PROPERTY_TRANSACTION_PREPARED,
 )
-from rmq_async.remoting.errors import RemotingError
+from rmq_async.remoting.errors import RemotingError, RemotingTimeout
 
 if TYPE_CHECKING:
     from rmq_async.client.instance import ClientInstance
@@ -44,6 +45,11 @@ if TYPE_CHECKING:
     from rmq_async.protocol.types import MessageExt, MessageQueue
 
 log = structlog.get_logger(__name__)
+
+#: The send-back fallback's copy is sent as Java's inner producer sends: this many attempts
+#: (``retryTimesWhenSendFailed`` 2, plus the first) within this many seconds (its send timeout).
+RETRY_RESEND_ATTEMPTS = 3
+RETRY_RESEND_TIMEOUT = 3.0
 
 #: Properties the pull loop or the delay added to a delivered message, and the transaction
 #: mark (a copy is a plain message, as Java's consumer clears it on its retry copies): not
@@ -161,12 +167,13 @@ class ConsumerRuntime:
 
     async def _resend_to_retry_topic(self, msg: MessageExt, delay_level: int,
                                      max_times: int) -> bool:
-        """Java's fallback when CONSUMER_SEND_MSG_BACK fails (the message's master is down or
-        refused): produce a copy into ``%RETRY%<group>`` on whichever group's master takes it,
-        other groups first. The copy carries ``RETRY_TOPIC``, ``ORIGIN_MESSAGE_ID``, the next
-        reconsume count and delay level ``3 + reconsume_times``, as the broker's own retry copies
-        do; for a dead letter (``delay_level < 0``) its reconsume count is over the limit, so the
-        broker moves it into ``%DLQ%<group>``."""
+        """Java's fallback when CONSUMER_SEND_MSG_BACK fails (the message's master is down,
+        refused, or shed the request as busy): produce a copy into ``%RETRY%<group>`` on
+        whichever group's master takes it, other groups first. The copy carries
+        ``RETRY_TOPIC``, ``ORIGIN_MESSAGE_ID``, the next reconsume count and delay level
+        ``3 + reconsume_times``, as the broker's own retry copies do; for a dead letter
+        (``delay_level < 0``) its reconsume count is over the limit, so the broker moves it into
+        ``%DLQ%<group>``."""
         reconsume = max_times + 1 if delay_level < 0 else msg.reconsume_times + 1
         props = retry_copy_properties(msg)
         props[PROPERTY_RECONSUME_TIME] = str(reconsume)
@@ -182,8 +189,22 @@ class ConsumerRuntime:
         for mq in queues:
             by_broker.setdefault(mq.broker_name, mq)
         order = sorted(by_broker, key=lambda name: name == msg.broker_name)
-        last_error = "no writable queue of " + self.retry_topic
-        for name in order:
+        if not order:
+            log.warning("consume.retry_resend_failed", msg_id=msg.msg_id, topic=msg.topic,
+                        queue_id=msg.queue_id, offset=msg.queue_offset,
+                        error="no writable queue of " + self.retry_topic)
+            return False
+        # As Java's inner producer sends it: up to RETRY_RESEND_ATTEMPTS attempts (the next
+        # broker group each time, round the list again if it is shorter) within one send
+        # timeout, again only after an answer its producer retries (a busy broker among them).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RETRY_RESEND_TIMEOUT
+        last_error = ""
+        for attempt in range(RETRY_RESEND_ATTEMPTS):
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            name = order[attempt % len(order)]
             mq = by_broker[name]
             try:
                 addr = await self.instance.find_broker_master(name, self.retry_topic)
@@ -191,13 +212,18 @@ class ConsumerRuntime:
                     addr, mq, producer_group=INNER_PRODUCER_GROUP, body=msg.body,
                     properties=encode_properties(props), flag=msg.flag,
                     reconsume_times=reconsume, max_reconsume_times=max_times,
+                    timeout=left,
                 )
             except (MQClientError, RemotingError) as exc:
                 last_error = str(exc)
+                if isinstance(exc, RemotingTimeout):
+                    break  # the broker may have stored it: not sent twice
+                if isinstance(exc, MQBrokerError) and exc.code not in RETRY_SEND_CODES:
+                    break
                 continue
             log.info("consume.retry_resent", msg_id=msg.msg_id, topic=msg.topic,
                      queue_id=msg.queue_id, offset=msg.queue_offset, via=name,
-                     reconsume_times=reconsume)
+                     reconsume_times=reconsume, attempts=attempt + 1)
             return True
         log.warning("consume.retry_resend_failed", msg_id=msg.msg_id, topic=msg.topic,
                     queue_id=msg.queue_id, offset=msg.queue_offset, error=last_error)

@@ -15,7 +15,11 @@ The verdict decides what happens to the chunk:
 * written: removed from the ProcessQueue, the queue's offset moves to the lowest message still
   cached, unless the queue was dropped meanwhile (then nothing is committed);
 * failed, clustering: each message is sent back (CONSUMER_SEND_MSG_BACK) and redelivered
-  through ``%RETRY%<group>``; once handed back it no longer holds the offset;
+  through ``%RETRY%<group>``; once handed back it no longer holds the offset. At most
+  :data:`SEND_BACK_PARALLEL` send-backs are in flight over all of the consumer's failed chunks
+  (a failed batch holds thousands of rows): the broker runs them on its send threads and sheds
+  requests that waited in their queue longer than ``waitTimeMillsInSendQueue`` (200 ms by
+  default) as SYSTEM_BUSY;
 * failed, and not handed back (broadcasting, or the broker did not take it): it stays cached,
   so the offset cannot pass it, and is offered to the sink again after a pause. A sink's data
   is never dropped.
@@ -59,7 +63,7 @@ log = structlog.get_logger(__name__)
 #: What the sink service hands a sink: a pull's messages, or its undecoded records.
 Chunk = list["MessageExt"] | StoredChunk
 
-#: Failed messages are sent back this many at a time.
+#: Failed messages are sent back this many at a time, over all failed chunks of a consumer.
 SEND_BACK_PARALLEL = 32
 
 
@@ -79,6 +83,8 @@ class SinkConsumeService:
         # Queues whose last chunk ended before the queue's max offset (the broker holds more).
         self._behind: set[MessageQueue] = set()
         self._started: list[SparkSink] = []  # sinks whose writer this consumer started
+        # Shared by every failed chunk's send-back (see the module docstring).
+        self._send_back_slots = asyncio.Semaphore(SEND_BACK_PARALLEL)
 
     def start(self) -> None:
         """Nothing to start: the sinks are started by :meth:`start_sinks`."""
@@ -306,7 +312,7 @@ class SinkConsumeService:
             sent_flags: list[bool] = []
             for start in range(0, len(msgs), SEND_BACK_PARALLEL):
                 part = msgs[start:start + SEND_BACK_PARALLEL]
-                sent_flags += await asyncio.gather(*(rt.send_message_back(m, 0) for m in part))
+                sent_flags += await asyncio.gather(*(self._send_back(m) for m in part))
             not_sent = [m for m, sent in zip(msgs, sent_flags, strict=True) if not sent]
             if len(not_sent) < len(msgs):
                 keep = {id(m) for m in not_sent}
@@ -320,6 +326,10 @@ class SinkConsumeService:
         await asyncio.sleep(SEND_BACK_FAILED_RETRY_DELAY)
         if not pq.dropped and not rt.stopping:
             self._offer(sink, not_sent, pq, mq, redelivered=True)
+
+    async def _send_back(self, msg: MessageExt) -> bool:
+        async with self._send_back_slots:
+            return await self._rt.send_message_back(msg, 0)
 
 
 class _ChunkAck:

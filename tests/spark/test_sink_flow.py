@@ -540,6 +540,35 @@ async def test_failed_chunk_is_sent_back_and_what_the_broker_refused_is_offered_
     await side.rt.tasks.aclose()
 
 
+async def test_the_send_backs_of_failed_chunks_share_one_bound(
+        side: SinkSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed batch fails all of its chunks at once: their send-backs together keep at most
+    SEND_BACK_PARALLEL requests at the broker, whose send queue sheds what waits too long."""
+    sink, mqs = attach(side, queues=3)
+    in_flight = peak = 0
+    sent: list[tuple[int, int]] = []
+
+    async def send_back(msg: MessageExt, delay_level: int) -> bool:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.005)
+        in_flight -= 1
+        sent.append((msg.queue_id, msg.queue_offset))
+        return True
+
+    monkeypatch.setattr(side.rt, "send_message_back", send_back)
+    for q in range(3):
+        pull(side, mqs[q], msgs(0, 40, queue_id=q))
+    for _, ack in list(sink.offers):
+        ack(False)
+    await wait_until(lambda: all(side.offset_store.read_memory(mqs[q]) == 40 for q in range(3)),
+                     10, what="every message sent back and committed")
+    assert peak == sink_service_module.SEND_BACK_PARALLEL
+    assert sorted(sent) == [(q, o) for q in range(3) for o in range(40)]
+    await side.rt.tasks.aclose()
+
+
 async def test_a_redelivered_chunk_is_written_in_a_batch_of_its_own() -> None:
     """Rows offered again after a failed write sit below newer rows of their queue: in one
     batch with them, the batch's offset range would span rows other batches wrote."""
