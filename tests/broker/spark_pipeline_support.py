@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rmq_async import Message, MessageQueue, Producer
-from tests.helpers import AdminClient, send_batch_unchecked, unique
+from tests.helpers import TEST_SEND_TIMEOUT, AdminClient, send_batch_unchecked, unique
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -35,7 +35,7 @@ async def produce_tracked(namesrv: str, msgs: Sequence[Message], *, batch: int =
                           ) -> list[tuple[int, int]]:
     """Batch-send ``msgs``; returns ``(queue_id, queue_offset)`` of each, in order."""
     placed: list[tuple[int, int]] = [(-1, -1)] * len(msgs)
-    async with Producer(unique("PG_spark"), namesrv) as producer:
+    async with Producer(unique("PG_spark"), namesrv, send_timeout=TEST_SEND_TIMEOUT) as producer:
         sem = asyncio.Semaphore(in_flight)
 
         async def send(start: int) -> None:
