@@ -34,11 +34,14 @@ async def test_paused_topic_gets_nothing_until_resumed(rocketmq: LocalRocketMQ) 
     await rocketmq.create_topic(other, queues=4)
     got: dict[str, collections.Counter[tuple[int, int]]] = {
         paused: collections.Counter(), other: collections.Counter()}
-    # Rebalance rounds every half second and a pull idle limit of one: a paused queue is held
-    # back, not idle, so the rounds during the pause must keep it (not drop and retake it).
+    # Rebalance rounds every half second and a pull idle limit of three seconds, shorter than
+    # the pause: a paused queue is held back, not idle (its pull loop looks again every
+    # pull_time_delay_when_suspend, 1 s, and counts as pulling), so the rounds during the
+    # pause must keep it (not drop and retake it). (At a limit of one second, the loop's own
+    # period, a wake-up a little late on a loaded machine read as idle.)
     consumer = PushConsumer(unique("G_pause"), namesrv=ns,
                             consume_from_where="CONSUME_FROM_FIRST_OFFSET",
-                            rebalance_interval=0.5, pull_max_idle_time=1.0)
+                            rebalance_interval=0.5, pull_max_idle_time=3.0)
 
     async def on(msgs: list[MessageExt]) -> ConsumeResult:
         for m in msgs:
@@ -58,7 +61,10 @@ async def test_paused_topic_gets_nothing_until_resumed(rocketmq: LocalRocketMQ) 
         sent_paused = await produce(ns, paused, simple_messages(paused, 500), batch=10)
         sent_other = await produce(ns, other, simple_messages(other, 500), batch=10)
         await wait_until(lambda: len(got[other]) == 500, 30, what="the running topic")
-        await asyncio.sleep(2.0)  # longer than the pause check interval: still nothing
+        # Longer than the pause check interval (still nothing), and the pause as a whole
+        # longer than the idle limit plus a rebalance round (a paused queue taken for idle
+        # would have been dropped by now).
+        await asyncio.sleep(3.6)
         assert len(got[paused]) == 100, "a paused topic received messages"
         assert _queues(consumer, paused) == 4  # paused, not given up
         assert all(consumer.process_queues.get(mq) is pq and not pq.dropped
