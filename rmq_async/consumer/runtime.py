@@ -189,18 +189,13 @@ class ConsumerRuntime:
         for mq in queues:
             by_broker.setdefault(mq.broker_name, mq)
         order = sorted(by_broker, key=lambda name: name == msg.broker_name)
-        if not order:
-            log.warning("consume.retry_resend_failed", msg_id=msg.msg_id, topic=msg.topic,
-                        queue_id=msg.queue_id, offset=msg.queue_offset,
-                        error="no writable queue of " + self.retry_topic)
-            return False
         # As Java's inner producer sends it: up to RETRY_RESEND_ATTEMPTS attempts (the next
         # broker group each time, round the list again if it is shorter) within one send
         # timeout, again only after an answer its producer retries (a busy broker among them).
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RETRY_RESEND_TIMEOUT
-        last_error = ""
-        for attempt in range(RETRY_RESEND_ATTEMPTS):
+        last_error = "no writable queue of " + self.retry_topic
+        for attempt in range(RETRY_RESEND_ATTEMPTS if order else 0):
             left = deadline - loop.time()
             if left <= 0:
                 break
