@@ -362,7 +362,7 @@ async def _pull_batches(spec: dict[str, Any], batch_rows: int) -> list[list[Mess
     return [out[i:i + batch_rows] for i in range(0, len(out), batch_rows)]
 
 
-def _verify_parquet(spark: Any, path: Path, expected: int,
+def _verify_parquet(path: Path, expected: int,
                     property_names: set[str] | None = None) -> tuple[bool, str]:
     """Every row once; with ``property_names``, the rows' property names are exactly those
     (the sink's rows against the baseline's: the same rows, not merely as many).
@@ -370,7 +370,7 @@ def _verify_parquet(spark: Any, path: Path, expected: int,
     Read back with pyarrow, column by column, not with a Spark query: a `distinct().count()`
     over 1,000,000 keys once failed with AGGREGATE_OUT_OF_MEMORY in the third round of a full
     run (the driver's execution memory after the rounds before), which cost the run its whole
-    Spark scenario. ``spark`` is not used (kept for the callers' shape).
+    Spark scenario.
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -508,7 +508,7 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
             cpu1 = await asyncio.to_thread(meter.snapshot)
             sink_run["cpu_s_per_million"] = meter.per_million(cpu0, cpu1, sink_run["rows"])
             sink_run["host_steal_pct"] = meter.steal(cpu0, cpu1)
-            ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected, names)
+            ok, reason = await asyncio.to_thread(_verify_parquet, path, expected, names)
             if sink_run["ok"] and not ok:
                 sink_run.update(ok=False, reason=reason)
             runs.append({"contender": contender, "round": rnd + 1, **sink_run})
@@ -539,7 +539,7 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
             seconds = time.perf_counter() - t
             cpu1 = await asyncio.to_thread(meter.snapshot)
             plain_cpu = meter.per_million(cpu0, cpu1, done_rows)
-            ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected, names)
+            ok, reason = await asyncio.to_thread(_verify_parquet, path, expected, names)
             if pulled != expected:
                 ok, reason = False, f"pulled {pulled} rows for the baseline, not {expected}"
             runs.append({"contender": "plain-spark-arrow", "round": rnd + 1, "ok": ok,
@@ -560,7 +560,7 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
             cpu1 = await asyncio.to_thread(meter.snapshot)
             source_cpu = meter.per_million(cpu0, cpu1, rows)
             emit(f"PROGRESS {rows}")
-            ok, reason = await asyncio.to_thread(_verify_parquet, spark, path, expected)
+            ok, reason = await asyncio.to_thread(_verify_parquet, path, expected)
             runs.append({"contender": "spark-source", "round": rnd + 1, "ok": ok,
                          "reason": reason, "rows": rows, "seconds": round(seconds, 3),
                          "cpu_s_per_million": source_cpu,
