@@ -6,9 +6,9 @@
 1. starts a real local RocketMQ (NameServer + Broker) once and compiles the Java contender;
 2. per scenario, creates a topic with 8 queues and preloads it with the rmq_async producer
    (batch sends, several in flight);
-3. runs every contender in turn, round after round (A B C … A B C …), each in a process of its
-   own with a fresh consumer group starting at the first offset, and checks that it consumed
-   exactly the preloaded messages, each once;
+3. runs every contender in turn, round after round, each round starting with the next one
+   (A B C, B C A, C A B …), each in a process of its own with a fresh consumer group starting
+   at the first offset, and checks that it consumed exactly the preloaded messages, each once;
 4. writes ``results.json`` (every raw figure and the environment), ``summary.md`` (medians and
    rmq_async / Java ratios) and ``chart.png`` under ``benchmarks/results/<timestamp>/``
    (or ``--out``).
@@ -622,16 +622,26 @@ async def run_drain(rt: Runtime, sc: Scenario, contenders: list[str],
         rt.broker_warm = True
     runs = []
     for rnd in range(1, sc.rounds + 1):
-        for contender in contenders:
+        for contender in round_order(contenders, rnd):
             if rnd <= sc.capped_rounds.get(contender, sc.rounds):
                 runs.append(await run_contender(rt, sc, contender, rnd, topic))
     return {"topic": topic, "preload": load, "warm_up": warm_up, "runs": runs}
 
 
+def round_order(contenders: list[str], rnd: int) -> list[str]:
+    """The contenders of round ``rnd`` (from 1): each round starts with the next one, so that
+    no contender always follows the same one (its page cache, the broker's state after it) or
+    always runs first or last."""
+    if not contenders:
+        return []
+    shift = (rnd - 1) % len(contenders)
+    return contenders[shift:] + contenders[:shift]
+
+
 async def run_latency(rt: Runtime, sc: Scenario, contenders: list[str]) -> dict[str, Any]:
     runs = []
     for rnd in range(1, sc.rounds + 1):
-        for contender in contenders:
+        for contender in round_order(contenders, rnd):
             topic = await new_topic(rt, "bench_latency")
             producer_info: dict[str, Any] = {}
 

@@ -81,10 +81,11 @@ def test_the_first_drain_on_a_broker_starts_with_an_untimed_round_of_every_conte
                                 capped_rounds={"slow": 1})
     second = run_module.Scenario("drain-b", "b", "drain", 10, 100, 2, ["x", "y"])
     result = asyncio.run(run_module.run_drain(rt, first, first.contenders, topic="t1"))
-    # Round 0 (every contender but the one capped to fewer rounds), then the timed rounds.
+    # Round 0 (every contender but the one capped to fewer rounds), then the timed rounds,
+    # each starting with the next contender.
     assert calls == [("drain-a", "x", 0), ("drain-a", "y", 0),
                      ("drain-a", "x", 1), ("drain-a", "y", 1), ("drain-a", "slow", 1),
-                     ("drain-a", "x", 2), ("drain-a", "y", 2)]
+                     ("drain-a", "y", 2), ("drain-a", "x", 2)]
     assert [r["round"] for r in result["warm_up"]] == [0, 0]
     assert all(r["round"] >= 1 for r in result["runs"])
     assert rt.broker_warm
@@ -98,6 +99,15 @@ def test_the_first_drain_on_a_broker_starts_with_an_untimed_round_of_every_conte
     assert asyncio.run(run_module.run_drain(cold, quick, quick.contenders,
                                             topic="t3"))["warm_up"] == []
     assert calls == [("drain-q", "x", 1)] and not cold.broker_warm
+
+
+def test_each_round_starts_with_the_next_contender(run_module: ModuleType) -> None:
+    order = ["a", "b", "c"]
+    rounds = [run_module.round_order(order, rnd) for rnd in range(1, 5)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    # Over as many rounds as contenders, each runs once in every position.
+    assert all(sorted(r[i] for r in rounds[:3]) == order for i in range(3))
+    assert run_module.round_order([], 2) == [] and order == ["a", "b", "c"]
 
 
 def test_the_summary_lists_each_drains_rounds_and_its_warm_up(run_module: ModuleType) -> None:
