@@ -175,8 +175,8 @@ def markdown(result: dict[str, Any]) -> str:
         else:
             lines += [
                 "| contender | msgs/s | MB/s | first msg after s | CPU s / M msgs | peak RSS MiB "
-                "| msgs/s vs Java | CPU vs Java |",
-                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+                "| broker CPU s / M msgs | loop waited s | msgs/s vs Java | CPU vs Java |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             ]
             for contender, row in per.items():
                 vs = row["vs_java"] or {}
@@ -186,6 +186,8 @@ def markdown(result: dict[str, Any]) -> str:
                     f"| {_fmt(row['first_message_seconds'], '.2f')} "
                     f"| {_fmt(row['cpu_s_per_million'], '.1f')} "
                     f"| {_fmt(row['peak_rss_mib'], '.0f')} "
+                    f"| {_fmt(row.get('broker_cpu_s_per_million'), '.1f')} "
+                    f"| {_fmt(row.get('loop_waited_s'), '.1f')} "
                     f"| {_fmt_ratio(vs.get('msgs_per_s'))} "
                     f"| {_fmt_ratio(vs.get('cpu_s_per_million'))} |"
                 )
