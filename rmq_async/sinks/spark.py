@@ -572,19 +572,22 @@ class SparkSink:
         every chunk not yet written is acknowledged with ``False``. The sink stays open, so the
         loop may be started again.
         """
-        async with self._writer_lock:
-            self._running = True
-            try:
+        # Running from its first step, before it has the lock: a flush() writing batches
+        # itself holds the lock meanwhile, and a flush() after it must leave the rest to this
+        # loop rather than queue for the lock behind it (this loop keeps it until closed).
+        self._running = True
+        try:
+            async with self._writer_lock:
                 while True:
                     batch = await self._next_batch()
                     if batch is None:
                         return
                     await self._write_batch(batch)
-            except BaseException:
-                self._fail_outstanding()
-                raise
-            finally:
-                self._running = False
+        except BaseException:
+            self._fail_outstanding()
+            raise
+        finally:
+            self._running = False
 
     async def flush(self) -> None:
         """Close the open batch now and return once everything offered so far is acknowledged.

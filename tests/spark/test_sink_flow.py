@@ -841,3 +841,25 @@ def test_a_decoded_value_column_keeps_the_tables_even_slices(path: str) -> None:
     sizes = [b.num_rows for b in job.table.to_batches(max_chunksize=10_000)]
     assert len(sizes) == 3 and max(sizes) - min(sizes) <= 32, sizes  # whole pulls of 32
     assert job.table.column("value").to_pylist()[:2] == [{"id": 7}, {"id": 7}]
+
+
+async def test_flushes_right_after_start_do_not_wait_for_the_writer_loop_for_good() -> None:
+    """A flush before the writer loop's first step writes the batch itself; the loop then
+    takes the writer lock and keeps it. A second flush queued for that lock waited forever."""
+    write = Writes()
+    sink = sink_for(write, batch_rows=1000, max_batch_latency=60.0)
+    owner = TaskOwner("sink")
+    await sink.start(owner)
+    try:
+        async with asyncio.timeout(10):
+            sink.offer(msgs(0, 32), ignore)
+            await sink.flush()  # before the loop has run: written here
+            sink.offer(msgs(32, 32), ignore)
+            await sink.flush()  # the loop is starting: written by it
+            sink.offer(msgs(64, 32), ignore)
+            await sink.flush()
+    finally:
+        await sink.aclose()
+        await owner.aclose()
+    assert write.rows == [32, 32, 32]
+
