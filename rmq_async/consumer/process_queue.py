@@ -65,6 +65,7 @@ class ProcessQueue:
     """Cached messages of one message queue, ordered by queue offset."""
 
     __slots__ = (
+        "__weakref__",  # the sink service tells one assignment of a queue from the next
         "_consuming",
         "_msgs",
         "_offsets",

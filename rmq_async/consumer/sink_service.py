@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import weakref
 from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,8 @@ class SinkConsumeService:
         self._started: list[SparkSink] = []  # sinks whose writer this consumer started
         # Shared by every failed chunk's send-back (see the module docstring).
         self._send_back_slots = asyncio.Semaphore(SEND_BACK_PARALLEL)
+        # The ProcessQueue each queue's last chunk came from: a new one is a new assignment.
+        self._assigned: dict[MessageQueue, weakref.ref[ProcessQueue]] = {}
 
     def start(self) -> None:
         """Nothing to start: the sinks are started by :meth:`start_sinks`."""
@@ -184,6 +187,18 @@ class SinkConsumeService:
         if mq.topic != rt.retry_topic:
             self._tell_flow_limit(sink)
         try:
+            held = self._assigned.get(mq)
+            previous = held() if held is not None else None
+            if previous is not pq:
+                # The queue was given up and taken again: pulled anew from its committed
+                # offset, maybe after another consumer wrote rows of it meanwhile. The sink
+                # closes a batch holding rows of the earlier assignment, whose offset range
+                # would otherwise span the rows the other consumer wrote. (An earlier
+                # ProcessQueue that is gone has no rows in any batch: each chunk's
+                # acknowledgement holds its ProcessQueue.)
+                if previous is not None:
+                    _queue_reassigned(sink, mq)
+                self._assigned[mq] = weakref.ref(pq)
             ack = _ChunkAck(self, sink, msgs, pq, mq)
             if redelivered and _takes_redelivered(sink):
                 sink.offer(msgs, ack, redelivered=True)
@@ -352,6 +367,15 @@ class _ChunkAck:
 
     def __call__(self, ok: bool) -> None:
         self._service._acked(ok, self._sink, self._msgs, self._pq, self._mq)
+
+
+def _queue_reassigned(sink: object, mq: MessageQueue) -> None:
+    """Tell ``sink`` that rows of ``mq`` offered from now on are of a new assignment of the
+    queue (a sink written before :meth:`MessageSink.queue_reassigned` is not told)."""
+    hook = getattr(sink, "queue_reassigned", None)
+    if hook is not None:
+        log.debug("sink.queue_reassigned", queue=str(mq))
+        hook(mq)
 
 
 def _takes_redelivered(sink: object) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from rmq_async.errors import IllegalStateError
 from rmq_async.protocol.stored import StoredChunk
-from rmq_async.protocol.types import MessageExt
+from rmq_async.protocol.types import MessageExt, MessageQueue
 
 __all__ = ["AckCallback", "MessageSink", "SinkClosedError", "TaskSpawner"]
 
@@ -42,6 +42,14 @@ class MessageSink(Protocol):
         ``ack`` is called once its fate is known. ``redelivered`` marks messages offered
         again after their write failed (and the broker did not take them back): they sit
         below offsets of their queue offered since, maybe already stored."""
+        ...
+
+    def queue_reassigned(self, mq: MessageQueue) -> None:
+        """``mq`` was given up (a rebalance, an offset the broker moved) and taken again: the
+        rows of it offered from now on are pulled anew from its committed offset, maybe after
+        another consumer stored rows of it. Rows of both assignments must not share a batch
+        whose offset range covers what the other consumer stored. Called before the first
+        chunk of the new assignment is offered. (Optional: a sink without it is not told.)"""
         ...
 
     def want_more(self) -> bool:

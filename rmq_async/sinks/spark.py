@@ -72,8 +72,9 @@ overwrite of exactly that range is idempotent as well and avoids the join of a M
 (Ranges are contiguous when the consumer delivers every offset of a queue to the sink; tag
 filtering or messages handed back to the broker leave holes, which no batch writes. Messages
 offered again after their batch failed, because the broker did not take them back, are
-written in batches of their own, one chunk per queue, so that no batch's range spans rows
-another batch wrote.)
+written in batches of their own, one chunk per queue, and a queue given up and taken again
+starts a new batch (another consumer may have stored its rows between the two assignments),
+so that no batch's range spans rows another batch wrote.)
 
 Both keys cover a batch written again at the same coordinates. A batch given up (its write
 failed ``write_retries`` times more) is handed back to the broker, and its messages come back
@@ -497,6 +498,23 @@ class SparkSink:
     def effective_batch_bytes(self) -> int:
         """Body bytes at which a batch closes: ``batch_bytes``, or half the flow limit."""
         return self._eff_bytes
+
+    def queue_reassigned(self, mq: MessageQueue) -> None:
+        """``mq`` was given up and taken again (the consumer calls it before offering the
+        first chunk of the new assignment): the open batch, if it holds rows of ``mq``, is
+        closed.
+
+        Those rows are of the earlier assignment. Meanwhile another consumer may have taken
+        the queue, stored rows beyond them and committed its offset; the new assignment starts
+        there. In one batch with the new rows, the batch's offset range for ``mq`` would span
+        the rows the other consumer stored, and an overwrite of that range would delete them.
+        """
+        batch = self._open
+        if batch is not None and batch.rows and (
+                (mq.topic, mq.broker_name, mq.queue_id) in batch.tops
+                or (batch.redelivered is not None
+                    and (mq.topic, mq.broker_name, mq.queue_id) in batch.redelivered)):
+            self._close_open()
 
     def expedite(self) -> None:
         """Close the open batch as soon as the writer is free, without waiting for the latency.

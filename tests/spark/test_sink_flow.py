@@ -843,6 +843,59 @@ def test_a_decoded_value_column_keeps_the_tables_even_slices(path: str) -> None:
     assert job.table.column("value").to_pylist()[:2] == [{"id": 7}, {"id": 7}]
 
 
+async def test_a_queue_taken_again_starts_a_new_batch() -> None:
+    """Rows 100-199 of a queue wait in the open batch when the queue is given up; another
+    consumer stores 200-299 and commits; the queue comes back at 300. One batch of 100-199 and
+    300-331 would cover 200-299, and an overwrite of its range would delete them."""
+    infos: list[BatchInfo] = []
+    sink = SparkSink(None, lambda df, info: infos.append(info), create_dataframe=lambda t: t,
+                     batch_rows=1000, max_batch_latency=60.0, retry_backoff=0.0)
+    owner = TaskOwner("sink")
+    await sink.start(owner)
+    mq = MessageQueue("orders", "broker-a", 0)
+    other = MessageQueue("orders", "broker-a", 1)
+    try:
+        sink.offer(msgs(100, 32), ignore)
+        sink.offer(msgs(132, 68), ignore)
+        sink.queue_reassigned(other)  # holds no row of that queue: the batch stays open
+        sink.offer(msgs(300, 32), ignore)
+        await sink.flush()
+        assert [i.offset_ranges for i in infos] == [{mq: (100, 331)}]  # one assignment
+        infos.clear()
+        sink.offer(msgs(400, 32), ignore)
+        sink.queue_reassigned(mq)
+        sink.offer(msgs(600, 32), ignore)
+        await sink.flush()
+    finally:
+        await sink.aclose()
+        await owner.aclose()
+    assert [i.offset_ranges for i in infos] == [{mq: (400, 431)}, {mq: (600, 631)}]
+
+
+async def test_the_consumer_tells_the_sink_of_a_queue_taken_again(side: SinkSide) -> None:
+    """The sink service tells a new assignment (a new ProcessQueue of the queue) from the
+    one before and tells the sink before offering its first chunk."""
+    told: list[tuple[MessageQueue, int]] = []
+
+    class Told(FakeSink):
+        def queue_reassigned(self, mq: MessageQueue) -> None:
+            told.append((mq, len(self.offers)))
+
+    _, mqs = attach(side, queues=2, sink=Told())
+    pull(side, mqs[0], msgs(100, 32))
+    pull(side, mqs[1], msgs(0, 32, queue_id=1))
+    pull(side, mqs[0], msgs(132, 32))
+    assert told == []
+    side.consumer.process_queues.pop(mqs[0]).dropped = True  # given up, its chunks unwritten
+    side.consumer.process_queues[mqs[0]] = ProcessQueue()  # and taken again
+    pull(side, mqs[0], msgs(300, 32))
+    pull(side, mqs[0], msgs(332, 32))
+    assert told == [(mqs[0], 3)]  # once, before the new assignment's first chunk
+    # A sink without the hook takes the chunks all the same.
+    plain, _ = attach(SinkSide(), queues=1)
+    assert not hasattr(plain, "queue_reassigned")
+
+
 async def test_flushes_right_after_start_do_not_wait_for_the_writer_loop_for_good() -> None:
     """A flush before the writer loop's first step writes the batch itself; the loop then
     takes the writer lock and keeps it. A second flush queued for that lock waited forever."""
@@ -863,3 +916,36 @@ async def test_flushes_right_after_start_do_not_wait_for_the_writer_loop_for_goo
         await owner.aclose()
     assert write.rows == [32, 32, 32]
 
+
+async def test_a_conversion_ahead_ends_before_the_writer_it_belongs_to() -> None:
+    """Cancelled while batch 2 is converted ahead of its write, and cancelled again while it
+    waits for that conversion, the writer still waits for it (its thread cannot be
+    interrupted): no conversion task or thread outlives the writer's owner."""
+    write = Writes()
+    write.gate.clear()
+    converting = threading.Event()
+    converted = threading.Event()
+
+    def create(table: Any) -> Any:
+        if table.column("queue_offset")[0].as_py() == 100:
+            converting.set()
+            time.sleep(2.5)  # past the owner's second cancellation (1 s after the first)
+            converted.set()
+        return table
+
+    sink = SparkSink(None, write, create_dataframe=create, batch_rows=100,
+                     max_batch_latency=30.0, retry_backoff=0.0)
+    owner = TaskOwner("sink")
+    await sink.start(owner)
+    sink.offer(msgs(0, 100), ignore)  # batch 1: its write waits for the gate
+    await write.wait_entered()
+    sink.offer(msgs(100, 100), ignore)  # batch 2: converted ahead, slowly
+    assert await asyncio.to_thread(converting.wait, 10)
+    closing = asyncio.ensure_future(owner.aclose())
+    await asyncio.sleep(0.2)
+    write.gate.set()  # write 1 ends; the writer, cancelled, now waits for the conversion
+    await closing
+    assert converted.is_set(), "the owner was done while the conversion still ran"
+    assert not [t for t in asyncio.all_tasks()
+                if "convert_next" in getattr(t.get_coro(), "__qualname__", "")]
+    await sink.aclose()
