@@ -11,6 +11,7 @@ service, which acknowledges it into the offset store. They share a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import os
@@ -64,6 +65,12 @@ if TYPE_CHECKING:
     from rmq_async.sinks.spark import SparkSink
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+#: How long a call from another thread (:meth:`PushConsumer.pause` in a plain handler, say)
+#: waits for the consumer's event loop to run it.
+THREAD_CALL_TIMEOUT = 30.0
 
 #: The consumer whose ``start()`` hooks or ``stop()`` the running code is part of, and which
 #: of the two: calling ``start()`` or ``stop()`` of that consumer there could only wait for
@@ -143,6 +150,7 @@ class PushConsumer:
         back), or ``"failed"`` (the stop raised part-way). Empty after a clean stop."""
         self._started = False
         self._starting = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran on
         self._stop_running = False  # a stop() is under way (its body, under the lock)
         self._start_lock = asyncio.Lock()
         self._owner: TaskOwner | None = None
@@ -256,6 +264,9 @@ class PushConsumer:
         def register(fn: Callable[..., Any] | None) -> None:
             adapter = (ListenerAdapter(fn, batch=batch, model=model, decoder=decoder)
                        if fn is not None else None)
+            self._on_loop(lambda: add(fn, adapter))
+
+        def add(fn: Callable[..., Any] | None, adapter: ListenerAdapter | None) -> None:
             self.subscriptions.add(Subscription(
                 topic=topic,
                 expression=expression,
@@ -314,8 +325,11 @@ class PushConsumer:
         failed, and reach the group's dead-letter queue (``%DLQ%<group>``) after
         ``max_reconsume_times``. (Java's one listener per consumer would still get them.)
         Subscribe the topic again to take them, or read them from the dead-letter queue."""
-        if self._subs.pop(topic, None) is not None and self._started:
-            self._subscription_changed()
+        def remove() -> None:
+            if self._subs.pop(topic, None) is not None and self._started:
+                self._subscription_changed()
+
+        self._on_loop(remove)
 
     def _subscription_changed(self) -> None:
         if self.instance is not None:
@@ -353,18 +367,60 @@ class PushConsumer:
 
         Long polls in flight for those topics are abandoned at once, so nothing pulled after
         this call reaches the listener; batches already handed to the consume side finish.
+
+        Redeliveries of a topic's failed messages come through the group's retry topic
+        (:attr:`retry_topic`), which all topics of the group share: ``pause()`` with no
+        argument pauses it too (as Java's ``suspend()`` does), ``pause("orders")`` does not,
+        and ``pause(["orders", consumer.retry_topic])`` holds back the retries of every topic.
+
+        Safe to call from any thread (a plain ``def`` handler runs in a worker thread): the
+        call is made on the consumer's event loop and waited for.
         """
-        chosen = self._topic_set(topics)
-        self._paused.update(chosen)
-        self._interrupt_pulls(chosen)
-        log.info("consumer.paused", group=self.group, topics=sorted(self._paused))
+        def pause() -> None:
+            chosen = self._topic_set(topics)
+            self._paused.update(chosen)
+            self._interrupt_pulls(chosen)
+            log.info("consumer.paused", group=self.group, topics=sorted(self._paused))
+
+        self._on_loop(pause)
 
     def resume(self, topics: Iterable[str] | str | None = None) -> None:
-        """Pull the given topics (all when ``None``) again, right away."""
-        chosen = set(self._paused) if topics is None else self._topic_set(topics)
-        self._paused.difference_update(chosen)
-        self._interrupt_pulls(chosen)
-        log.info("consumer.resumed", group=self.group, paused=sorted(self._paused))
+        """Pull the given topics (all when ``None``) again, right away. Safe to call from any
+        thread, as :meth:`pause` is."""
+
+        def resume() -> None:
+            chosen = set(self._paused) if topics is None else self._topic_set(topics)
+            self._paused.difference_update(chosen)
+            self._interrupt_pulls(chosen)
+            log.info("consumer.resumed", group=self.group, paused=sorted(self._paused))
+
+        self._on_loop(resume)
+
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the consumer's event loop: here when called on it (or when it does not
+        run), else handed to it from this thread and waited for.
+
+        A plain (``def``) handler runs in a worker thread, and may call :meth:`pause` there
+        as Java listeners call ``suspend()``: the consumer's state and tasks belong to its
+        loop, which is not thread-safe.
+        """
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return fn()
+        with contextlib.suppress(RuntimeError):
+            if asyncio.get_running_loop() is loop:
+                return fn()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn())
+                except BaseException as exc:
+                    done.set_exception(exc)
+
+        loop.call_soon_threadsafe(run)
+        return done.result(timeout=THREAD_CALL_TIMEOUT)
 
     def _interrupt_pulls(self, topics: set[str]) -> None:
         if self.pull_service is None or self.stopping:
@@ -427,6 +483,7 @@ class PushConsumer:
 
     async def _start(self) -> None:
         """The body of :meth:`start`, under its lock."""
+        self._loop = asyncio.get_running_loop()
         self._rt = None  # the runtime of a stop() before is not this start's
         self.start_timestamp = int(time.time() * 1000)
         self.subscriptions.reset_retry()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rmq_async import ConsumeResult, MessageExt, PushConsumer
+from rmq_async import ConsumeResult, Message, MessageExt, PushConsumer
 from rmq_async.consumer.admin import build_running_info
 from rmq_async.devbroker import LocalRocketMQ
 from tests.helpers import (
@@ -77,6 +77,46 @@ async def test_paused_topic_gets_nothing_until_resumed(rocketmq: LocalRocketMQ) 
     assert set(got[paused].values()) == {1}
     print(f"\npause: 500 messages held while paused, delivered {latency:.2f} s after resume")
     assert latency < 5.0
+
+
+async def test_a_plain_handler_pauses_and_resumes_from_its_worker_thread(
+        rocketmq: LocalRocketMQ) -> None:
+    """A plain (``def``) handler runs in a worker thread and pauses its topic there, as Java
+    listeners call suspend(): the call reaches the consumer's loop, the message is
+    acknowledged (no error reached the handler), and every queue keeps its pull task."""
+    ns = rocketmq.namesrv_addr
+    topic = unique("T_thread_pause")
+    await rocketmq.create_topic(topic, queues=4)
+    got: collections.Counter[tuple[int, int]] = collections.Counter()
+    errors: list[BaseException] = []
+    consumer = PushConsumer(unique("G_thread_pause"), namesrv=ns,
+                            consume_from_where="CONSUME_FROM_FIRST_OFFSET")
+
+    def on(msg: MessageExt) -> None:  # runs in a worker thread
+        got[(msg.queue_id, msg.queue_offset)] += 1
+        if msg.body == b"pause":
+            try:
+                consumer.pause(topic)
+            except BaseException as exc:
+                errors.append(exc)
+                raise
+
+    consumer.subscribe(topic, listener=on)
+    async with consumer:
+        await produce(ns, topic, simple_messages(topic, 40), batch=10)
+        await wait_until(lambda: len(got) == 40, 30, what="the first 40")
+        await produce(ns, topic, [Message(topic, b"pause")])
+        await wait_until(lambda: consumer.is_paused(topic), 30, what="the pause")
+        await asyncio.sleep(0.5)
+        assert errors == []
+        queues = [mq for mq in consumer.process_queues if mq.topic == topic]
+        assert len(queues) == 4 and all(consumer.pull_service.is_pulling(mq) for mq in queues)
+        await produce(ns, topic, simple_messages(topic, 60), batch=10)
+        await asyncio.sleep(2.0)
+        assert len(got) == 41, "a paused topic received messages"
+        await asyncio.to_thread(consumer.resume, topic)  # from another thread as well
+        await wait_until(lambda: len(got) == 101, 30, what="everything after resume")
+    assert set(got.values()) == {1}, "a message came twice (the pausing call failed?)"
 
 
 async def test_subscribe_and_unsubscribe_after_start_with_stats(rocketmq: LocalRocketMQ) -> None:
