@@ -80,6 +80,7 @@ class ProcessQueue:
         "msg_count",
         "msg_size",
         "offset_fixed",
+        "ordered",
         "queue_offset_max",
         "try_unlock_times",
     )
@@ -114,6 +115,10 @@ class ProcessQueue:
         self.try_unlock_times = 0
         self.consuming = False
         """Orderly: a consume task is (or is about to be) working on this queue."""
+        self.ordered: bool | None = None
+        """Whether its topic was consumed orderly when the rebalance took the queue (None: not
+        taken by a rebalance). A topic subscribed again in the other mode, or a retry queue
+        whose consumer's subscriptions became all orderly or no longer are, is taken anew."""
 
     # ------------------------------------------------------------------ internals
 

@@ -203,6 +203,15 @@ class Rebalancer:
                 # crashed): it would wait for pull_max_idle_time. Taken out and back in.
                 log.warning("rebalance.queue_without_pull_task", queue=str(mq))
                 leaving.append((mq, "not_pulled"))
+            elif (pq.ordered is not None and not pq.dropped
+                  and pq.ordered != rt.subscriptions.is_orderly(topic)):
+                # Subscribed again in the other mode (or a retry queue whose consumer's
+                # subscriptions became all orderly, or no longer are): the queue's state
+                # belongs to the old mode's service, so it is released and taken anew (an
+                # orderly one locked first), from its committed offset.
+                log.info("rebalance.consume_mode_changed", queue=str(mq),
+                         orderly=not pq.ordered)
+                leaving.append((mq, "mode_changed"))
             elif pq.is_pull_expired(now, rt.options.pull_max_idle_time) and not pq.dropped:
                 log.warning("rebalance.queue_pull_expired", queue=str(mq))
                 leaving.append((mq, "pull_expired"))
@@ -229,6 +238,7 @@ class Rebalancer:
                 log.warning("rebalance.start_offset_unknown", queue=str(mq))
                 continue
             pq = ProcessQueue()
+            pq.ordered = rt.subscriptions.is_orderly(mq.topic)
             if self._needs_lock(mq):
                 pq.locked = True
                 pq.last_lock_timestamp = time.monotonic()

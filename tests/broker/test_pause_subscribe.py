@@ -205,3 +205,39 @@ async def test_orderly_subscription_after_start_locks_and_unsubscribe_unlocks(
 
             await wait_until_async(all_locked, 10, what="the locks given back")
     assert sorted(got) == list(range(100))
+
+
+async def test_a_topic_subscribed_again_orderly_is_taken_anew_and_consumed_in_order(
+        rocketmq: LocalRocketMQ) -> None:
+    """unsubscribe() and subscribe(orderly=True) of a topic in one go: the rebalance round
+    sees the topic held all along, so its queues, taken in the concurrent mode, must be
+    taken anew (locked) for the orderly service, which never started on the old ones."""
+    ns = rocketmq.namesrv_addr
+    topic = unique("T_mode")
+    await rocketmq.create_topic(topic, queues=2)
+    concurrent: collections.Counter[tuple[int, int]] = collections.Counter()
+    ordered: collections.Counter[tuple[int, int]] = collections.Counter()
+    consumer = PushConsumer(unique("G_mode"), namesrv=ns,
+                            consume_from_where="CONSUME_FROM_FIRST_OFFSET",
+                            rebalance_interval=1.0)
+
+    async def on_concurrent(msg: MessageExt) -> None:
+        concurrent[(msg.queue_id, msg.queue_offset)] += 1
+
+    async def on_ordered(msg: MessageExt) -> None:
+        ordered[(msg.queue_id, msg.queue_offset)] += 1
+
+    consumer.subscribe(topic, listener=on_concurrent)
+    async with consumer:
+        await produce(ns, topic, simple_messages(topic, 20), batch=10)
+        await wait_until(lambda: len(concurrent) == 20, 30, what="the concurrent 20")
+        consumer.unsubscribe(topic)
+        consumer.subscribe(topic, listener=on_ordered, orderly=True)
+        await produce(ns, topic, simple_messages(topic, 20, prefix="o"), batch=10)
+        # (Messages of the first 20 may come again: the queues are taken anew from the offset
+        # the broker holds, as after any rebalance.)
+        await wait_until(lambda: len(set(ordered) - set(concurrent)) == 20, 30,
+                         what="the 20 sent after the change, to the orderly handler")
+        queues = {mq: pq for mq, pq in consumer.process_queues.items() if mq.topic == topic}
+        assert len(queues) == 2 and all(pq.locked and pq.ordered for pq in queues.values())
+    assert set(concurrent.values()) == {1} and set(ordered.values()) == {1}
