@@ -27,6 +27,7 @@ from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.types import Message, MessageExt, MessageQueue
 from rmq_async.remoting.errors import (
     ConnectionClosed,
+    ConnectionLostInFlight,
     RemotingConnectError,
     RemotingError,
     RemotingTimeout,
@@ -39,6 +40,7 @@ __all__ = [
     "App",
     "CallNext",
     "ConnectionClosed",
+    "ConnectionLostInFlight",
     "ConsumeCall",
     "ConsumeContext",
     "ConsumeFromWhere",

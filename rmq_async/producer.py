@@ -73,7 +73,12 @@ from rmq_async.protocol.types import (
     MessageQueue,
 )
 from rmq_async.remoting.client import until_deadline
-from rmq_async.remoting.errors import RemotingError, RemotingTimeout, TlsVerificationError
+from rmq_async.remoting.errors import (
+    ConnectionLostInFlight,
+    RemotingError,
+    RemotingTimeout,
+    TlsVerificationError,
+)
 from rmq_async.remoting.tls import client_ssl_context
 
 log = structlog.get_logger(__name__)
@@ -454,7 +459,9 @@ class Producer:
 
         Each attempt (route lookup, connecting, the request) gets what the ones before it
         left. An attempt that timed out used the rest: the message is not sent again (the
-        broker may have stored it), and neither is it once nothing is left.
+        broker may have stored it), and neither is it once nothing is left. Nor after the
+        connection closed while the request was out (:class:`ConnectionLostInFlight`), for the
+        same reason; Java sends it again in both cases, risking a duplicate.
         """
         attempts = 1 + (self.options.retry_times_when_send_failed if queue is None else 0)
         loop = asyncio.get_running_loop()
@@ -500,6 +507,8 @@ class Producer:
                 if isinstance(exc, RemotingTimeout):
                     timed_out = True  # this attempt had what was left of send_timeout
                     break
+                if isinstance(exc, ConnectionLostInFlight):
+                    break  # sent, then the connection died: the broker may have stored it
                 if selector is not None:
                     break
                 if isinstance(exc, MQBrokerError) and exc.code not in RETRY_SEND_CODES:

@@ -4,6 +4,7 @@ from rmq_async.remoting.client import RemotingClient
 from rmq_async.remoting.connection import Connection, RequestHandler, RpcHook, split_addr
 from rmq_async.remoting.errors import (
     ConnectionClosed,
+    ConnectionLostInFlight,
     RemotingConnectError,
     RemotingError,
     RemotingTimeout,
@@ -13,6 +14,7 @@ from rmq_async.remoting.errors import (
 __all__ = [
     "Connection",
     "ConnectionClosed",
+    "ConnectionLostInFlight",
     "RemotingClient",
     "RemotingConnectError",
     "RemotingError",

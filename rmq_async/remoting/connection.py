@@ -36,6 +36,7 @@ from rmq_async.protocol.command import FrameDecoder, RemotingCommand, next_opaqu
 from rmq_async.protocol.errors import ProtocolError
 from rmq_async.remoting.errors import (
     ConnectionClosed,
+    ConnectionLostInFlight,
     RemotingConnectError,
     RemotingTimeout,
     TlsVerificationError,
@@ -91,6 +92,8 @@ class Connection(asyncio.BufferedProtocol):
         # Frames written during one loop iteration, sent together at its end (one syscall for
         # the pulls of several queues answered in the same read).
         self._out: list[bytes] | None = None
+        # The requests whose frames wait in _out: not yet handed to the transport.
+        self._unsent: set[int] = set()
         self._can_write.set()
         # Requests kept in flight (_start): opaque -> deadline (loop time) and -> timeout.
         self._deadlines: dict[int, float] = {}
@@ -198,6 +201,7 @@ class Connection(asyncio.BufferedProtocol):
                 out, self._out = self._out, None
                 if out:  # frames written just before a graceful close still go out
                     transport.writelines(out)
+                    self._unsent.clear()
                 transport.close()
                 if transport.get_write_buffer_size():
                     # close() waits for the buffer to drain: a peer that stopped reading would
@@ -212,9 +216,15 @@ class Connection(asyncio.BufferedProtocol):
         self._deadlines.clear()
         self._timeouts.clear()
         pending, self._pending = self._pending, {}
-        for fut in pending.values():
+        unsent, self._unsent = self._unsent, set()
+        for opaque, fut in pending.items():
             if not fut.done():
-                err = ConnectionClosed(f"{reason} ({self.addr})", addr=self.addr)
+                # A request that went out may have been acted on (a message stored): the
+                # caller must not take the failure for "not done" (see ConnectionLostInFlight).
+                err = (ConnectionClosed(f"{reason} ({self.addr})", addr=self.addr)
+                       if opaque in unsent else ConnectionLostInFlight(
+                           f"{reason} ({self.addr}) after the request was sent",
+                           addr=self.addr))
                 err.__cause__ = exc
                 fut.set_exception(err)
         for task in self._handler_tasks:
@@ -330,7 +340,8 @@ class Connection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------------ sending
 
-    async def _write(self, parts: list[bytes], timeout: float = DEFAULT_WRITE_TIMEOUT) -> None:
+    async def _write(self, parts: list[bytes], timeout: float = DEFAULT_WRITE_TIMEOUT,
+                     opaque: int | None = None) -> None:
         """Write a frame; while the transport is paused (the peer does not read), wait for it
         to drain at most ``timeout`` seconds, then give up with :class:`RemotingTimeout`."""
         if self._closed or self._transport is None:
@@ -345,7 +356,7 @@ class Connection(asyncio.BufferedProtocol):
                 ) from None
             if self._closed:
                 raise self._closed_error()
-        self._send_soon(parts)
+        self._send_soon(parts, opaque)
 
     def _closed_error(self) -> ConnectionClosed:
         err = ConnectionClosed(f"connection to {self.addr} is closed", addr=self.addr)
@@ -366,7 +377,7 @@ class Connection(asyncio.BufferedProtocol):
         try:
             # The write shares the request's deadline: a peer that stopped reading must not
             # hold the caller past it (the timer only fails the response future).
-            await self._write(cmd.encode_parts(), timeout)
+            await self._write(cmd.encode_parts(), timeout, cmd.opaque)
             return await fut
         finally:
             timer.cancel()
@@ -414,7 +425,7 @@ class Connection(asyncio.BufferedProtocol):
         self._timeouts[opaque] = timeout
         if deadline < self._sweep_at:
             self._schedule_sweep(loop, deadline)
-        self._send_soon(parts)
+        self._send_soon(parts, opaque)
         return fut
 
     def _schedule_sweep(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
@@ -449,7 +460,9 @@ class Connection(asyncio.BufferedProtocol):
         if self._close_when_idle:
             self._close_if_idle()
 
-    def _send_soon(self, parts: list[bytes]) -> None:
+    def _send_soon(self, parts: list[bytes], opaque: int | None = None) -> None:
+        if opaque is not None:
+            self._unsent.add(opaque)
         out = self._out
         if out is None:
             self._out = list(parts)
@@ -461,6 +474,7 @@ class Connection(asyncio.BufferedProtocol):
         out, self._out = self._out, None
         if out and not self._closed and self._transport is not None:
             self._transport.writelines(out)
+            self._unsent.clear()
 
     def abort(self) -> None:
         """Close at once: the socket too, with whatever it has not sent yet (pending requests

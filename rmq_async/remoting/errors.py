@@ -36,5 +36,13 @@ class ConnectionClosed(RemotingError):
     """
 
 
+class ConnectionLostInFlight(ConnectionClosed):
+    """The connection closed after the request was sent and before its response came.
+
+    As after a :class:`RemotingTimeout`, the peer may have acted on the request (a broker may
+    have stored the message): the producer does not send such a message again.
+    """
+
+
 class RemotingTimeout(RemotingError, TimeoutError):
     """No response arrived within the request's timeout."""

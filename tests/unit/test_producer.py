@@ -16,6 +16,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from rmq_async import (
+    ConnectionLostInFlight,
     Message,
     Producer,
     RemotingConnectError,
@@ -319,6 +320,32 @@ async def test_a_send_that_timed_out_is_not_sent_again() -> None:
             assert time.monotonic() - started < 2.5  # three full timeouts were 3 s
             await asyncio.sleep(0.1)
             assert len(a.received) + len(b.received) == 1
+        finally:
+            await producer.stop()
+
+
+async def test_a_send_whose_connection_died_after_it_went_out_is_not_sent_again() -> None:
+    # broker-a reads the request and resets the connection without an answer (it may have
+    # stored the message); a retry on broker-b would store a second copy.
+    brokers: dict[str, FakeBroker] = {}
+
+    async def reset(cmd: RemotingCommand, conn: int) -> RemotingCommand | None:
+        brokers["a"]._writers[conn].transport.abort()
+        return None
+
+    async with FakeBroker(reset) as a, FakeBroker(_slow(0)) as b:
+        brokers["a"] = a
+        producer = Producer("PG", "127.0.0.1:1", send_timeout=3.0)
+        _route_to(producer, {"broker-a": a.addr, "broker-b": b.addr})
+        try:
+            with pytest.raises(ConnectionLostInFlight):
+                await producer.send(Message("T", b"x"))
+            await asyncio.sleep(0.1)
+            assert len(a.received) == 1 and b.received == []
+            # A connection that could not be made is no such doubt: retried on broker-b.
+            _route_to(producer, {"broker-a": "127.0.0.1:1", "broker-b": b.addr})
+            result = await producer.send(Message("T", b"y"))
+            assert result.broker_name == "broker-b"
         finally:
             await producer.stop()
 

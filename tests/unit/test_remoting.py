@@ -17,6 +17,7 @@ from rmq_async.protocol.errors import ProtocolError
 from rmq_async.remoting import (
     Connection,
     ConnectionClosed,
+    ConnectionLostInFlight,
     RemotingClient,
     RemotingConnectError,
     RemotingError,
@@ -142,6 +143,24 @@ async def test_close_fails_pending_requests() -> None:
             await task
         with pytest.raises(ConnectionClosed):
             await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=1)
+
+
+async def test_a_close_tells_requests_that_went_out_from_those_that_did_not() -> None:
+    """A request handed to the socket before the connection closed may have been acted on
+    (ConnectionLostInFlight); one still queued for the loop turn's write was not."""
+    async with Peer(silent) as peer:
+        conn = await Connection.open(peer.addr)
+        sent = conn.start_request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=30)
+        assert sent is not None
+        await asyncio.sleep(0.05)  # written
+        queued = conn.start_request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=30)
+        assert queued is not None
+        conn.abort()  # in the same loop turn: the second frame never leaves
+        with pytest.raises(ConnectionLostInFlight):
+            await sent
+        with pytest.raises(ConnectionClosed) as info:
+            await queued
+        assert not isinstance(info.value, ConnectionLostInFlight)
 
 
 async def test_garbage_from_peer_closes_with_typed_error_promptly() -> None:
