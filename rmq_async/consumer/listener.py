@@ -101,6 +101,17 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return call is not None and inspect.iscoroutinefunction(call)
 
 
+def _is_generator(fn: Callable[..., Any]) -> bool:
+    """A (sync or async) generator function: calling it runs none of its body."""
+    if isinstance(fn, functools.partial):
+        return _is_generator(fn.func)
+    for f in (fn, getattr(fn, "__call__", None)):  # noqa: B004
+        if f is not None and (inspect.isgeneratorfunction(f)
+                              or inspect.isasyncgenfunction(f)):
+            return True
+    return False
+
+
 def inspect_handler(fn: Callable[..., Any], *, batch: bool | None = None) -> HandlerShape:
     """Read a handler's shape (see the module docs); ``TypeError`` for one that cannot be called.
 
@@ -110,6 +121,12 @@ def inspect_handler(fn: Callable[..., Any], *, batch: bool | None = None) -> Han
     if not callable(fn):
         raise InvalidTypeError(f"a handler must be callable, got {fn!r}")
     name = str(getattr(fn, "__qualname__", None) or getattr(type(fn), "__qualname__", repr(fn)))
+    if _is_generator(fn):
+        # Called, it would only make a generator object (taken for a success), its body
+        # never run: every message acknowledged unprocessed.
+        raise InvalidTypeError(
+            f"handler {name} is a generator function (it contains `yield`); a handler runs "
+            "to its end and returns its result: write it without `yield`")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as exc:

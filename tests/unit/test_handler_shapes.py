@@ -100,6 +100,14 @@ def test_context_is_never_injected_by_position() -> None:
     ("async def h(m, a: ConsumeContext, b: ConsumeContext): ...", "two ConsumeContext"),
     ("async def h(m, *, extra): ...", "'extra' has no default"),
     ("async def h(m, c: ConsumeContext, /): ...", "positional-only"),
+    # Called, a generator function runs none of its body: every message would be
+    # acknowledged unprocessed.
+    ("async def h(m):\n    yield m", "generator function"),
+    ("def h(m):\n    yield m", "generator function"),
+    ("import functools\nasync def g(m, n):\n    yield m\nh = functools.partial(g, n=1)",
+     "generator function"),
+    ("class C:\n    async def __call__(self, m):\n        yield m\nh = C()",
+     "generator function"),
 ])
 def test_bad_signatures_raise_type_error_at_subscribe(src: str, match: str) -> None:
     ns: dict[str, Any] = {"ConsumeContext": ConsumeContext}
