@@ -74,6 +74,12 @@ class App:
         """``True`` from a successful :meth:`start` until a :meth:`stop` has returned."""
         return self._started
 
+    async def wait_stopped(self) -> None:
+        """Return once no member is running: every one stopped, by :meth:`stop` or by its own
+        code (``app.stop()`` or its ``consumer.stop()`` from a handler, say)."""
+        for c in self.consumers:
+            await c.wait_stopped()
+
     async def start(self) -> None:
         """Start every consumer, in order."""
         async with self._start_lock:

@@ -233,7 +233,14 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
         started = True
         log.info("cli.running", target=spec, pid=os.getpid(),
                  consumers=[c.group for c in app.consumers])
-        await stop.wait()
+        if not await _until_stop_or_stopped(stop, app):
+            # The app's own code stopped it (app.stop() or the consumers' stop() from a
+            # handler): nothing left to run, the process ends as after a drain.
+            await app.stop()  # (returns once a stop under way has gone through)
+            undone = {c.group: list(c.stop_shortfalls) for c in app.consumers
+                      if c.stop_shortfalls}
+            log.info("cli.app_stopped_itself", **({"left_undone": undone} if undone else {}))
+            return 1 if undone else 0
         if forced:  # two requests before this task went on: the second forces the exit
             return 1
         t0 = time.monotonic()
@@ -273,6 +280,23 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
             os.close(stop_fd)
         if metrics is not None:
             await anyio.to_thread.run_sync(metrics.close)
+
+
+async def _until_stop_or_stopped(stop: asyncio.Event, app: App) -> bool:
+    """Wait for a stop request (True) or for every consumer of ``app`` to have stopped on its
+    own (False)."""
+    if not app.consumers:  # (an App subclass that runs something else: only a request)
+        await stop.wait()
+        return True
+    requested = asyncio.ensure_future(stop.wait())
+    stopped = asyncio.ensure_future(app.wait_stopped())
+    try:
+        await asyncio.wait({requested, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (requested, stopped):
+            task.cancel()
+        await asyncio.gather(requested, stopped, return_exceptions=True)
+    return stop.is_set()
 
 
 def _stop_fd() -> int | None:

@@ -149,6 +149,8 @@ class PushConsumer:
         (the final offsets not all persisted) and ``"unlocks"`` (orderly locks not given
         back), or ``"failed"`` (the stop raised part-way). Empty after a clean stop."""
         self._started = False
+        self._stopped = asyncio.Event()  # set while not started
+        self._stopped.set()
         self._starting = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran on
         self._stop_running = False  # a stop() is under way (its body, under the lock)
@@ -556,6 +558,7 @@ class PushConsumer:
         self._owner.spawn(self.instance.route_refresh_loop(o.route_refresh_interval),
                           name="route-refresh")
         self._started = True
+        self._stopped.clear()
         log.info("consumer.started", group=self.group, client_id=self.client_id,
                  topics=list(self._subs), model=str(o.message_model))
 
@@ -724,6 +727,7 @@ class PushConsumer:
         self._owner = None
         self._lag = None
         self._started = False
+        self._stopped.set()
         self.stop_shortfalls = tuple(shortfalls)
         log.info("consumer.stopped", group=self.group, client_id=self.client_id,
                  **({"left_undone": list(shortfalls)} if shortfalls else {}))
@@ -854,6 +858,11 @@ class PushConsumer:
     def is_running(self) -> bool:
         """``True`` from the end of a successful :meth:`start` until :meth:`stop` begins."""
         return self._started and not self.stopping
+
+    async def wait_stopped(self) -> None:
+        """Return once the consumer is stopped: at once when it is not started, else when a
+        :meth:`stop` has gone through, whoever called it (a handler, an app, another task)."""
+        await self._stopped.wait()
 
     def assignment(self) -> frozenset[MessageQueue]:
         """The queues this member holds now (its share of the last rebalance), retry queues

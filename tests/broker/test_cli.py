@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rmq_async import ConsumeResult, PushConsumer
+from rmq_async import ConsumeResult, Message, PushConsumer
 from rmq_async.client.errors import MQBrokerError
 from rmq_async.devbroker import LocalRocketMQ
 from rmq_async.protocol.types import MessageExt, MessageQueue
@@ -187,6 +187,28 @@ async def test_run_two_workers_drains_on_sigterm(rocketmq: LocalRocketMQ, topic:
     print(f"\nrun --workers 2: {len(seen)} lines ({at_signal} at SIGTERM), drained in "
           f"{took:.2f}s (grace {grace:.0f}s), committed {sum(committed.values())}/{n}, "
           f"{beyond} acknowledged above a gap (redelivered later)")
+
+
+@pytest.mark.timeout(90)
+async def test_run_ends_when_the_app_stops_itself(rocketmq: LocalRocketMQ, topic: str) -> None:
+    """A handler calls ``app.stop()``: the consumers stop, and ``rmq-async run`` ends with
+    status 0 instead of running on with nothing to run (and a supervisor sees it end)."""
+    ns, group = rocketmq.namesrv_addr, unique("G_cli_self_stop")
+    cmd = await Command.start(
+        "run", "tests.broker.self_stopping_app:app", "--grace", "10",
+        env={"NAMESRV_ADDR": ns, "RMQ_TOPIC": topic, "RMQ_GROUP": group},
+    )
+    try:
+        await produce(ns, topic, simple_messages(topic, 3), batch=1)
+        await wait_until(lambda: sum(ln.startswith("got ") for ln in cmd.out) >= 3, 60,
+                         what=f"the first messages\n{cmd.tail()}")
+        assert cmd.proc.returncode is None, cmd.tail()
+        await produce(ns, topic, [Message(topic, b"stop")])
+        rc = await cmd.wait(30)
+    finally:
+        await cmd.close()
+    assert rc == 0, cmd.tail()
+    assert any("cli.app_stopped_itself" in ln for ln in cmd.err), cmd.tail()
 
 
 @pytest.mark.timeout(90)

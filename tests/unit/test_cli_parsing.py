@@ -512,7 +512,9 @@ class _UndoneDrain(App):
 
     def __init__(self, shortfalls: tuple[str, ...]) -> None:
         super().__init__()
-        self._member = SimpleNamespace(group="G1", stop_shortfalls=())
+        # (A running consumer: its wait_stopped() returns only once it is stopped.)
+        self._member = SimpleNamespace(group="G1", stop_shortfalls=(),
+                                       wait_stopped=asyncio.Event().wait)
         self._shortfalls = shortfalls
 
     @property
