@@ -323,23 +323,34 @@ async def run_supervisor(spec: str, workers: int, grace: float,
     loop = asyncio.get_running_loop()
     procs: list[asyncio.subprocess.Process] = []
     stop_pipes: list[int] = []  # the write end of each worker's stop pipe
-    stopping: list[int] = []
+    stopping: list[str] = []  # what asked for the stop: a signal's name or "worker-exited"
+    signals: list[int] = []  # the stop signals from outside
+    passed_on = 0  # the stop requests written to every worker's pipe
     stop_requested = asyncio.Event()  # starts the grace period's clock in the wait below
 
     def tell_stop(i: int) -> None:
         with contextlib.suppress(OSError):  # a worker that has ended: EPIPE
             os.write(stop_pipes[i], b"s")
 
-    def forward(signum: int) -> None:
-        first = not stopping
-        stopping.append(signum)
-        if first:
-            log.info("cli.stop_requested", signal=signal.Signals(signum).name, grace=grace,
-                     workers=len(procs))
+    def request_stop(reason: str) -> None:
+        nonlocal passed_on
+        if not stopping:
+            log.info("cli.stop_requested", signal=reason, grace=grace, workers=len(procs))
             stop_requested.set()
-        for i, p in enumerate(procs):
-            if p.returncode is None:
-                tell_stop(i)
+        stopping.append(reason)
+        # The workers hear as many requests as signals came (a second one forces their
+        # exit), and one for a worker that exited on its own: the operator's first signal
+        # after that is still a first request, not a second one.
+        wanted = max(len(signals), 1)
+        while passed_on < wanted:
+            passed_on += 1
+            for i, p in enumerate(procs):
+                if p.returncode is None:
+                    tell_stop(i)
+
+    def forward(signum: int) -> None:
+        signals.append(signum)
+        request_stop(signal.Signals(signum).name)
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, forward, sig)
@@ -409,7 +420,7 @@ async def run_supervisor(spec: str, workers: int, grace: float,
                     log.error("cli.worker_exited", worker=i, pid=procs[i].pid, code=code)
                     failed = True
                     usage = usage or code == USAGE_STATUS  # a target it could not load
-                    forward(signal.SIGTERM)
+                    request_stop("worker-exited")
                 elif code != 0:
                     log.error("cli.worker_failed", worker=i, pid=procs[i].pid, code=code)
                     failed = True

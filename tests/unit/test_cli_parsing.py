@@ -372,6 +372,70 @@ async def test_workers_drain_when_every_process_gets_the_stop_signal(
     assert time.monotonic() - started < 30
 
 
+_ONE_CRASHES_APP = '''
+import asyncio, os, pathlib
+from rmq_async.app import App
+
+class OneCrashes(App):
+    """Worker 0 dies on its own a moment after its start; the others drain for 2 s."""
+
+    @property
+    def consumers(self):
+        return []
+
+    async def start(self):
+        marks = pathlib.Path(os.environ["MARKS"])
+        worker = os.environ["RMQ_ASYNC_WORKER"]
+        (marks / f"started-{worker}").touch()
+        if worker == "0":
+            async def crash():
+                await asyncio.sleep(1.0)
+                (marks / "crashed-0").touch()
+                os._exit(3)
+            self.crash = asyncio.ensure_future(crash())
+
+    async def stop(self, timeout=30.0):
+        await asyncio.sleep(2.0)
+        pathlib.Path(os.environ["MARKS"], f"drained-{os.environ['RMQ_ASYNC_WORKER']}").touch()
+
+app = OneCrashes()
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups as on Linux")
+async def test_the_first_signal_after_a_worker_crashed_is_not_taken_for_a_second(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that exits on its own makes the supervisor stop the others (one request
+    each); the operator's SIGTERM after that is the operator's first: it passed a second
+    request on, which the draining worker took for a forced exit and left its drain."""
+    import signal
+
+    from rmq_async.cli import run as run_module
+
+    (tmp_path / "one_crashes_mod.py").write_text(_ONE_CRASHES_APP)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("MARKS", str(marks))
+
+    async def signal_after_the_crash() -> None:
+        async with asyncio.timeout(30):
+            while not (marks / "crashed-0").exists():
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the supervisor has seen it and stopped worker 1
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    operator = asyncio.ensure_future(signal_after_the_crash())
+    try:
+        async with asyncio.timeout(60):
+            rc = await run_module.run_supervisor("one_crashes_mod:app", 2, 10.0, [])
+    finally:
+        operator.cancel()
+    assert rc == 1  # a worker failed
+    assert operator.done() and not operator.cancelled(), "the signal was not sent in time"
+    assert (marks / "drained-1").exists(), "worker 1 left its drain"
+
+
 _STUCK_HANDLER_APP = '''
 import asyncio, concurrent.futures, contextlib, os, pathlib, threading, time
 from rmq_async.app import App
