@@ -92,8 +92,12 @@ class Connection(asyncio.BufferedProtocol):
         # Frames written during one loop iteration, sent together at its end (one syscall for
         # the pulls of several queues answered in the same read).
         self._out: list[bytes] | None = None
-        # The requests whose frames wait in _out: not yet handed to the transport.
-        self._unsent: set[int] = set()
+        # Bytes handed to the transport so far, bytes waiting in _out, and where in that
+        # stream each pending request's frame ends: at a close, a request whose frame ended
+        # within what the transport had passed to the socket went out (ConnectionLostInFlight).
+        self._written = 0
+        self._queued = 0
+        self._frame_end: dict[int, int] = {}
         self._can_write.set()
         # Requests kept in flight (_start): opaque -> deadline (loop time) and -> timeout.
         self._deadlines: dict[int, float] = {}
@@ -194,14 +198,17 @@ class Connection(asyncio.BufferedProtocol):
         self._close_exc = exc
         self._can_write.set()
         transport = self._transport
+        sent = self._written  # the stream position up to which frames went to the socket
         if transport is not None:
             if exc is not None or hard:
+                sent -= transport.get_write_buffer_size()  # dropped with the transport
                 transport.abort()
             else:
                 out, self._out = self._out, None
                 if out:  # frames written just before a graceful close still go out
                     transport.writelines(out)
-                    self._unsent.clear()
+                    sent = self._written = self._written + self._queued
+                    self._queued = 0
                 transport.close()
                 if transport.get_write_buffer_size():
                     # close() waits for the buffer to drain: a peer that stopped reading would
@@ -216,15 +223,17 @@ class Connection(asyncio.BufferedProtocol):
         self._deadlines.clear()
         self._timeouts.clear()
         pending, self._pending = self._pending, {}
-        unsent, self._unsent = self._unsent, set()
+        ends, self._frame_end = self._frame_end, {}
         for opaque, fut in pending.items():
             if not fut.done():
                 # A request that went out may have been acted on (a message stored): the
                 # caller must not take the failure for "not done" (see ConnectionLostInFlight).
-                err = (ConnectionClosed(f"{reason} ({self.addr})", addr=self.addr)
-                       if opaque in unsent else ConnectionLostInFlight(
-                           f"{reason} ({self.addr}) after the request was sent",
-                           addr=self.addr))
+                # One still in _out or in the transport's buffer, or only partly passed to
+                # the socket, never reached the peer whole.
+                err = (ConnectionLostInFlight(f"{reason} ({self.addr}) after the request "
+                                              "was sent", addr=self.addr)
+                       if ends.get(opaque, math.inf) <= sent else
+                       ConnectionClosed(f"{reason} ({self.addr})", addr=self.addr))
                 err.__cause__ = exc
                 fut.set_exception(err)
         for task in self._handler_tasks:
@@ -286,6 +295,7 @@ class Connection(asyncio.BufferedProtocol):
         for cmd in commands:
             if cmd.is_response:
                 fut = self._pending.pop(cmd.opaque, None)
+                self._frame_end.pop(cmd.opaque, None)
                 if self._deadlines.pop(cmd.opaque, None) is not None:
                     del self._timeouts[cmd.opaque]
                     if cmd.code == ResponseCode.GO_AWAY and self.on_started_go_away is not None:
@@ -382,6 +392,7 @@ class Connection(asyncio.BufferedProtocol):
         finally:
             timer.cancel()
             self._pending.pop(cmd.opaque, None)
+            self._frame_end.pop(cmd.opaque, None)
             if self._close_when_idle:
                 self._close_if_idle()
 
@@ -461,8 +472,10 @@ class Connection(asyncio.BufferedProtocol):
             self._close_if_idle()
 
     def _send_soon(self, parts: list[bytes], opaque: int | None = None) -> None:
+        size = sum(map(len, parts))
+        self._queued += size
         if opaque is not None:
-            self._unsent.add(opaque)
+            self._frame_end[opaque] = self._written + self._queued
         out = self._out
         if out is None:
             self._out = list(parts)
@@ -474,7 +487,8 @@ class Connection(asyncio.BufferedProtocol):
         out, self._out = self._out, None
         if out and not self._closed and self._transport is not None:
             self._transport.writelines(out)
-            self._unsent.clear()
+            self._written += self._queued
+        self._queued = 0
 
     def abort(self) -> None:
         """Close at once: the socket too, with whatever it has not sent yet (pending requests
@@ -483,6 +497,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _expire(self, opaque: int, timeout: float) -> None:
         fut = self._pending.pop(opaque, None)
+        self._frame_end.pop(opaque, None)
         if fut is not None and not fut.done():
             fut.set_exception(
                 RemotingTimeout(f"no response from {self.addr} within {timeout:.3f}s", addr=self.addr)

@@ -163,6 +163,29 @@ async def test_a_close_tells_requests_that_went_out_from_those_that_did_not() ->
         assert not isinstance(info.value, ConnectionLostInFlight)
 
 
+async def test_a_request_left_in_the_transports_buffer_by_an_abort_did_not_go_out() -> None:
+    """A peer that stopped reading: a big frame passes to the socket only in part, the rest
+    waits in the transport's buffer, which an abort drops. That request never reached the
+    peer whole: not ConnectionLostInFlight (a producer would not send it elsewhere)."""
+    async with silent_listener() as (addr, _):
+        conn = await Connection.open(addr)
+        small = conn.start_request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=30)
+        assert small is not None
+        await asyncio.sleep(0.05)
+        big = conn.start_request(RemotingCommand.request(RequestCode.SEND_MESSAGE,
+                                                         body=b"x" * (32 << 20)), timeout=30)
+        assert big is not None
+        await asyncio.sleep(0.2)  # written: what the socket took, and the rest buffered
+        transport = conn._transport
+        assert transport is not None and transport.get_write_buffer_size() > 0
+        conn.abort()
+        with pytest.raises(ConnectionLostInFlight):
+            await small
+        with pytest.raises(ConnectionClosed) as info:
+            await big
+        assert not isinstance(info.value, ConnectionLostInFlight)
+
+
 async def test_garbage_from_peer_closes_with_typed_error_promptly() -> None:
     async def garbage(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
         # A frame length smaller than the mandatory header-info word.
