@@ -76,9 +76,13 @@ class App:
 
     async def wait_stopped(self) -> None:
         """Return once no member is running: every one stopped, by :meth:`stop` or by its own
-        code (``app.stop()`` or its ``consumer.stop()`` from a handler, say)."""
-        for c in self.consumers:
-            await c.wait_stopped()
+        code (``app.stop()`` or its ``consumer.stop()`` from a handler, say), none started
+        again meanwhile."""
+        while True:
+            for c in self.consumers:
+                await c.wait_stopped()
+            if all(c.stopped for c in self.consumers):
+                return
 
     async def start(self) -> None:
         """Start every consumer, in order."""

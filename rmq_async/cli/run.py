@@ -292,6 +292,10 @@ async def _until_stop_or_stopped(stop: asyncio.Event, app: App) -> bool:
     stopped = asyncio.ensure_future(app.wait_stopped())
     try:
         await asyncio.wait({requested, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set() and stopped.exception() is not None:
+            # Not a stop: the look at the consumers failed. Only a request ends the run.
+            log.error("cli.wait_stopped_failed", error=repr(stopped.exception()))
+            await requested
     finally:
         for task in (requested, stopped):
             task.cancel()
@@ -323,7 +327,7 @@ async def run_supervisor(spec: str, workers: int, grace: float,
     loop = asyncio.get_running_loop()
     procs: list[asyncio.subprocess.Process] = []
     stop_pipes: list[int] = []  # the write end of each worker's stop pipe
-    stopping: list[str] = []  # what asked for the stop: a signal's name or "worker-exited"
+    stopping: list[str] = []  # what asked for the stop: a signal's name, "worker-exited"...
     signals: list[int] = []  # the stop signals from outside
     passed_on = 0  # the stop requests written to every worker's pipe
     stop_requested = asyncio.Event()  # starts the grace period's clock in the wait below
@@ -416,7 +420,12 @@ async def run_supervisor(spec: str, workers: int, grace: float,
             for t in done:
                 i = waits[t]
                 code = t.result()
-                if not stopping:
+                if not stopping and code == 0:
+                    # Its app stopped itself (rmq-async run ends then): the others stop too,
+                    # as one process would.
+                    log.info("cli.worker_finished", worker=i, pid=procs[i].pid)
+                    request_stop("worker-finished")
+                elif not stopping:
                     log.error("cli.worker_exited", worker=i, pid=procs[i].pid, code=code)
                     failed = True
                     usage = usage or code == USAGE_STATUS  # a target it could not load

@@ -421,8 +421,18 @@ class PushConsumer:
                 except BaseException as exc:
                     done.set_exception(exc)
 
-        loop.call_soon_threadsafe(run)
-        return done.result(timeout=THREAD_CALL_TIMEOUT)
+        try:
+            loop.call_soon_threadsafe(run)
+        except RuntimeError:  # the loop closed meanwhile: nothing runs on it any more
+            return fn()
+        try:
+            return done.result(timeout=THREAD_CALL_TIMEOUT)
+        except TimeoutError:
+            if not done.cancel():  # it runs (or ran) meanwhile after all: its outcome
+                return done.result()
+            # Not run later either, once the caller was told that it failed.
+            raise TimeoutError(f"the consumer's event loop did not take the call within "
+                               f"{THREAD_CALL_TIMEOUT:g} s (is it blocked?)") from None
 
     def _interrupt_pulls(self, topics: set[str]) -> None:
         if self.pull_service is None or self.stopping:
@@ -478,10 +488,13 @@ class PushConsumer:
             if not self._subs:
                 raise InvalidArgumentError("subscribe at least one topic before start()")
             self._starting = True
+            self._stopped.clear()
             try:
                 await self._start()
             finally:
                 self._starting = False
+                if not self._started:  # the start failed: stopped as before
+                    self._stopped.set()
 
     async def _start(self) -> None:
         """The body of :meth:`start`, under its lock."""
@@ -558,7 +571,6 @@ class PushConsumer:
         self._owner.spawn(self.instance.route_refresh_loop(o.route_refresh_interval),
                           name="route-refresh")
         self._started = True
-        self._stopped.clear()
         log.info("consumer.started", group=self.group, client_id=self.client_id,
                  topics=list(self._subs), model=str(o.message_model))
 
@@ -859,10 +871,18 @@ class PushConsumer:
         """``True`` from the end of a successful :meth:`start` until :meth:`stop` begins."""
         return self._started and not self.stopping
 
+    @property
+    def stopped(self) -> bool:
+        """``True`` while the consumer is not started: before :meth:`start`, after a failed
+        one, and once a :meth:`stop` has gone through."""
+        return not (self._started or self._starting)
+
     async def wait_stopped(self) -> None:
         """Return once the consumer is stopped: at once when it is not started, else when a
-        :meth:`stop` has gone through, whoever called it (a handler, an app, another task)."""
-        await self._stopped.wait()
+        :meth:`stop` has gone through, whoever called it (a handler, an app, another task),
+        and no :meth:`start` has begun again since."""
+        while not self.stopped:
+            await self._stopped.wait()
 
     def assignment(self) -> frozenset[MessageQueue]:
         """The queues this member holds now (its share of the last rebalance), retry queues

@@ -391,7 +391,7 @@ class OneCrashes(App):
             async def crash():
                 await asyncio.sleep(1.0)
                 (marks / "crashed-0").touch()
-                os._exit(3)
+                os._exit(int(os.environ["EXIT_CODE"]))
             self.crash = asyncio.ensure_future(crash())
 
     async def stop(self, timeout=30.0):
@@ -403,11 +403,13 @@ app = OneCrashes()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups as on Linux")
+@pytest.mark.parametrize(("exit_code", "status"), [(3, 1), (0, 0)])
 async def test_the_first_signal_after_a_worker_crashed_is_not_taken_for_a_second(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        exit_code: int, status: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker that exits on its own makes the supervisor stop the others (one request
     each); the operator's SIGTERM after that is the operator's first: it passed a second
-    request on, which the draining worker took for a forced exit and left its drain."""
+    request on, which the draining worker took for a forced exit and left its drain. A
+    worker that ended with status 0 (its app stopped itself) is no failure."""
     import signal
 
     from rmq_async.cli import run as run_module
@@ -417,6 +419,7 @@ async def test_the_first_signal_after_a_worker_crashed_is_not_taken_for_a_second
     marks.mkdir()
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setenv("MARKS", str(marks))
+    monkeypatch.setenv("EXIT_CODE", str(exit_code))
 
     async def signal_after_the_crash() -> None:
         async with asyncio.timeout(30):
@@ -431,7 +434,7 @@ async def test_the_first_signal_after_a_worker_crashed_is_not_taken_for_a_second
             rc = await run_module.run_supervisor("one_crashes_mod:app", 2, 10.0, [])
     finally:
         operator.cancel()
-    assert rc == 1  # a worker failed
+    assert rc == status
     assert operator.done() and not operator.cancelled(), "the signal was not sent in time"
     assert (marks / "drained-1").exists(), "worker 1 left its drain"
 
@@ -675,3 +678,73 @@ async def test_the_grace_period_counts_from_a_signal_that_came_during_the_start(
     assert "cli.drain_shortened" in events and "cli.drain_timeout" in events
     (given,) = app.stop_timeouts
     assert given == pytest.approx(run_module.listener_timeout(run_module.DRAIN_FLOOR))
+
+
+class _Member:
+    """Stands for a consumer: stopped or running, its wait_stopped() as PushConsumer's."""
+
+    def __init__(self, group: str, *, running: bool = True) -> None:
+        self.group = group
+        self.stop_shortfalls: tuple[str, ...] = ()
+        self._stopped = asyncio.Event()
+        self.set(running=running)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def set(self, *, running: bool) -> None:
+        if running:
+            self._stopped.clear()
+        else:
+            self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        while not self.stopped:
+            await self._stopped.wait()
+
+
+class _Members(App):
+    def __init__(self, *members: Any) -> None:
+        super().__init__()
+        self._members = list(members)
+
+    @property
+    def consumers(self) -> list[PushConsumer]:
+        return self._members
+
+
+async def test_an_app_is_stopped_only_when_no_member_runs_at_the_same_time() -> None:
+    # A member that stopped and started again (a handler restarting its consumer) does not
+    # count as stopped; nor does one stop after the other's restart.
+    a, b = _Member("A"), _Member("B")
+    app = _Members(a, b)
+    waiting = asyncio.ensure_future(app.wait_stopped())
+    a.set(running=False)
+    await asyncio.sleep(0.05)  # the waiter is past A, waiting for B
+    a.set(running=True)  # A restarted
+    b.set(running=False)
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    a.set(running=False)
+    await asyncio.wait_for(waiting, 1)
+
+
+async def test_a_failure_to_watch_the_members_is_not_taken_for_a_stop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rmq_async.cli import run as run_module
+
+    broken = SimpleNamespace(group="G", stop_shortfalls=(), stopped=False)
+
+    async def fails() -> None:
+        raise RuntimeError("cannot tell")
+
+    broken.wait_stopped = fails
+    stop = asyncio.Event()
+    with capture_logs() as logs:
+        watch = asyncio.ensure_future(run_module._until_stop_or_stopped(stop, _Members(broken)))
+        await asyncio.sleep(0.1)
+        assert not watch.done()  # not "the app stopped itself"
+        stop.set()
+        assert await asyncio.wait_for(watch, 1) is True
+    assert [e["event"] for e in logs] == ["cli.wait_stopped_failed"]
