@@ -224,8 +224,12 @@ class Rebalancer:
         for mq in sorted(new_queues):
             if rt.stopping:
                 return
+            # The mode the queue is taken in: decided once, before the lock that goes with it
+            # (a subscription changed during the awaits below is seen by the next round).
+            ordered = rt.subscriptions.is_orderly(mq.topic)
+            needs_lock = ordered and rt.options.message_model == MessageModel.CLUSTERING
             try:
-                if not await self._queue_assigned(mq):
+                if not await self._queue_assigned(mq, needs_lock):
                     continue
                 rt.offset_store.remove(mq)
                 offset = await rt.compute_pull_from_where(mq)
@@ -238,8 +242,8 @@ class Rebalancer:
                 log.warning("rebalance.start_offset_unknown", queue=str(mq))
                 continue
             pq = ProcessQueue()
-            pq.ordered = rt.subscriptions.is_orderly(mq.topic)
-            if self._needs_lock(mq):
+            pq.ordered = ordered
+            if needs_lock:
                 pq.locked = True
                 pq.last_lock_timestamp = time.monotonic()
             rt.process_queues[mq] = pq
@@ -260,14 +264,14 @@ class Rebalancer:
         persist included, deferred until that batch ends)?"""
         return self._orderly is not None and self._orderly.releasing(mq)
 
-    async def _queue_assigned(self, mq: MessageQueue) -> bool:
+    async def _queue_assigned(self, mq: MessageQueue, needs_lock: bool) -> bool:
         """Called before a new queue is pulled: orderly clustering consumers lock it first."""
         if self.releasing(mq):
             # Given up while a batch of it ran on: taken again once that batch has ended.
             log.info("rebalance.queue_still_releasing", queue=str(mq))
             self.retry_soon()
             return False
-        if self._needs_lock(mq) and not await self._orderly.lock(mq):
+        if needs_lock and not await self._orderly.lock(mq):
             log.info("rebalance.queue_lock_refused", queue=str(mq))
             self.retry_soon()
             return False
