@@ -21,6 +21,7 @@ Return values and exceptions are interpreted by the consume services (see
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import functools
 import inspect
 import types
@@ -105,6 +106,8 @@ def _is_generator(fn: Callable[..., Any]) -> bool:
     """A (sync or async) generator function: calling it runs none of its body."""
     if isinstance(fn, functools.partial):
         return _is_generator(fn.func)
+    with contextlib.suppress(ValueError):  # (a __wrapped__ cycle: taken as it is)
+        fn = inspect.unwrap(fn)  # a decorator that kept __wrapped__ calls what it wraps
     for f in (fn, getattr(fn, "__call__", None)):  # noqa: B004
         if f is not None and (inspect.isgeneratorfunction(f)
                               or inspect.isasyncgenfunction(f)):

@@ -108,6 +108,8 @@ def test_context_is_never_injected_by_position() -> None:
      "generator function"),
     ("class C:\n    async def __call__(self, m):\n        yield m\nh = C()",
      "generator function"),
+    ("import functools\ndef g(m):\n    yield m\n@functools.wraps(g)\n"
+     "def h(*a, **k):\n    return g(*a, **k)", "generator function"),
 ])
 def test_bad_signatures_raise_type_error_at_subscribe(src: str, match: str) -> None:
     ns: dict[str, Any] = {"ConsumeContext": ConsumeContext}
