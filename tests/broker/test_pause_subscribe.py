@@ -207,11 +207,12 @@ async def test_orderly_subscription_after_start_locks_and_unsubscribe_unlocks(
     assert sorted(got) == list(range(100))
 
 
-async def test_a_topic_subscribed_again_orderly_is_taken_anew_and_consumed_in_order(
+async def test_a_topic_subscribed_again_in_the_other_mode_is_taken_anew(
         rocketmq: LocalRocketMQ) -> None:
     """unsubscribe() and subscribe(orderly=True) of a topic in one go: the rebalance round
     sees the topic held all along, so its queues, taken in the concurrent mode, must be
-    taken anew (locked) for the orderly service, which never started on the old ones."""
+    taken anew (locked) for the orderly service, which never started on the old ones; and
+    back to concurrent the same way (unlocked, no orderly turn left on them)."""
     ns = rocketmq.namesrv_addr
     topic = unique("T_mode")
     await rocketmq.create_topic(topic, queues=2)
@@ -224,8 +225,15 @@ async def test_a_topic_subscribed_again_orderly_is_taken_anew_and_consumed_in_or
     async def on_concurrent(msg: MessageExt) -> None:
         concurrent[(msg.queue_id, msg.queue_offset)] += 1
 
+    in_turn: dict[int, list[int]] = collections.defaultdict(list)
+    again: collections.Counter[tuple[int, int]] = collections.Counter()
+
     async def on_ordered(msg: MessageExt) -> None:
         ordered[(msg.queue_id, msg.queue_offset)] += 1
+        in_turn[msg.queue_id].append(msg.queue_offset)
+
+    async def on_concurrent_again(msg: MessageExt) -> None:
+        again[(msg.queue_id, msg.queue_offset)] += 1
 
     consumer.subscribe(topic, listener=on_concurrent)
     async with consumer:
@@ -240,4 +248,14 @@ async def test_a_topic_subscribed_again_orderly_is_taken_anew_and_consumed_in_or
                          what="the 20 sent after the change, to the orderly handler")
         queues = {mq: pq for mq, pq in consumer.process_queues.items() if mq.topic == topic}
         assert len(queues) == 2 and all(pq.locked and pq.ordered for pq in queues.values())
+        assert all(offsets == sorted(offsets) for offsets in in_turn.values())
+        seen = set(concurrent) | set(ordered)
+        consumer.unsubscribe(topic)
+        consumer.subscribe(topic, listener=on_concurrent_again)
+        await produce(ns, topic, simple_messages(topic, 20, prefix="c"), batch=10)
+        await wait_until(lambda: len(set(again) - seen) == 20, 30,
+                         what="the 20 sent after going back, to the concurrent handler")
+        queues = {mq: pq for mq, pq in consumer.process_queues.items() if mq.topic == topic}
+        assert len(queues) == 2 and not any(pq.locked or pq.ordered for pq in queues.values())
     assert set(concurrent.values()) == {1} and set(ordered.values()) == {1}
+    assert set(again.values()) == {1}

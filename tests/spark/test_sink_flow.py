@@ -891,9 +891,17 @@ async def test_the_consumer_tells_the_sink_of_a_queue_taken_again(side: SinkSide
     pull(side, mqs[0], msgs(300, 32))
     pull(side, mqs[0], msgs(332, 32))
     assert told == [(mqs[0], 3)]  # once, before the new assignment's first chunk
-    # A sink without the hook takes the chunks all the same.
-    plain, _ = attach(SinkSide(), queues=1)
+
+
+async def test_a_sink_without_the_reassignment_hook_takes_the_chunks_all_the_same() -> None:
+    other = SinkSide()
+    plain, mqs = attach(other, queues=1)
     assert not hasattr(plain, "queue_reassigned")
+    pull(other, mqs[0], msgs(0, 32))
+    other.consumer.process_queues.pop(mqs[0]).dropped = True
+    other.consumer.process_queues[mqs[0]] = ProcessQueue()
+    pull(other, mqs[0], msgs(100, 32))
+    assert [batch[0].queue_offset for batch, _ in plain.offers] == [0, 100]
 
 
 async def test_flushes_right_after_start_do_not_wait_for_the_writer_loop_for_good() -> None:
