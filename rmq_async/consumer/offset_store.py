@@ -247,6 +247,11 @@ class LocalFileOffsetStore(_MemoryTable):
 
     def _read_file(self) -> dict[MessageQueue, int]:
         self._remove_stale_temp_files()
+        return self._read_current()
+
+    def _read_current(self) -> dict[MessageQueue, int]:
+        """What the file holds now (another process of the group on this host, sharing the
+        file as broadcasting consumers of one instance name do, may have written since)."""
         for candidate in (self.path, self.path.with_suffix(".json.bak")):
             try:
                 raw = tolerant_loads(candidate.read_bytes())
@@ -273,6 +278,9 @@ class LocalFileOffsetStore(_MemoryTable):
             log.info("offset.stale_temp_removed", path=str(tmp))
 
     async def read_store(self, mq: MessageQueue) -> int:
+        # Read again, as Java's READ_FROM_STORE does: not the copy of the last load or write.
+        async with self._write_lock:
+            self._file = await anyio.to_thread.run_sync(self._read_current)
         offset = self._file.get(mq)
         if offset is None:
             return OFFSET_NOT_FOUND
@@ -287,26 +295,34 @@ class LocalFileOffsetStore(_MemoryTable):
         await self.persist_all({mq}, oneway=False)
 
     async def persist_all(self, mqs: set[MessageQueue], *, oneway: bool) -> None:
-        # The file always holds every queue known, not only ``mqs``.
+        # The file always holds every queue known, not only ``mqs``: what it holds now (as
+        # Java's store, which reads it again before each write, so that the entries another
+        # process of the group wrote stay), with this store's offsets over it.
         async with self._write_lock:
-            merged = dict(self._file)
-            merged.update((mq, off) for mq, off in self._table.items() if off >= 0)
-            if merged == self._file and self.path.exists():
-                return
-            table = [
-                {"brokerName": mq.broker_name, "offset": off, "queueId": mq.queue_id,
-                 "topic": mq.topic}
-                for mq, off in sorted(merged.items(), key=lambda kv: kv[0].java_sort_key())
-            ]
-            payload = json.dumps({"offsetTable": table}, separators=(",", ":")).encode("utf-8")
+            own = {mq: off for mq, off in self._table.items() if off >= 0}
             try:
-                await anyio.to_thread.run_sync(self._write_file, payload)
+                merged = await anyio.to_thread.run_sync(self._merge_and_write, own)
             except OSError as exc:  # as Java's store: logged, the next round tries again
                 log.warning("offset.file_write_failed", path=str(self.path),
                             error=f"{type(exc).__name__}: {exc}")
                 return
             self._file = merged
-            log.debug("offset.file_written", path=str(self.path), queues=len(merged))
+
+    def _merge_and_write(self, own: dict[MessageQueue, int]) -> dict[MessageQueue, int]:
+        """In a worker thread: the file's entries with ``own`` over them, written unless
+        the file already holds exactly that; returns what the file holds then."""
+        current = self._read_current()
+        merged = {**current, **own}
+        if merged == current and self.path.exists():
+            return current
+        table = [
+            {"brokerName": mq.broker_name, "offset": off, "queueId": mq.queue_id,
+             "topic": mq.topic}
+            for mq, off in sorted(merged.items(), key=lambda kv: kv[0].java_sort_key())
+        ]
+        self._write_file(json.dumps({"offsetTable": table}, separators=(",", ":")).encode())
+        log.debug("offset.file_written", path=str(self.path), queues=len(merged))
+        return merged
 
     def _write_file(self, payload: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

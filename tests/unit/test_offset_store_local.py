@@ -96,3 +96,21 @@ async def test_load_removes_temporary_files_of_a_killed_writer(tmp_path: Path) -
     await reloaded.load()
     assert reloaded.stored() == {Q0: 1}
     assert sorted(p.name for p in store.path.parent.iterdir()) == ["offsets.json"]
+
+
+async def test_two_processes_sharing_the_file_keep_each_others_entries(tmp_path: Path) -> None:
+    # Broadcasting consumers of one group and instance name on one host share the file: each
+    # write must keep what the other wrote since its load (as Java's store, which reads the
+    # file again before writing), and a queue taken reads the file as it is now.
+    a = LocalFileOffsetStore(tmp_path, "cid", "G")
+    b = LocalFileOffsetStore(tmp_path, "cid", "G")
+    await a.load()
+    await b.load()
+    b.update(Q2, 500, increase_only=False)
+    await b.persist_all({Q2}, oneway=False)
+    assert await a.read_store(Q2) == 500  # read now, not from a's load
+    a.update(Q0, 42, increase_only=False)
+    await a.persist_all({Q0}, oneway=False)
+    fresh = LocalFileOffsetStore(tmp_path, "cid", "G")
+    await fresh.load()
+    assert fresh.stored() == {Q0: 42, Q2: 500}
