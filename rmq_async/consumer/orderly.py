@@ -543,6 +543,14 @@ class OrderlyConsumeService:
                                 error=f"{type(exc).__name__}: {exc}")
                 return False
             log.warning("orderly.unlock_deferred_busy", queue=str(mq), waited=UNLOCK_WAIT)
+            # What is committed now (or an offset an admin reset froze) is persisted at once,
+            # as Java's removeUnnecessaryMessageQueue does first: the deferred release may give
+            # up without persisting, when the broker's lock lapses before the batch ends.
+            try:
+                await rt.offset_store.persist(mq)
+            except Exception as exc:
+                log.warning("orderly.persist_on_release_failed", queue=str(mq),
+                            error=f"{type(exc).__name__}: {exc}")
             self._releasing[mq] = self._owner.spawn(
                 self._release_when_idle(mq, pq, lock), name=f"release:{mq}")
             return False

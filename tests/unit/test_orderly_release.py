@@ -174,3 +174,47 @@ async def test_out_of_retries_only_the_poison_goes_to_the_dead_letter_queue(
     h.rt.send_message_back = send_back
     await h.run(range(0, 2), lambda: h.offsets.updates[-1:] == [2])
     assert to_dead_letter_queue == [1]
+
+
+async def test_a_release_that_gives_up_has_persisted_what_was_committed_and_a_reset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch still running when the queue is given up (an admin reset froze a new offset
+    meanwhile) defers the release, which gives up when the broker's lock lapses: what the
+    store held at the release (the reset's offset) must have reached the broker by then."""
+    from rmq_async.consumer.offset_store import _MemoryTable
+    from rmq_async.consumer.options import MessageModel
+
+    monkeypatch.setattr(orderly_module, "UNLOCK_WAIT", 0.2)
+    monkeypatch.setattr(orderly_module, "BROKER_LOCK_EXPIRY", 0.6)
+    monkeypatch.setattr(orderly_module, "LOCK_EXPIRY_MARGIN", 0.05)
+
+    class Store(_MemoryTable):
+        def __init__(self) -> None:
+            super().__init__()
+            self.persisted: dict[MessageQueue, int] = {}
+
+        async def persist(self, mq: MessageQueue) -> None:
+            if self.read_memory(mq) >= 0:
+                self.persisted[mq] = self.read_memory(mq)
+
+    store = Store()
+    store.update(A, 100, increase_only=False)
+    instance = SimpleNamespace(api=SimpleNamespace(unlock_batch_mq=_nothing),
+                               find_broker_master=_nothing)
+    rt = SimpleNamespace(options=SimpleNamespace(message_model=MessageModel.CLUSTERING),
+                         group="G", client_id="c", tasks=TaskOwner("c"), offset_store=store,
+                         process_queues={}, stopping=False, instance=instance)
+    service = OrderlyConsumeService(rt)  # type: ignore[arg-type]
+    pq = ProcessQueue()
+    pq.locked = True
+    pq.last_lock_timestamp = time.monotonic()
+    lock = service.consume_lock(A)
+    await lock.acquire()  # a batch is with the listener, and stays there
+    pq.dropped = True
+    store.freeze(A, 10)  # the reset
+    assert await service.release(A, pq) is False  # deferred
+    await asyncio.sleep(0.8)  # past the lapse: given up
+    assert not service.releasing(A)
+    assert store.persisted == {A: 10}
+    lock.release()
+    await service.aclose()
