@@ -187,6 +187,11 @@ class PullService:
                         await asyncio.sleep(wait)
                         continue
                     service = self._router.service_for(req.mq.topic)
+                    if self._mode_changed(req, service.in_order):
+                        # Taken in the other consume mode: the rebalance round the change woke
+                        # releases and retakes it; nothing more is pulled meanwhile.
+                        await asyncio.sleep(opts.pull_time_delay_when_suspend)
+                        continue
                     if service.in_order and opts.message_model == MessageModel.CLUSTERING:
                         wait = await service.pull_gate(req)
                         if wait > 0:
@@ -327,6 +332,14 @@ class PullService:
             expression_type=sub.expression_type,
         )
 
+    @staticmethod
+    def _mode_changed(req: PullRequest, in_order: bool) -> bool:
+        """Was the queue taken in the other consume mode than its topic's now (subscribed
+        again orderly, or no longer)? Its chunks would reach the service of the new mode on a
+        ProcessQueue kept for the old one (an orderly turn beside concurrent workers)."""
+        ordered = req.pq.ordered
+        return ordered is not None and ordered != in_order
+
     def _may_pull_ahead(self, req: PullRequest) -> bool:
         """Concurrent consumption with no pull interval, and the flow control lets it pull."""
         return (self._opts.pull_interval <= 0
@@ -401,7 +414,10 @@ class PullService:
                     except (MQClientError, RemotingError) as exc:
                         log.debug("pull.ahead_failed", queue=str(mq), error=str(exc))
             finally:
-                if msgs and not req.pq.dropped:
+                if msgs and not req.pq.dropped and not self._mode_changed(
+                        req, self._router.service_for(mq.topic).in_order):
+                    # (A queue taken in the other mode keeps the chunk cached: it is retaken
+                    # from its committed offset, and the chunk pulled again, by the new mode.)
                     try:
                         if isinstance(msgs, StoredChunk):
                             self._router.submit_stored(msgs, req.pq, mq, first)

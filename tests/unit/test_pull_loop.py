@@ -164,3 +164,33 @@ async def test_pulled_messages_count_what_the_tag_filter_kept() -> None:
         await pull.aclose()
     assert submitted == [1, 2, 3, 5, 6, 7]
     assert recorded == [("T", 6)]
+
+
+async def test_a_queue_taken_in_the_other_mode_hands_nothing_on_and_pulls_no_more() -> None:
+    """A queue taken orderly whose topic is consumed concurrently now (subscribed again): its
+    chunks would reach the concurrent workers on a ProcessQueue that an orderly turn may work
+    on too. Until the rebalance retakes it, it hands nothing on and pulls no more."""
+    submitted: list[int] = []
+
+    class Pull(PullService):
+        sends = 0
+
+        async def _send(self, req: PullRequest, offset: int) -> Any:
+            self.sends += 1
+            return Pending(found(offset, 32))
+
+    opts = ConsumerOptions.from_kwargs("G", pull_time_delay_when_suspend=0.01)
+    pq = ProcessQueue()
+    pq.ordered = True  # taken while the topic was orderly; the router says concurrent now
+    pull = Pull(runtime(opts, pq), router(submitted), on_queue_forgotten=lambda: None)
+    pull.start_queue(PullRequest(MQ, pq, 0))
+    try:
+        await asyncio.sleep(0.1)
+        assert submitted == [] and pull.sends == 0
+        pq.ordered = False  # (as the queue retaken in the new mode)
+        async with asyncio.timeout(5):
+            while not submitted:
+                await asyncio.sleep(0.005)
+        assert submitted[:32] == list(range(32))
+    finally:
+        await pull.aclose()
