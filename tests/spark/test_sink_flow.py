@@ -4,9 +4,10 @@ acknowledgements, hand-back of failed chunks, pull backpressure. No broker, no S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -64,6 +65,19 @@ def sink_for(write: Writes, **kw: Any) -> SparkSink:
 
 def ignore(ok: bool) -> None:
     pass
+
+
+@contextlib.asynccontextmanager
+async def running(sink: SparkSink) -> AsyncIterator[None]:
+    """``sink`` with its writer loop running in an owner of its own; closed, and the owner
+    with it, on the way out."""
+    owner = TaskOwner("sink")
+    await sink.start(owner)
+    try:
+        yield
+    finally:
+        await sink.aclose()
+        await owner.aclose()
 
 
 async def offer_300_in_chunks_of_50(sink: SparkSink) -> list[bool]:
@@ -574,16 +588,11 @@ async def test_a_redelivered_chunk_is_written_in_a_batch_of_its_own() -> None:
     batch with them, the batch's offset range would span rows other batches wrote."""
     write = Writes()
     sink = sink_for(write, batch_rows=100, max_batch_latency=0.05)
-    owner = TaskOwner("sink")
-    await sink.start(owner)
-    try:
+    async with running(sink):
         sink.offer(msgs(16, 4), ignore)
         sink.offer(msgs(3, 1), ignore, redelivered=True)
         sink.offer(msgs(20, 4), ignore)
         await sink.flush()
-    finally:
-        await sink.aclose()
-        await owner.aclose()
     assert write.rows == [4, 1, 4]
 
 
@@ -593,16 +602,11 @@ async def test_redelivered_chunks_of_other_queues_share_a_batch() -> None:
     one queue do not (they could be of two failed batches around a written one)."""
     write = Writes()
     sink = sink_for(write, batch_rows=1000, max_batch_latency=0.05)
-    owner = TaskOwner("sink")
-    await sink.start(owner)
-    try:
+    async with running(sink):
         for q in range(8):
             sink.offer(msgs(0, 50, queue_id=q), ignore, redelivered=True)
         sink.offer(msgs(100, 50, queue_id=0), ignore, redelivered=True)  # queue 0 again
         await sink.flush()
-    finally:
-        await sink.aclose()
-        await owner.aclose()
     assert write.rows == [400, 50]
 
 
@@ -850,11 +854,9 @@ async def test_a_queue_taken_again_starts_a_new_batch() -> None:
     infos: list[BatchInfo] = []
     sink = SparkSink(None, lambda df, info: infos.append(info), create_dataframe=lambda t: t,
                      batch_rows=1000, max_batch_latency=60.0, retry_backoff=0.0)
-    owner = TaskOwner("sink")
-    await sink.start(owner)
     mq = MessageQueue("orders", "broker-a", 0)
     other = MessageQueue("orders", "broker-a", 1)
-    try:
+    async with running(sink):
         sink.offer(msgs(100, 32), ignore)
         sink.offer(msgs(132, 68), ignore)
         sink.queue_reassigned(other)  # holds no row of that queue: the batch stays open
@@ -866,9 +868,6 @@ async def test_a_queue_taken_again_starts_a_new_batch() -> None:
         sink.queue_reassigned(mq)
         sink.offer(msgs(600, 32), ignore)
         await sink.flush()
-    finally:
-        await sink.aclose()
-        await owner.aclose()
     assert [i.offset_ranges for i in infos] == [{mq: (400, 431)}, {mq: (600, 631)}]
 
 
@@ -909,9 +908,7 @@ async def test_flushes_right_after_start_do_not_wait_for_the_writer_loop_for_goo
     takes the writer lock and keeps it. A second flush queued for that lock waited forever."""
     write = Writes()
     sink = sink_for(write, batch_rows=1000, max_batch_latency=60.0)
-    owner = TaskOwner("sink")
-    await sink.start(owner)
-    try:
+    async with running(sink):
         async with asyncio.timeout(10):
             sink.offer(msgs(0, 32), ignore)
             await sink.flush()  # before the loop has run: written here
@@ -919,9 +916,6 @@ async def test_flushes_right_after_start_do_not_wait_for_the_writer_loop_for_goo
             await sink.flush()  # the loop is starting: written by it
             sink.offer(msgs(64, 32), ignore)
             await sink.flush()
-    finally:
-        await sink.aclose()
-        await owner.aclose()
     assert write.rows == [32, 32, 32]
 
 
