@@ -237,8 +237,7 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
             # The app's own code stopped it (app.stop() or the consumers' stop() from a
             # handler): nothing left to run, the process ends as after a drain.
             await app.stop()  # (returns once a stop under way has gone through)
-            undone = {c.group: list(c.stop_shortfalls) for c in app.consumers
-                      if c.stop_shortfalls}
+            undone = _left_undone(app)
             log.info("cli.app_stopped_itself", **({"left_undone": undone} if undone else {}))
             return 1 if undone else 0
         if forced:  # two requests before this task went on: the second forces the exit
@@ -264,7 +263,7 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
                 raise
             return 1  # a second signal cancelled the drain
         log.info("cli.stopped", took=round(time.monotonic() - t0, 3))
-        undone = {c.group: list(c.stop_shortfalls) for c in app.consumers if c.stop_shortfalls}
+        undone = _left_undone(app)
         if undone:
             # Within the grace period, but not all of it done: listener calls given up (their
             # messages come again), offsets or orderly locks not handed back. A supervisor
@@ -280,6 +279,11 @@ async def run_worker(spec: str, grace: float, metrics_port: int | None = None) -
             os.close(stop_fd)
         if metrics is not None:
             await anyio.to_thread.run_sync(metrics.close)
+
+
+def _left_undone(app: App) -> dict[str, list[str]]:
+    """What the consumers' last stops left undone, per group (their ``stop_shortfalls``)."""
+    return {c.group: list(c.stop_shortfalls) for c in app.consumers if c.stop_shortfalls}
 
 
 async def _until_stop_or_stopped(stop: asyncio.Event, app: App) -> bool:

@@ -510,10 +510,9 @@ class SparkSink:
         the rows the other consumer stored, and an overwrite of that range would delete them.
         """
         batch = self._open
+        key = (mq.topic, mq.broker_name, mq.queue_id)
         if batch is not None and batch.rows and (
-                (mq.topic, mq.broker_name, mq.queue_id) in batch.tops
-                or (batch.redelivered is not None
-                    and (mq.topic, mq.broker_name, mq.queue_id) in batch.redelivered)):
+                key in batch.tops or (batch.redelivered is not None and key in batch.redelivered)):
             self._close_open()
 
     def expedite(self) -> None:
