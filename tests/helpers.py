@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import time
 import uuid
@@ -172,24 +173,52 @@ class AdminClient:
         return msgs
 
 
+@dataclasses.dataclass
+class PortRace:
+    """What :func:`first_broker_port_taken` sees: the port it hands out taken, every broker port
+    picked, and every log entry while it runs."""
+
+    busy: int
+    picks: list[int]
+    logs: list[dict[str, Any]]
+
+    @property
+    def retries(self) -> list[dict[str, Any]]:
+        """The dev broker's warnings of a start given up because a port was taken."""
+        return [e for e in self.logs
+                if e["event"] in ("devbroker.port_taken", "devbroker.cluster.port_taken")]
+
+    def assert_retried_for_taken_ports(self) -> None:
+        """The first start failed on the taken port and was made again on other ports; every
+        further pick followed a start given up because a port was taken (between a real pick
+        and the JVM's bind another test worker may take that one too)."""
+        retries = self.retries
+        assert self.picks[0] == self.busy, self.picks
+        assert retries, "the taken port cost no second start"
+        assert len(self.picks) == len(retries) + 1, (self.picks, retries)
+        first = retries[0]
+        assert self.busy in first.get("ports", [first.get("broker_port")]), first
+        assert self.busy not in self.picks[1:], self.picks
+
+
 @contextlib.contextmanager
-def first_broker_port_taken(monkeypatch: Any) -> Iterator[tuple[int, list[int]]]:
+def first_broker_port_taken(monkeypatch: Any) -> Iterator[PortRace]:
     """The dev broker's first broker port pick returns a port someone else listens on (as when
-    another test worker takes it between the pick and the JVM's bind); later picks are real.
-    Yields that port and the list of every pick."""
+    another test worker takes it between the pick and the JVM's bind); later picks are real."""
+    from structlog.testing import capture_logs
+
     from rmq_async.devbroker import config as cfg
 
     real = cfg.pick_broker_port
-    with socket.socket() as taken:
+    with socket.socket() as taken, capture_logs() as logs:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        busy = taken.getsockname()[1]
-        picks: list[int] = []
+        race = PortRace(taken.getsockname()[1], [], logs)
 
         def pick(**kw: Any) -> int:
-            port = busy if not picks else real(**kw)
-            picks.append(port)
+            port = race.busy if not race.picks else real(**kw)
+            race.picks.append(port)
             return port
 
         monkeypatch.setattr(cfg, "pick_broker_port", pick)
-        yield busy, picks
+        yield race
