@@ -86,14 +86,19 @@ _NOT_THE_BODY = (RetryLater, ConnectionError, TimeoutError, socket.gaierror)
 
 def _not_the_body(exc: BaseException) -> bool:
     """``exc`` or one of its causes says the decoder could not reach something (an HTTP
-    client's own error wrapping a refused connection, say), or asks for a retry."""
+    client's own error wrapping a refused connection, say), or asks for a retry.
+
+    The causes are Python's own chain as a traceback prints it: ``raise ... from e`` names
+    ``e``; an error raised while another was handled names that one, unless raised
+    ``from None`` (the decoder said the other is not the cause)."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen and len(seen) < 16:
         if isinstance(cur, _NOT_THE_BODY):
             return True
         seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
+        cur = cur.__cause__ if cur.__cause__ is not None or cur.__suppress_context__ \
+            else cur.__context__
     return False
 
 
