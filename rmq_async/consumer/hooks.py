@@ -186,16 +186,22 @@ class RebalanceHooks:
             done, _ = await asyncio.wait({task}, timeout=max(
                 deadline - asyncio.get_running_loop().time(), MIN_HOOK_SECONDS))
         except asyncio.CancelledError:
-            task.cancel()
+            self._give_up(task)  # the caller is cancelled: so is the hook, still held
             raise
         if done:
             task.result()  # its exception, if any
             return True
-        task.cancel()
-        self._overdue.add(task)
-        task.add_done_callback(self._overdue_done)
+        self._give_up(task)
         log.error("consumer.hook_timed_out", group=group, hook=which, listener=_name(hook))
         return False
+
+    def _give_up(self, task: asyncio.Task[None]) -> None:
+        """Cancel a hook not waited for any more, and hold it until it ends (a hook may await
+        more while handling its cancellation) so that what it raises then is logged."""
+        task.cancel()
+        if not task.done():
+            self._overdue.add(task)
+            task.add_done_callback(self._overdue_done)
 
     def _overdue_done(self, task: asyncio.Task[None]) -> None:
         self._overdue.discard(task)

@@ -230,6 +230,39 @@ async def test_hooks_that_never_return_are_bounded_by_the_stop_deadline(
     await wait_until(lambda: "stubborn cleaned up" in order, 10, what="stubborn's clean-up")
 
 
+async def test_a_hook_of_a_cancelled_stop_is_held_until_it_ends() -> None:
+    """``stop()`` itself cancelled (``wait_for(consumer.stop(), ...)``) while a hook runs: the
+    hook is cancelled too, and one that awaits more in its clean-up stays owned until it ends
+    (what it raises then is logged), not left to the loop's weak reference."""
+    hooks = RebalanceHooks()
+    cleaned = asyncio.Event()
+
+    async def slow_cleanup(*args: Any) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.3)
+            cleaned.set()
+            raise RuntimeError("clean-up failed") from None
+
+    hooks.revoked.append(slow_cleanup)
+    loop = asyncio.get_running_loop()
+    with capture_logs() as logs:
+        firing = asyncio.ensure_future(
+            hooks.fire_revoked("g", {MessageQueue("T", "b", 0)}, deadline=loop.time() + 30))
+        await asyncio.sleep(0.1)
+        firing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await firing
+        held = [t for t in hooks._overdue if not t.done()]
+        assert [t.get_name() for t in held] == ["hook:" + hooks_module._name(slow_cleanup)]
+        await asyncio.wait_for(cleaned.wait(), 5)
+        await asyncio.sleep(0)
+        await wait_until(lambda: not hooks._overdue, 5, what="the hook's task let go")
+    assert [e["error"] for e in logs if e["event"] == "consumer.hook_failed_after_timeout"] \
+        == ["RuntimeError('clean-up failed')"]
+
+
 # ---------------------------------------------------------------------- statistics totals
 
 
