@@ -93,19 +93,19 @@ def _is_list(annotation: Any) -> bool:
     return origin is not None and origin in _LIST_ORIGINS
 
 
-def _is_async(fn: Callable[..., Any]) -> bool:
+def is_async(fn: Callable[..., Any]) -> bool:
     if inspect.iscoroutinefunction(fn):
         return True
     if isinstance(fn, functools.partial):
-        return _is_async(fn.func)
+        return is_async(fn.func)
     call = getattr(fn, "__call__", None)  # noqa: B004
     return call is not None and inspect.iscoroutinefunction(call)
 
 
-def _is_generator(fn: Callable[..., Any]) -> bool:
+def is_generator(fn: Callable[..., Any]) -> bool:
     """A (sync or async) generator function: calling it runs none of its body."""
     if isinstance(fn, functools.partial):
-        return _is_generator(fn.func)
+        return is_generator(fn.func)
     with contextlib.suppress(ValueError):  # (a __wrapped__ cycle: taken as it is)
         fn = inspect.unwrap(fn)  # a decorator that kept __wrapped__ calls what it wraps
     for f in (fn, getattr(fn, "__call__", None)):  # noqa: B004
@@ -124,7 +124,7 @@ def inspect_handler(fn: Callable[..., Any], *, batch: bool | None = None) -> Han
     if not callable(fn):
         raise InvalidTypeError(f"a handler must be callable, got {fn!r}")
     name = str(getattr(fn, "__qualname__", None) or getattr(type(fn), "__qualname__", repr(fn)))
-    if _is_generator(fn):
+    if is_generator(fn):
         # Called, it would only make a generator object (taken for a success), its body
         # never run: every message acknowledged unprocessed.
         raise InvalidTypeError(
@@ -178,7 +178,7 @@ def inspect_handler(fn: Callable[..., Any], *, batch: bool | None = None) -> Han
         if not is_batch and listed:
             raise InvalidTypeError(f"handler {name}: batch=False but the first parameter "
                             f"{first.name if first else ''!r} is annotated as a list")
-    return HandlerShape(batch=is_batch, context_param=context_param, is_async=_is_async(fn),
+    return HandlerShape(batch=is_batch, context_param=context_param, is_async=is_async(fn),
                         name=name)
 
 

@@ -21,12 +21,14 @@ consume services call handlers directly.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 
-from rmq_async.consumer.listener import ListenerAdapter
+from rmq_async.consumer.listener import ListenerAdapter, is_async, is_generator
 from rmq_async.consumer.results import (
     ConsumeContext,
     ConsumeResult,
@@ -35,11 +37,12 @@ from rmq_async.consumer.results import (
     normalize_result,
 )
 from rmq_async.consumer.tasks import ends_the_caller
+from rmq_async.errors import InvalidTypeError
 from rmq_async.protocol.types import MessageExt, MessageQueue
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["CallNext", "ConsumeCall", "Middleware", "Outcome", "run_call"]
+__all__ = ["CallNext", "ConsumeCall", "Middleware", "Outcome", "check_middleware", "run_call"]
 
 
 @dataclass(slots=True)
@@ -69,6 +72,22 @@ Middleware = Callable[[ConsumeCall, CallNext], Awaitable[None]]
 """An ``async def mw(call, call_next)`` run around every handler call; see the module."""
 
 
+def check_middleware(middleware: object) -> None:
+    """``InvalidTypeError`` unless ``middleware`` is an ``async def`` (a bound ``__call__``, a
+    ``functools.partial`` of one, or a decorator's wrapper that kept ``__wrapped__`` count):
+    a plain ``def`` never awaits ``call_next`` and a generator runs nothing, so either would
+    fail every call of every subscription without reaching a handler."""
+    if not callable(middleware):
+        raise InvalidTypeError(f"a middleware must be callable, got {middleware!r}")
+    inner = middleware
+    with contextlib.suppress(ValueError):  # (a __wrapped__ cycle: taken as it is)
+        inner = inspect.unwrap(middleware)
+    if is_generator(middleware) or not (is_async(middleware) or is_async(inner)):
+        raise InvalidTypeError(
+            f"a middleware must be an async def (call, call_next) that awaits call_next, "
+            f"got {middleware!r}")
+
+
 @dataclass(slots=True)
 class Outcome:
     """What one call came to, for the consume service that settles its messages."""
@@ -87,12 +106,19 @@ class Outcome:
     middleware answered for it, without calling on or with none left."""
 
 
+_ORDERLY_FAILURES = (ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT, ConsumeResult.ROLLBACK)
+
+
 def _terminal(adapter: ListenerAdapter, orderly: bool, reached: list[ConsumeCall],
               succeeded: list[ConsumeResult]) -> CallNext:
     async def call_handler(call: ConsumeCall) -> None:
         if not call.messages:
             return  # a middleware filtered everything out: the handler is not reached
         reached.append(call)
+        # Each reach of the handler starts clean: a middleware calling on again (a retry)
+        # must not inherit the failed attempt's ack index or dead letters.
+        call.context.ack_index = None
+        call.context.dead_letters.clear()
         raw = await adapter.invoke(call.messages, call.context)
         if raw is None:
             return
@@ -151,7 +177,8 @@ async def run_call(adapter: ListenerAdapter, msgs: list[MessageExt], ctx: Consum
         outcome = Outcome(failed, dead_reason=exc.reason or "DeadLetter")
     except RetryLater as exc:
         # Orderly keeps SUSPEND / ROLLBACK; concurrent knows one failure, RECONSUME_LATER.
-        keep = exc.result is not ConsumeResult.RECONSUME_LATER if orderly \
+        # RetryLater is a failure whatever it names (RetryLater(COMMIT) commits nothing).
+        keep = exc.result in _ORDERLY_FAILURES if orderly \
             else exc.result is ConsumeResult.RECONSUME_LATER
         outcome = Outcome(exc.result if keep else failed)
     except BaseException as exc:

@@ -31,7 +31,7 @@ from rmq_async.consumer.events import ConsumerError, ErrorHandler, ErrorReporter
 from rmq_async.consumer.hooks import LifespanHook, QueuesHook, RebalanceHooks, RebalanceListener
 from rmq_async.consumer.lag import LagMonitor, QueueLag
 from rmq_async.consumer.listener import ListenerAdapter
-from rmq_async.consumer.middleware import Middleware
+from rmq_async.consumer.middleware import Middleware, check_middleware
 from rmq_async.consumer.offset_store import BrokerOffsetStore, LocalFileOffsetStore, OffsetStore
 from rmq_async.consumer.options import (
     ConsumerOptions,
@@ -301,8 +301,7 @@ class PushConsumer:
         Middlewares run in registration order, the first registered outermost. Also usable
         as a decorator (:meth:`middleware`).
         """
-        if not callable(middleware):
-            raise InvalidTypeError(f"a middleware must be callable, got {middleware!r}")
+        check_middleware(middleware)
         self.subscriptions.middlewares.append(middleware)
         return middleware
 

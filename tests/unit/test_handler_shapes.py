@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, NotRequired, TypedDict
@@ -306,6 +307,39 @@ async def test_a_client_library_error_caused_by_a_refused_connection_is_retried(
     assert out.result is ConsumeResult.RECONSUME_LATER and out.dead_reason is None
 
 
+async def test_a_body_error_raised_from_none_while_a_connection_error_was_handled_is_poison(
+) -> None:
+    """``raise ... from None`` says the error being handled is not the cause: a decoder that
+    falls back to a local schema after its registry refused, and finds the body bad, has a
+    body error (dead-lettered), not a registry outage (retried, for ever when orderly)."""
+    def decoder(body: bytes) -> Any:
+        try:
+            raise ConnectionRefusedError("registry down")
+        except ConnectionRefusedError:
+            raise ValueError("unknown schema id 7") from None
+
+    async def one(order: Any) -> None:
+        raise AssertionError("not called")
+
+    with pytest.raises(PayloadDecodeError):
+        build_payload_decoder(None, decoder)(_msg(b"{}"))
+    out = await run_call(ListenerAdapter(one, decoder=decoder), [_msg(b"{}")],
+                         ConsumeContext(MQ), group="G", topic="T", queue=MQ, orderly=True,
+                         middlewares=[])
+    assert out.dead_reason is not None and "unknown schema id 7" in out.dead_reason
+
+    def implicit(body: bytes) -> Any:  # raised while handling it, not from None: retried
+        try:
+            raise ConnectionRefusedError("registry down")
+        except ConnectionRefusedError:
+            raise ValueError("no schema")
+
+    out = await run_call(ListenerAdapter(one, decoder=implicit), [_msg(b"{}")],
+                         ConsumeContext(MQ), group="G", topic="T", queue=MQ, orderly=False,
+                         middlewares=[])
+    assert out.result is ConsumeResult.RECONSUME_LATER and out.dead_reason is None
+
+
 async def test_a_decoder_asking_for_a_retry_is_retried() -> None:
     def decoder(body: bytes) -> Any:
         raise RetryLater()  # its registry client failed with an error of its own
@@ -464,6 +498,92 @@ def test_middleware_registration() -> None:
     assert c.subscriptions.middlewares == [m1, m1]
     with pytest.raises(TypeError):
         c.add_middleware(3)  # type: ignore[arg-type]
+
+
+def test_a_middleware_that_is_not_a_coroutine_function_is_refused() -> None:
+    """A plain ``def`` middleware (its ``call_next(call)`` never awaited) or a generator would
+    fail every call of every subscription, the handlers never reached: refused when added,
+    as handlers of a wrong shape are at subscribe."""
+    c = PushConsumer("G", namesrv="127.0.0.1:9876")
+
+    def plain(call: ConsumeCall, call_next: CallNext) -> None:
+        call_next(call)
+
+    async def agen(call: ConsumeCall, call_next: CallNext) -> Any:
+        await call_next(call)
+        yield
+
+    class Bound:
+        async def __call__(self, call: ConsumeCall, call_next: CallNext) -> None:
+            await call_next(call)
+
+    async def with_prefix(prefix: str, call: ConsumeCall, call_next: CallNext) -> None:
+        await call_next(call)
+
+    for bad in (plain, agen):
+        with pytest.raises(InvalidTypeError, match="async def"):
+            c.add_middleware(bad)  # type: ignore[arg-type]
+    assert c.subscriptions.middlewares == []
+    ok = [Bound(), functools.partial(with_prefix, "p")]
+    for mw in ok:
+        c.add_middleware(mw)
+    assert c.subscriptions.middlewares == ok
+
+
+async def test_an_orderly_retry_later_that_names_a_success_is_a_failure() -> None:
+    """``RetryLater`` is a failure whatever result it names: an orderly ``RetryLater(COMMIT)``
+    (or SUCCESS) suspends the queue, it does not commit the messages."""
+    async def handler(msg: MessageExt) -> None:
+        raise RetryLater(ConsumeResult.COMMIT)
+
+    for orderly, failed in ((True, ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT),
+                            (False, ConsumeResult.RECONSUME_LATER)):
+        for named in (ConsumeResult.COMMIT, ConsumeResult.SUCCESS):
+            async def raising(msg: MessageExt, named: ConsumeResult = named) -> None:
+                raise RetryLater(named)
+
+            out = await run_call(ListenerAdapter(raising), [_msg()], ConsumeContext(MQ),
+                                 group="G", topic="T", queue=MQ, orderly=orderly,
+                                 middlewares=[])
+            assert out.result is failed, (orderly, named, out.result)
+    for kept in (ConsumeResult.ROLLBACK, ConsumeResult.SUSPEND_CURRENT_QUEUE_A_MOMENT):
+        async def keeping(msg: MessageExt, kept: ConsumeResult = kept) -> None:
+            raise RetryLater(kept)
+
+        out = await run_call(ListenerAdapter(keeping), [_msg()], ConsumeContext(MQ),
+                             group="G", topic="T", queue=MQ, orderly=True, middlewares=[])
+        assert out.result is kept
+
+
+async def test_a_middleware_that_calls_the_handler_again_starts_it_from_a_clean_context(
+) -> None:
+    """A retrying middleware: the second call of the handler does not inherit the first's
+    ``ack_index`` or ``dead_letters`` (which would acknowledge part of a batch the second call
+    consumed whole, or dead-letter a message it consumed)."""
+    msgs = [_msg(b"1"), _msg(b"2"), _msg(b"3")]
+    for offset, m in enumerate(msgs):
+        m.queue_offset = offset
+    attempts: list[int] = []
+
+    async def handler(batch: list[MessageExt], ctx: ConsumeContext) -> None:
+        attempts.append(len(batch))
+        assert ctx.ack_index is None and ctx.dead_letters == []
+        if len(attempts) == 1:
+            ctx.ack_index = 0
+            ctx.dead_letters.append((batch[2], "first attempt"))
+            raise RuntimeError("transient")
+
+    async def retry_once(call: ConsumeCall, call_next: CallNext) -> None:
+        try:
+            await call_next(call)
+        except RuntimeError:
+            await call_next(call)
+
+    ctx = ConsumeContext(MQ)
+    out = await run_call(ListenerAdapter(handler), msgs, ctx, group="G", topic="T", queue=MQ,
+                         orderly=False, middlewares=[retry_once])
+    assert attempts == [3, 3] and out.result is ConsumeResult.SUCCESS and out.error is None
+    assert ctx.ack_index is None and ctx.dead_letters == []
 
 
 def test_copies_into_the_retry_topic_keep_the_message_but_not_what_delivery_added() -> None:
