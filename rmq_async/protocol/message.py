@@ -213,7 +213,10 @@ class UniqKeyGenerator:
         self._next_start_ms = 0
 
     def _roll_month(self, now_ms: int) -> None:
-        local = datetime.fromtimestamp(now_ms / 1000).astimezone()
+        # Naive local times: .timestamp() applies the zone's rules of *that* date (as Java's
+        # Calendar does), where an aware one would keep today's UTC offset and put the first
+        # of a month with a daylight saving change in it an hour off.
+        local = datetime.fromtimestamp(now_ms / 1000)
         start = local.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
         if start.month == 12:
             nxt = start.replace(year=start.year + 1, month=1)

@@ -436,7 +436,7 @@ def test_parse_host() -> None:
 
 def test_uniq_key_layout() -> None:
     gen = UniqKeyGenerator("10.0.0.5", pid=0x1234, seed=0xCAFEBABE)
-    start = int(datetime.now().astimezone().replace(
+    start = int(datetime.now().replace(
         day=1, hour=0, minute=0, second=0, microsecond=0).timestamp() * 1000)
     first = gen.next_id(now_ms=start + 1000)
     second = gen.next_id(now_ms=start + 1000)
@@ -448,6 +448,30 @@ def test_uniq_key_layout() -> None:
     assert len(ids) == 5000
     assert len(UniqKeyGenerator("::1").next_id()) == 56
     assert len(UniqKeyGenerator().next_id()) == 32
+
+
+@pytest.mark.parametrize("zone", ["America/New_York", "Europe/Berlin", "Australia/Sydney"])
+def test_uniq_key_time_is_counted_from_the_local_start_of_the_month_across_a_dst_change(
+        monkeypatch: pytest.MonkeyPatch, zone: str) -> None:
+    """The id's time is milliseconds since the first of the month, 00:00 local time, by the
+    zone's rules of that day (Java's Calendar): in a month whose clocks changed since, not an
+    hour off (a 4.9.x client's query by UNIQ_KEY starts its search at that time)."""
+    import time
+    from zoneinfo import ZoneInfo
+
+    monkeypatch.setenv("TZ", zone)
+    time.tzset()
+    try:
+        tz = ZoneInfo(zone)
+        # The 20th of the month after each change (March, April, October, November).
+        for year, month in ((2025, 3), (2025, 4), (2025, 10), (2025, 11)):
+            now = int(datetime(year, month, 20, 12, tzinfo=tz).timestamp() * 1000)
+            first = int(datetime(year, month, 1, tzinfo=tz).timestamp() * 1000)
+            key = UniqKeyGenerator("10.0.0.5", pid=1, seed=1).next_id(now_ms=now)
+            assert int(key[20:28], 16) == now - first, (zone, year, month)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
 
 
 def test_an_empty_body_flagged_compressed_is_delivered_empty() -> None:
