@@ -9,7 +9,7 @@ subscription (``post_subscription_when_pull``), so the broker filters it by that
 ``--tags`` whatever the group's other tails subscribe. The group being fixed, the broker creates
 its subscription group and ``%RETRY%`` topic once, not once per run.
 
-Ctrl-C (or SIGTERM), ``--count``, ``--seconds`` or a reader that goes away (``| head -3``)
+Ctrl-C (or SIGTERM, or SIGHUP: its terminal closed), ``--count``, ``--seconds`` or a reader that goes away (``| head -3``)
 ends it with status 0; a pipe's reader going away is noticed at once, a reader that stops
 reading holds the output, not the consumer's event loop.
 """
@@ -95,7 +95,7 @@ async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: boo
         return ConsumeResult.SUCCESS
 
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, done.set)
     try:
         with tempfile.TemporaryDirectory(prefix="rmq-async-tail-") as offsets_dir:
@@ -127,13 +127,15 @@ async def tail(namesrv: str, topic: str, *, tags: str = "*", from_beginning: boo
                     # A line in flight to a reader that stopped reading is not waited for.
                     await consumer.stop(STOP_SECONDS)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         await output.aclose()
     log.info("tail.stopped", topic=topic, printed=printed)
     return 0
 
 
+#: The signals that end a tail with status 0 (SIGHUP: the terminal it printed to closed).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: How long tail's consumer may take to stop (its listener prints; nothing else to wait for).
 STOP_SECONDS = 2.0
 #: How long tail's last lines may take to reach its reader, once it stops.

@@ -1,7 +1,7 @@
 """Rebalance listeners and lifespan hooks of a :class:`~rmq_async.consumer.push.PushConsumer`.
 
-Rebalance listeners (the shape of aiokafka's ``ConsumerRebalanceListener``) hear which queues
-this client takes and gives up:
+Rebalance listeners (as aiokafka's ``ConsumerRebalanceListener``, with methods named
+``on_assigned`` / ``on_revoked``) hear which queues this client takes and gives up:
 
 * ``on_revoked(queues)`` is awaited when a rebalance round (or ``stop()``) gives queues up,
   **before** their offsets are persisted and before their process queues are dropped: pulls of
@@ -100,7 +100,8 @@ class RebalanceHooks:
         self.revoked: list[QueuesHook] = []
         self.startup: list[LifespanHook] = []
         self.shutdown: list[LifespanHook] = []
-        # Hooks that ran out of stop()'s time: cancelled, not waited for, kept until they end.
+        # Hooks that ran out of stop()'s time, or whose stop() was cancelled: cancelled, not
+        # waited for, kept until they end.
         self._overdue: set[asyncio.Task[None]] = set()
 
     def add_listener(self, listener: RebalanceListener) -> None:

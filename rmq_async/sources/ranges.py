@@ -234,9 +234,20 @@ def _positive_int(options: Mapping[str, str], name: str) -> int | None:
     return value
 
 
+def _max_per_trigger(options: Mapping[str, str]) -> int | None:
+    """``maxMessagesPerTrigger``, or Kafka's name for the same bound, ``maxOffsetsPerTrigger``
+    (a queue's offsets count its messages); both given must agree."""
+    ours = _positive_int(options, "maxMessagesPerTrigger")
+    kafkas = _positive_int(options, "maxOffsetsPerTrigger")
+    if ours is not None and kafkas is not None and ours != kafkas:
+        raise SourceError(f"maxMessagesPerTrigger ({ours}) and maxOffsetsPerTrigger ({kafkas}) "
+                          "name one bound: give one of them")
+    return ours if ours is not None else kafkas
+
+
 _KNOWN = {
     "namesrv", "topics", "tags", "sql", "startingoffsets", "endingoffsets", "startingtimestamp",
-    "endingtimestamp", "maxmessagespertrigger", "failondataloss", "committogroup", "group",
+    "endingtimestamp", "maxmessagespertrigger", "maxoffsetspertrigger", "failondataloss", "committogroup", "group",
     "accesskey", "secretkey", "securitytoken", "tls", "tlsverify", "tlscafile", "apitimeout",
     "pullbatchsize", "pulldepth", "chunkrows", "path", "topicpattern",
 }
@@ -305,7 +316,7 @@ class SourceOptions:
                 raise SourceError("startingOffsets=latest reads nothing in a batch query")
             if ending.kind == "earliest":
                 raise SourceError("endingOffsets=earliest reads nothing in a batch query")
-            for name in ("maxMessagesPerTrigger", "commitToGroup"):
+            for name in ("maxMessagesPerTrigger", "maxOffsetsPerTrigger", "commitToGroup"):
                 if name.lower() in opts:
                     raise SourceError(f"{name} is for streaming reads only")
             if starting.kind == "offsets" and LATEST in starting.offsets.values():
@@ -346,7 +357,7 @@ class SourceOptions:
             ending=ending,
             tags=tags,
             sql=sql,
-            max_messages_per_trigger=_positive_int(opts, "maxMessagesPerTrigger"),
+            max_messages_per_trigger=_max_per_trigger(opts),
             fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
             commit_to_group=opts.get("committogroup") or None,
             group=opts.get("group") or opts.get("committogroup") or DEFAULT_GROUP,

@@ -105,7 +105,8 @@ Options (names are case-insensitive)
     latest.
 ``maxMessagesPerTrigger`` (streams only)
     At most this many offsets per micro-batch, shared between queues in proportion to their
-    backlog (with a ``tags``/``sql`` filter fewer rows may come out).
+    backlog (with a ``tags``/``sql`` filter fewer rows may come out). ``maxOffsetsPerTrigger``,
+    the Kafka source's name, is taken for it too.
 ``failOnDataLoss`` (default ``true``)
     Offsets planned for but gone from the broker (expired files, an offset below the queue's
     min, entries whose messages left the commit log, a queue whose max went down below what

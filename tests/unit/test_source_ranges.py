@@ -65,6 +65,10 @@ def test_options_defaults_and_checks() -> None:
     assert stream.starting.kind == "latest" and stream.ending is None
     assert stream.max_messages_per_trigger == 10 and stream.group == "g"
     assert not stream.fail_on_data_loss
+    for kafka in ({"maxOffsetsPerTrigger": "7"},  # Kafka's name for the same bound
+                  {"maxOffsetsPerTrigger": "7", "maxMessagesPerTrigger": "7"}):
+        assert SourceOptions.parse({**BASE, **kafka}, streaming=True) \
+            .max_messages_per_trigger == 7
     assert SourceOptions.parse({**BASE, "startingTimestamp": "5"}, streaming=True).starting == \
         Position("timestamp", timestamp_ms=5)
     assert SourceOptions.parse({**BASE, "tls": "true", "tlsVerify": "false"}, streaming=True).tls
@@ -81,6 +85,9 @@ def test_options_defaults_and_checks() -> None:
         ({**BASE, "tlsVerify": "false"}, True),  # the connections stayed plain TCP
         ({**BASE, "securityToken": "t"}, True),  # dropped: nothing was signed
         ({**BASE, "maxMessagesPerTrigger": "0"}, True),
+        ({**BASE, "maxOffsetsPerTrigger": "10"}, False),
+        ({**BASE, "maxOffsetsPerTrigger": "0"}, True),
+        ({**BASE, "maxOffsetsPerTrigger": "10", "maxMessagesPerTrigger": "20"}, True),
         ({**BASE, "tags": "x", "sql": "a > 1"}, True),
         ({**BASE, "tags": "||"}, True),
         ({**BASE, "startingOffsets": "earliest", "startingTimestamp": "1"}, True),
