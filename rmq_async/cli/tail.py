@@ -9,9 +9,9 @@ subscription (``post_subscription_when_pull``), so the broker filters it by that
 ``--tags`` whatever the group's other tails subscribe. The group being fixed, the broker creates
 its subscription group and ``%RETRY%`` topic once, not once per run.
 
-Ctrl-C (or SIGTERM, or SIGHUP: its terminal closed), ``--count``, ``--seconds`` or a reader that goes away (``| head -3``)
-ends it with status 0; a pipe's reader going away is noticed at once, a reader that stops
-reading holds the output, not the consumer's event loop.
+Ctrl-C (or SIGTERM, or SIGHUP: its terminal closed), ``--count``, ``--seconds`` or a reader
+that goes away (``| head -3``) ends it with status 0; a pipe's reader going away is noticed at
+once, a reader that stops reading holds the output, not the consumer's event loop.
 """
 
 from __future__ import annotations

@@ -247,7 +247,8 @@ def _max_per_trigger(options: Mapping[str, str]) -> int | None:
 
 _KNOWN = {
     "namesrv", "topics", "tags", "sql", "startingoffsets", "endingoffsets", "startingtimestamp",
-    "endingtimestamp", "maxmessagespertrigger", "maxoffsetspertrigger", "failondataloss", "committogroup", "group",
+    "endingtimestamp", "maxmessagespertrigger", "maxoffsetspertrigger", "failondataloss",
+    "committogroup", "group",
     "accesskey", "secretkey", "securitytoken", "tls", "tlsverify", "tlscafile", "apitimeout",
     "pullbatchsize", "pulldepth", "chunkrows", "path", "topicpattern",
 }
