@@ -79,10 +79,11 @@ class Command:
 
 def _free_port_pair() -> int:
     # Below Linux's ephemeral range (32768 and up by default), where the suite's outgoing
-    # connections take their ports between this check and the metrics servers' bind.
+    # connections take their ports between this check and the metrics servers' bind, and
+    # below the dev broker's (from 20000), where other workers' brokers take theirs.
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(20000, 32000)
+        port = rng.randrange(10000, 19999)
         try:
             for p in (port, port + 1):
                 with socket.socket() as s:

@@ -132,7 +132,7 @@ async def test_retries_dlq_and_ack_index(rocketmq) -> None:
             assert time.monotonic() < deadline, "message never reached the DLQ"
             await asyncio.sleep(0.5)
     assert [m.body for m in found] == [b"always-fail"]
-    assert found[0].msg_id == sent.msg_id or found[0].properties.get("UNIQ_KEY")
+    assert found[0].msg_id == sent.msg_id  # the DLQ copy keeps the message's own id (UNIQ_KEY)
 
     # A message failing three times, then succeeding, is seen four times.
     topic2 = unique("T_retry4")
@@ -371,7 +371,7 @@ async def test_long_poll_at_rest_and_wakeup_latency(rocketmq) -> None:
     print(f"idle queue to listener: {latency * 1000:.1f} ms")
     # The held pull is woken by the message (tens of ms at rest); without the wake-up the
     # broker would find it at its next 5 s check. The bound leaves room for a loaded machine.
-    assert latency < 1.0
+    assert latency < 2.0
 
 
 async def test_listener_example_runs_and_stops_on_ctrl_c(rocketmq) -> None:

@@ -141,7 +141,7 @@ async def test_long_poll_wakes_on_message_and_times_out(rocketmq) -> None:
         assert r.status.name == "FOUND"
         assert [m.body for m in r.decode()] == [b"wake up"]
         print(f"\nlong-poll wake-up latency after send returned: {latency * 1000:.1f} ms")
-        assert latency < 1.0, latency
+        assert latency < 2.0, latency  # without the wake-up: the broker's next 5 s check
 
 
 async def test_broker_killed_mid_request_then_reconnect(rocketmq) -> None:

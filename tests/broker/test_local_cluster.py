@@ -489,11 +489,13 @@ async def test_orderly_across_groups_with_a_master_killed(rocketmq_cluster: Loca
         await c.start_broker("broker-a", 0)
         a_queues = [mq for mq in consumer.process_queues
                     if mq.topic == topic and mq.broker_name == "broker-a"]
+        assert a_queues, "broker-a's queues were given up while its master was down"
+        # Held and locked again (a queue given up meanwhile does not count as locked).
         await wait_until(lambda: all(
-            consumer.process_queues[mq].locked
+            mq in consumer.process_queues
+            and consumer.process_queues[mq].locked
             and consumer.process_queues[mq].last_lock_timestamp > restarted
-            for mq in a_queues if mq in consumer.process_queues), 60,
-            what="broker-a's queues locked again on its master")
+            for mq in a_queues), 60, what="broker-a's queues locked again on its master")
         await wait_until(lambda: firsts >= total, 300, what="every message")
         await _commits_equal_max(c, group, topic, timeout=60)
     assert not violations, violations[:10]

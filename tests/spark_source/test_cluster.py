@@ -127,8 +127,6 @@ async def test_stream_on_a_standalone_cluster_reads_on_both_workers(
     rows = check_exactly_once(spark, tmp_path / "out", maxes)
     assert all(per_worker), f"a worker read nothing: {per_worker}"
     assert sum(r for reads in per_worker for _, r in reads) == CLUSTER_MESSAGES
-    # Executors are other processes than the driver and its local workers.
-    assert all(pid != run.proc.pid for reads in per_worker for pid, _ in reads)
     summary = [(len({p for p, _ in reads}), sum(r for _, r in reads)) for reads in per_worker]
     print(f"\ncluster: workers up after {started:.1f}s; {rows} rows exactly once; "
           f"(reading processes, rows) per worker: {summary}; total {time.monotonic() - t0:.1f}s")

@@ -690,8 +690,9 @@ async def test_a_blocking_decoder_runs_off_the_event_loop(kind: str) -> None:
         ticking.cancel()
     assert got == ([["x"]] if "batch" in kind else ["x"])
     assert decoded_on and loop_thread not in decoded_on
-    # On the loop, the ticker would stall the decoder's 0.6 s.
-    assert max(gaps) < 0.45, f"the event loop stalled {max(gaps):.2f} s"
+    # On the loop, the decoder's 0.6 s would be one gap of the ticker's: it ticked through them
+    # (a bound on the longest gap would fail on any stall of a loaded machine).
+    assert len(gaps) >= 10, f"the event loop ticked {len(gaps)} times in the decoder's 0.6 s"
 
 
 async def test_plain_handlers_run_on_the_consumers_own_threads() -> None:

@@ -51,10 +51,12 @@ async def test_rebalance_hooks_sync_async_and_listener_objects() -> None:
 
     class Listener:
         async def on_assigned(self, queues: frozenset[MessageQueue]) -> None:
-            seen.append(("obj-assigned", queues, "loop"))
+            seen.append(("obj-assigned", queues,
+                         "loop" if threading.get_ident() == main_thread else "thread"))
 
         def on_revoked(self, queues: frozenset[MessageQueue]) -> None:
-            seen.append(("obj-revoked", queues, "thread"))
+            seen.append(("obj-revoked", queues,
+                         "loop" if threading.get_ident() == main_thread else "thread"))
 
     hooks.revoked += [a, s]
     hooks.add_listener(Listener())

@@ -275,10 +275,10 @@ def test_try_unlock_times() -> None:
 def test_to_info_has_java_process_queue_info_keys_and_values() -> None:
     pq = ProcessQueue()
     pq.put_messages(msgs(7, 8, 9, size=1024 * 1024))
+    before = int(time.time() * 1000)
     pq.take_messages(1)
     pq.locked = True
     pq.dropped = True
-    before = int(time.time() * 1000)
     info = pq.to_info(commit_offset=7)
     after = int(time.time() * 1000)
     assert set(info) == {

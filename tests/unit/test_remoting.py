@@ -124,7 +124,7 @@ async def test_timeout_removes_pending_entry() -> None:
             started = time.monotonic()
             with pytest.raises(RemotingTimeout):
                 await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=0.2)
-            assert time.monotonic() - started < 1.0
+            assert time.monotonic() - started < 2.0
             assert conn.pending_count == 0
             assert not conn.closed
         finally:
@@ -219,6 +219,7 @@ async def test_peer_request_dispatch_and_unsupported_codes() -> None:
     handled: list[int] = []
     answers: list[RemotingCommand] = []
     got_answer = asyncio.Event()
+    asked: list[RemotingCommand] = []
 
     async def handler(cmd: RemotingCommand, conn: Connection) -> RemotingCommand | None:
         handled.append(cmd.code)
@@ -229,13 +230,13 @@ async def test_peer_request_dispatch_and_unsupported_codes() -> None:
     async def script(cmd: RemotingCommand, writer: asyncio.StreamWriter) -> None:
         if cmd.is_response:
             answers.append(cmd)
-            if len(answers) == 2:
-                got_answer.set()
+            got_answer.set()  # the one-way notify has no answer: the running info's only
             return
         notify = RemotingCommand.request(RequestCode.NOTIFY_CONSUMER_IDS_CHANGED,
                                          ext_fields={"consumerGroup": "g"}, oneway=True)
         running = RemotingCommand.request(RequestCode.GET_CONSUMER_RUNNING_INFO,
                                           ext_fields={"consumerGroup": "g"})
+        asked.append(running)
         writer.write(notify.encode() + running.encode())
         writer.write(cmd.response_to(ResponseCode.SUCCESS).encode())
         await writer.drain()
@@ -245,8 +246,15 @@ async def test_peer_request_dispatch_and_unsupported_codes() -> None:
         try:
             await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout=5)
             await asyncio.wait_for(asyncio.shield(_wait_len(handled, 2)), 5)
+            await asyncio.wait_for(got_answer.wait(), 5)
+            await asyncio.sleep(0.1)  # a second answer (to the one-way notify) would be here
         finally:
             await conn.close()
+    assert sorted(handled) == sorted([RequestCode.NOTIFY_CONSUMER_IDS_CHANGED,
+                                      RequestCode.GET_CONSUMER_RUNNING_INFO])
+    (answer,) = answers
+    assert answer.code == ResponseCode.SUCCESS and answer.body == b"{}"
+    assert answer.opaque == asked[0].opaque
 
     # Without a handler, a request from the peer gets REQUEST_CODE_NOT_SUPPORTED.
     unsupported: list[RemotingCommand] = []
@@ -501,7 +509,7 @@ async def test_a_started_request_answered_go_away_replaces_its_connection() -> N
 async def test_concurrent_callers_share_one_connect_attempt() -> None:
     # Six requests need a connection to an address whose connect hangs: one attempt is made,
     # and all six fail together when it gives up, after one connect_timeout (not one after
-    # the other, the k-th after k timeouts).
+    # the other, the k-th after k timeouts: 1.8 s and more).
     async with silent_listener() as (addr, accepted):
         client = RemotingClient(connect_timeout=0.3, ssl=insecure_tls())
         try:
@@ -514,7 +522,7 @@ async def test_concurrent_callers_share_one_connect_attempt() -> None:
 
             ended = await asyncio.gather(*(one() for _ in range(6)))
             assert len(accepted) == 1
-            assert min(ended) >= 0.29 and max(ended) < 1.0
+            assert min(ended) >= 0.29 and max(ended) < 1.5
         finally:
             await client.close()
 
@@ -535,7 +543,7 @@ async def test_a_request_timeout_includes_its_connect() -> None:
         finally:
             started = time.monotonic()
             await client.close()
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 2.5  # not the 5 s connect
         assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("remoting-connect")]
 
 
@@ -597,12 +605,12 @@ async def test_a_second_go_away_is_an_error_and_the_resend_has_what_is_left() ->
         finally:
             await client.close()
 
-    # GO_AWAY after 1 s, then silence on the new connection: the request sent again has
-    # the 1 s left of its 2, not 2 more.
+    # GO_AWAY after 2 s, then silence on the new connection: the request sent again has
+    # the 2 s left of its 4, not 4 more.
     async def slow_go_away_then_silence(cmd: RemotingCommand, conn: int) -> RemotingCommand | None:
         if conn > 0:
             return None
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(2.0)
         return cmd.response_to(ResponseCode.GO_AWAY)
 
     async with FakeBroker(slow_go_away_then_silence) as broker:
@@ -611,8 +619,8 @@ async def test_a_second_go_away_is_an_error_and_the_resend_has_what_is_left() ->
             started = time.monotonic()
             with pytest.raises(RemotingTimeout):
                 await client.invoke(broker.addr,
-                                    RemotingCommand.request(RequestCode.HEART_BEAT), 2.0)
-            assert 1.95 <= time.monotonic() - started < 2.9  # 3 s if given 2 s more
+                                    RemotingCommand.request(RequestCode.HEART_BEAT), 4.0)
+            assert 3.95 <= time.monotonic() - started < 5.5  # 6 s if given 4 s more
             assert [n for n, _ in broker.received] == [0, 1]
         finally:
             await client.close()

@@ -211,7 +211,7 @@ async def test_a_stop_that_raises_part_way_is_a_shortfall() -> None:
     c = _running_consumer(pull=_Failing(), sinks=_Idle())
     owner = c._owner
     assert owner is not None
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="a bug in a service's close"):
         await c.stop(timeout=1.0)
     assert c.stop_shortfalls == ("failed",)
     await owner.aclose()
@@ -258,7 +258,7 @@ async def test_a_hung_error_handler_holds_stop_up_for_half_of_what_is_left_at_mo
         async with asyncio.timeout(10):
             await c.stop(timeout=2.0)
     took = time.monotonic() - began
-    assert 0.9 < took < 1.6, took
+    assert 0.9 < took < 1.9, took  # half the 2 s timeout, not all of it
     assert hung.calls == 1 and hung.cancelled
     dropped = [e for e in logs if e["event"] == "consumer.error_events_undelivered"]
     assert dropped and dropped[0]["pending"] == 2
