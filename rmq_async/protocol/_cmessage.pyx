@@ -591,9 +591,10 @@ def decode_records(bytes data not None, list out not None, bint decompress, bint
             raise ProtocolError(
                 f"bad properties length {props_len} (record has {end - p} bytes left)"
             )
-        if decompress and sys_flag & COMPRESSED:
-            if body:  # an empty body is stored as is (Java inflates only a non-empty one)
-                body = _decompress(body, sys_flag, max_body_size)
+        if decompress and sys_flag & COMPRESSED and body:
+            # Java inflates (and clears the flag of) a non-empty body only: an empty one is
+            # stored as is, its flag kept.
+            body = _decompress(body, sys_flag, max_body_size)
             sys_flag &= ~COMPRESSED
         commit_offset = _i64(buf + pos + 28)
         msg = PyType_GenericAlloc(_message_type, 0)

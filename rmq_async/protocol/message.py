@@ -518,9 +518,10 @@ def _decode_records(
             raise ProtocolError(
                 f"bad properties length {props_len} (record has {end - p} bytes left)"
             )
-        if decompress and sys_flag & MSG_COMPRESSED_FLAG:
-            if body:  # an empty body is stored as is (Java inflates only a non-empty one)
-                body = _decompress(body, sys_flag, max_body_size)
+        if decompress and sys_flag & MSG_COMPRESSED_FLAG and body:
+            # Java inflates (and clears the flag of) a non-empty body only: an empty one is
+            # stored as is, its flag kept.
+            body = _decompress(body, sys_flag, max_body_size)
             sys_flag &= ~MSG_COMPRESSED_FLAG
         # Properties and the offset message id are kept raw: MessageExt parses / formats them
         # when they are first read.
