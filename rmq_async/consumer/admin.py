@@ -415,10 +415,11 @@ class BrokerRequestHandler:
     def _consumer_status(self, cmd: RemotingCommand) -> RemotingCommand:
         c = self._consumer
         header = GetConsumerStatusRequestHeader.from_ext_fields(cmd.ext_fields)
-        if header.group != c.group:
-            return self._not_this_group(cmd, header.group)
-        offsets = {mq: off for mq, off in c.offset_store.snapshot().items()
-                   if mq.topic == header.topic}
+        # As Java's client: another group's status is an empty table (not an error), and a
+        # blank topic asks for every topic's offsets.
+        offsets = {} if header.group != c.group else {
+            mq: off for mq, off in c.offset_store.snapshot().items()
+            if not header.topic.strip() or mq.topic == header.topic}
         body = GetConsumerStatusBody(message_queue_table=offsets)
         return cmd.response_to(ResponseCode.SUCCESS, body=body.to_json_bytes())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 from typing import Any
 
 import pytest
@@ -77,6 +78,33 @@ async def test_running_info_request_for_another_group_is_refused() -> None:
     resp = await _ask(c, RemotingCommand.request(RequestCode.GET_CONSUMER_RUNNING_INFO, ext))
     assert resp is not None and resp.code == ResponseCode.SUCCESS
     assert "test_running_info_request_for_another_group" in json.loads(resp.body)["jstack"]
+
+
+async def test_consumer_status_is_the_held_offsets_of_a_topic_or_of_all_as_java_answers(
+) -> None:
+    """GET_CONSUMER_STATUS_FROM_CLIENT: the topic's offsets; a blank topic, every topic's;
+    another group, an empty table with SUCCESS (Java's ``MQClientInstance.getConsumerStatus``)."""
+    from rmq_async.protocol.bodies import GetConsumerStatusBody
+    from rmq_async.protocol.headers import GetConsumerStatusRequestHeader
+    from rmq_async.protocol.types import MessageQueue
+
+    c = _consumer()
+    c.subscribe("T1", listener=lambda msgs: ConsumeResult.SUCCESS)
+    held = {MessageQueue("T1", "b", 0): 5, MessageQueue("T1", "b", 1): 7,
+            MessageQueue("T2", "b", 0): 9}
+    # The store's table, as the handler reads it (a started consumer's store).
+    c.offset_store = types.SimpleNamespace(snapshot=lambda: dict(held))  # type: ignore[assignment]
+
+    async def status(group: str, topic: str) -> dict[MessageQueue, int]:
+        ext = GetConsumerStatusRequestHeader(topic=topic, group=group).to_ext_fields()
+        resp = await _ask(c, RemotingCommand.request(RequestCode.GET_CONSUMER_STATUS_FROM_CLIENT,
+                                                     ext))
+        assert resp is not None and resp.code == ResponseCode.SUCCESS, resp
+        return GetConsumerStatusBody.from_json_bytes(resp.body).message_queue_table
+
+    assert await status("G_admin", "T1") == {mq: o for mq, o in held.items() if mq.topic == "T1"}
+    assert await status("G_admin", "") == held
+    assert await status("other", "T1") == {}
 
 
 async def test_unknown_and_malformed_requests_get_typed_answers() -> None:
