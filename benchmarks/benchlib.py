@@ -13,6 +13,7 @@ Line protocol on standard output (the runner reads it):
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -34,6 +35,41 @@ that every contender (a JVM most of all) is warm when measuring starts. Not coun
 UNCOUNTED_TAGS = frozenset({PROBE_TAG, WARMUP_TAG})
 
 PROGRESS_INTERVAL = 0.25
+
+
+#: Above this many contenders the rounds are plain rotations (the search below is over every
+#: order of the contenders: 5,040 at seven).
+_ORDER_SEARCH_MAX = 7
+
+
+def round_orders(contenders: Sequence[str], rounds: int) -> list[list[str]]:
+    """The contenders' order in each of ``rounds`` rounds: the first as given, each later one
+    the order that repeats fewest of the rounds before's adjacent pairs (a contender right
+    after the same one: its page cache, the broker's state after it), then puts first and last
+    ones that have been there least (the first of the enumeration among equals, so that every
+    run uses the same orders). A plain rotation (A B C, B C A, C A B) keeps every pair: B
+    would follow A in every round."""
+    items = list(contenders)
+    if len(items) > _ORDER_SEARCH_MAX:
+        return [items[r % len(items):] + items[:r % len(items)] for r in range(rounds)]
+    pairs: dict[tuple[str, str], int] = {}
+    firsts: dict[str, int] = {}
+    lasts: dict[str, int] = {}
+    orders: list[list[str]] = []
+    for r in range(rounds):
+        if r == 0 or not items:
+            best = list(items)
+        else:
+            best = list(min(itertools.permutations(items), key=lambda p: (
+                sum(pairs.get(ab, 0) for ab in itertools.pairwise(p)),
+                firsts.get(p[0], 0), lasts.get(p[-1], 0))))
+        for ab in itertools.pairwise(best):
+            pairs[ab] = pairs.get(ab, 0) + 1
+        if best:
+            firsts[best[0]] = firsts.get(best[0], 0) + 1
+            lasts[best[-1]] = lasts.get(best[-1], 0) + 1
+        orders.append(best)
+    return orders
 
 
 def emit(line: str) -> None:

@@ -39,6 +39,7 @@ from benchlib import (
     emit_result,
     host_cpu_ticks,
     process_cpu_seconds,
+    round_orders,
     side_figures,
     side_readings,
     steal_percent,
@@ -330,13 +331,16 @@ async def _sink_run(spark: Any, spec: dict[str, Any], path: Path,
 
 
 async def _pull_batches(spec: dict[str, Any], batch_rows: int) -> list[list[MessageExt]]:
-    """Every message of the topic (raw pulls, untimed), cut into batches of ``batch_rows``."""
+    """Every message of the topic (raw pulls, untimed), in batches cut as the sink cuts them:
+    whole pulls, a batch closed before a pull that would take it past ``batch_rows`` (49,984
+    rows of 32-message pulls for 50,000, not 50,000: the same number of Spark jobs as the
+    sink's)."""
     instance = ClientInstance(spec["namesrv"], f"127.0.0.1@bench-arrow-{os.getpid()}")
     topic = spec["topic"]
 
-    async def drain(mq: MessageQueue) -> list[MessageExt]:
+    async def drain(mq: MessageQueue) -> list[list[MessageExt]]:
         addr = await instance.find_broker_master(mq.broker_name, topic)
-        got: list[MessageExt] = []
+        got: list[list[MessageExt]] = []
         offset = 0
         while True:
             r = await instance.api.pull_message(
@@ -349,7 +353,7 @@ async def _pull_batches(spec: dict[str, Any], batch_rows: int) -> list[list[Mess
             # and the pull's MIN_OFFSET / MAX_OFFSET properties, so both write the same rows.
             message_codec.stamp_delivered(msgs, mq.broker_name, {
                 PROPERTY_MIN_OFFSET: str(r.min_offset), PROPERTY_MAX_OFFSET: str(r.max_offset)})
-            got.extend(msgs)
+            got.append(msgs)
             offset = r.next_begin_offset
 
     try:
@@ -358,22 +362,39 @@ async def _pull_batches(spec: dict[str, Any], batch_rows: int) -> list[list[Mess
         per_queue = await asyncio.gather(*(drain(mq) for mq in queues))
     finally:
         await instance.close()
-    out = [m for msgs in per_queue for m in msgs]
-    return [out[i:i + batch_rows] for i in range(0, len(out), batch_rows)]
+    return pack_pulls([pull for pulls in per_queue for pull in pulls], batch_rows)
 
 
-def _verify_parquet(path: Path, expected: int,
-                    property_names: set[str] | None = None) -> tuple[bool, str]:
+def pack_pulls(pulls: list[list[MessageExt]], batch_rows: int) -> list[list[MessageExt]]:
+    """Pulls into batches as the sink packs its chunks: a pull is never split, and one that
+    would take a batch past ``batch_rows`` starts the next."""
+    batches: list[list[MessageExt]] = []
+    current: list[MessageExt] = []
+    for pull in pulls:
+        if current and len(current) + len(pull) > batch_rows:
+            batches.append(current)
+            current = []
+        current.extend(pull)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _verify_parquet(path: Path, expected: int, property_names: set[str] | None = None,
+                    body_size: int | None = None) -> tuple[bool, str]:
     """Every row once; with ``property_names``, the rows' property names are exactly those
-    (the sink's rows against the baseline's: the same rows, not merely as many).
+    (the sink's rows against the baseline's: the same rows, not merely as many); with
+    ``body_size``, every body whole: ``expected`` bodies of that size whose leading indexes
+    (the preload's ``%012d|``) are 0 … expected - 1, each once.
 
-    Read back with pyarrow, column by column, not with a Spark query: a `distinct().count()`
-    over 1,000,000 keys once failed with AGGREGATE_OUT_OF_MEMORY in the third round of a full
-    run (the driver's execution memory after the rounds before), which cost the run its whole
-    Spark scenario.
+    Read back with pyarrow, column by column (the bodies a record batch at a time), not with a
+    Spark query: a `distinct().count()` over 1,000,000 keys once failed with
+    AGGREGATE_OUT_OF_MEMORY in the third round of a full run (the driver's execution memory
+    after the rounds before), which cost the run its whole Spark scenario.
     """
     import pyarrow as pa
     import pyarrow.compute as pc
+    import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
     keys = pq.read_table(path, columns=["queue_id", "queue_offset"])
@@ -389,6 +410,33 @@ def _verify_parquet(path: Path, expected: int,
         found = _table_property_names(pq.read_table(path, columns=["properties"]))
         if found != property_names:
             return False, f"rows hold the properties {sorted(found)}, not {sorted(property_names)}"
+    if body_size is not None:
+        return _verify_bodies(pads.dataset(str(path), format="parquet"), expected, body_size)
+    return True, ""
+
+
+def _verify_bodies(dataset: Any, expected: int, body_size: int) -> tuple[bool, str]:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    total = 0
+    indexes: list[Any] = []
+    for batch in dataset.to_batches(columns=["body"]):
+        body = batch.column(0)
+        total += pc.sum(pc.binary_length(body)).as_py() or 0
+        head = pc.binary_slice(body, 0, 12).cast(pa.string())
+        try:
+            indexes.append(pc.cast(head, pa.int64()))
+        except pa.ArrowInvalid:
+            return False, "a body does not start with its 12-digit index"
+    if total != expected * body_size:
+        return False, f"bodies hold {total} bytes, not {expected} x {body_size}"
+    found = pa.chunked_array(indexes, type=pa.int64())
+    low, high = pc.min_max(found).values()
+    distinct = pc.count_distinct(found).as_py()
+    if (low.as_py(), high.as_py(), distinct) != (0, expected - 1, expected):
+        return False, (f"body indexes {low} … {high}, {distinct} distinct: not 0 … "
+                       f"{expected - 1} once each")
     return True, ""
 
 
@@ -471,6 +519,7 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
     await asyncio.to_thread(out_dir.mkdir, parents=True, exist_ok=True)
     expected = int(spec["expected"])
     batch_rows = int(spec["batch_rows"])
+    body_size = int(spec["body_size"]) if "body_size" in spec else None
     t_start = time.perf_counter()
     spark = await asyncio.to_thread(_spark_session, "rmq_async-bench")
     session_seconds = time.perf_counter() - t_start
@@ -508,7 +557,8 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
             cpu1 = await asyncio.to_thread(meter.snapshot)
             sink_run["cpu_s_per_million"] = meter.per_million(cpu0, cpu1, sink_run["rows"])
             sink_run["host_steal_pct"] = meter.steal(cpu0, cpu1)
-            ok, reason = await asyncio.to_thread(_verify_parquet, path, expected, names)
+            ok, reason = await asyncio.to_thread(_verify_parquet, path, expected, names,
+                                                 body_size)
             if sink_run["ok"] and not ok:
                 sink_run.update(ok=False, reason=reason)
             runs.append({"contender": contender, "round": rnd + 1, **sink_run})
@@ -539,7 +589,8 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
             seconds = time.perf_counter() - t
             cpu1 = await asyncio.to_thread(meter.snapshot)
             plain_cpu = meter.per_million(cpu0, cpu1, done_rows)
-            ok, reason = await asyncio.to_thread(_verify_parquet, path, expected, names)
+            ok, reason = await asyncio.to_thread(_verify_parquet, path, expected, names,
+                                                 body_size)
             if pulled != expected:
                 ok, reason = False, f"pulled {pulled} rows for the baseline, not {expected}"
             runs.append({"contender": "plain-spark-arrow", "round": rnd + 1, "ok": ok,
@@ -560,7 +611,8 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
             cpu1 = await asyncio.to_thread(meter.snapshot)
             source_cpu = meter.per_million(cpu0, cpu1, rows)
             emit(f"PROGRESS {rows}")
-            ok, reason = await asyncio.to_thread(_verify_parquet, path, expected)
+            ok, reason = await asyncio.to_thread(_verify_parquet, path, expected, None,
+                                                 body_size)
             runs.append({"contender": "spark-source", "round": rnd + 1, "ok": ok,
                          "reason": reason, "rows": rows, "seconds": round(seconds, 3),
                          "cpu_s_per_million": source_cpu,
@@ -569,13 +621,14 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
             shutil.rmtree(path, ignore_errors=True)
             shutil.rmtree(checkpoint, ignore_errors=True)
 
-        # Each round starts with the next contender (sink, bulk, plain; then bulk, plain, sink;
-        # ...), so that no contender always runs first, right after the source or the set-up.
-        order = [sink, bulk, plain] if spec.get("bulk", True) else [sink, plain]
-        for rnd in range(int(spec.get("rounds", 1))):
-            shift = rnd % len(order)
-            for contender in order[shift:] + order[:shift]:
-                await contender(rnd)
+        # Balanced orders (benchlib.round_orders: sink, bulk, plain; then another first, and
+        # no path always right after the same one), so that no path always runs first, right
+        # after the source or the set-up, or after the same other path.
+        paths = {"sink": sink, "bulk": bulk, "plain": plain}
+        names = ["sink", "bulk", "plain"] if spec.get("bulk", True) else ["sink", "plain"]
+        for rnd, order in enumerate(round_orders(names, int(spec.get("rounds", 1)))):
+            for name in order:
+                await paths[name](rnd)
             if rnd < int(spec.get("source_rounds", 1)):
                 await source(rnd)
     finally:

@@ -46,7 +46,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))
 
 import report  # noqa: E402
-from benchlib import PROBE_TAG, WARMUP_TAG, host_cpu_ticks, steal_percent  # noqa: E402
+from benchlib import (  # noqa: E402
+    PROBE_TAG,
+    WARMUP_TAG,
+    host_cpu_ticks,
+    round_orders,
+    steal_percent,
+)
 
 import rmq_async  # noqa: E402
 from rmq_async.client.instance import ClientInstance  # noqa: E402
@@ -629,13 +635,9 @@ async def run_drain(rt: Runtime, sc: Scenario, contenders: list[str],
 
 
 def round_order(contenders: list[str], rnd: int) -> list[str]:
-    """The contenders of round ``rnd`` (from 1): each round starts with the next one, so that
-    no contender always follows the same one (its page cache, the broker's state after it) or
-    always runs first or last."""
-    if not contenders:
-        return []
-    shift = (rnd - 1) % len(contenders)
-    return contenders[shift:] + contenders[:shift]
+    """The contenders of round ``rnd`` (from 1), as :func:`benchlib.round_orders` balances
+    them: no contender always right after the same one, or always first or last."""
+    return round_orders(contenders, rnd)[rnd - 1]
 
 
 async def run_latency(rt: Runtime, sc: Scenario, contenders: list[str]) -> dict[str, Any]:
@@ -675,8 +677,8 @@ async def send_probes_until_ready(namesrv: str, topic: str, child: ChildRun) -> 
 async def run_spark(rt: Runtime, sc: Scenario, topic: str) -> dict[str, Any]:
     spec = {"kind": "spark", "namesrv": rt.rmq.namesrv_addr,
             "group": f"bench_spark_{uuid.uuid4().hex[:6]}", "topic": topic,
-            "expected": sc.messages, "queues": QUEUES, "batch_rows": sc.batch_rows,
-            "rounds": sc.rounds, "stall_timeout": rt.stall_timeout,
+            "expected": sc.messages, "body_size": sc.body_size, "queues": QUEUES,
+            "batch_rows": sc.batch_rows, "rounds": sc.rounds, "stall_timeout": rt.stall_timeout,
             "source_rounds": sc.capped_rounds.get("spark-source", sc.rounds),
             "work_dir": str(rt.work / "spark"), "broker_pid": rt.rmq.pids.get("broker"),
             "warm_up": sc.jit_warm_up}

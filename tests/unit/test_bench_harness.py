@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,13 +102,37 @@ def test_the_first_drain_on_a_broker_starts_with_an_untimed_round_of_every_conte
     assert calls == [("drain-q", "x", 1)] and not cold.broker_warm
 
 
-def test_each_round_starts_with_the_next_contender(run_module: ModuleType) -> None:
-    order = ["a", "b", "c"]
-    rounds = [run_module.round_order(order, rnd) for rnd in range(1, 5)]
-    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
-    # Over as many rounds as contenders, each runs once in every position.
-    assert all(sorted(r[i] for r in rounds[:3]) == order for i in range(3))
-    assert run_module.round_order([], 2) == [] and order == ["a", "b", "c"]
+def test_rounds_vary_who_comes_first_last_and_after_whom(run_module: ModuleType) -> None:
+    """A rotation (A B C, B C A, C A B) put B after A in every round, so whatever A leaves
+    behind (page cache, the broker's state) always fell on B. The orders now repeat as few
+    adjacent pairs as can be, and vary who runs first."""
+    from benchlib import round_orders
+
+    def pairs(order: list[str]) -> list[tuple[str, str]]:
+        return list(itertools.pairwise(order))
+
+    for n in range(2, 8):
+        names = [f"c{i}" for i in range(n)]
+        orders = round_orders(names, 3)
+        assert orders[0] == names and all(sorted(o) == names for o in orders)
+        assert orders == round_orders(names, 3)  # the same in every run
+        firsts = [o[0] for o in orders]
+        assert len(set(firsts)) == min(n, 3), orders
+        seen = [p for o in orders for p in pairs(o)]
+        repeats = len(seen) - len(set(seen))
+        # Three rounds of n contenders: no pair twice from four contenders on; with three, of
+        # whose six ordered pairs the rounds use six, one (Williams' designs need six rounds).
+        assert repeats <= {2: 2, 3: 1}.get(n, 0), (n, orders)
+        for name in names:
+            before = {dict((b, a) for a, b in pairs(o)).get(name) for o in orders}
+            assert len(before) > 1, (name, orders)  # never always after the same one
+    # The six contenders of the 1 KiB drain: Java runs after three different ones.
+    drain = ["raw", "raw-decode", "rmq", "rmq-tuned", "java", "java-tuned"]
+    assert {dict((b, a) for a, b in pairs(o))["java"] for o in round_orders(drain, 3)
+            if o[0] != "java"} == {"rmq-tuned", "java-tuned", "raw-decode"}
+    assert run_module.round_order(drain, 2) == round_orders(drain, 2)[1]
+    assert round_orders([], 2) == [[], []]
+    assert len(round_orders([f"c{i}" for i in range(9)], 3)) == 3  # rotations past seven
 
 
 def test_the_summary_lists_each_drains_rounds_and_its_warm_up(run_module: ModuleType) -> None:
@@ -134,3 +159,60 @@ def test_the_summary_lists_each_drains_rounds_and_its_warm_up(run_module: Module
     assert ("- Java DefaultMQPushConsumer (defaults): 80,000 (broker 4.6 CPU s / M); untimed "
             "warm-up before them: 70,000") in lines
     assert report._rounds_lines({**sc, "kind": "latency"}) == []
+
+
+def test_the_plain_spark_batches_are_cut_as_the_sink_cuts_its_chunks(
+        run_module: ModuleType) -> None:
+    """Batches of 50,000 out of 32-message pulls: the sink closes a batch before a pull that
+    would pass it (49,984 rows), so 1,000,000 rows make 21 batches; the baseline cut at exactly
+    50,000 made 20, one Spark job fewer than the sink's."""
+    import child
+
+    pulls: list[list[Any]] = [[object()] * 32 for _ in range(31_250)]
+    batches = child.pack_pulls(pulls, 50_000)
+    assert [len(b) for b in batches] == [49_984] * 20 + [320]
+    ragged = child.pack_pulls([[1, 2], [3], [4, 5, 6], [7]], 3)
+    assert ragged == [[1, 2, 3], [4, 5, 6], [7]]
+    assert child.pack_pulls([[1, 2, 3, 4]], 3) == [[1, 2, 3, 4]]  # a pull is never split
+
+
+def test_the_spark_outputs_are_checked_down_to_the_bodies(
+        run_module: ModuleType, tmp_path: Path) -> None:
+    """Row count and distinct (queue, offset) alone passed output with truncated or mixed-up
+    bodies: every body must have its size and the preload's index, each index once."""
+    import child
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    filler = run_module.make_filler(64)
+    n, size = 500, 64
+
+    def write(bodies: list[bytes], name: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        half = len(bodies) // 2
+        for part, rows in enumerate((range(half), range(half, len(bodies)))):
+            pq.write_table(pa.table({
+                "queue_id": pa.array([i % 4 for i in rows], pa.int32()),
+                "queue_offset": pa.array([i // 4 for i in rows], pa.int64()),
+                "body": pa.array([bodies[i] for i in rows], pa.binary()),
+            }), folder / f"part-{part}.parquet")
+        (folder / "_SUCCESS").write_bytes(b"")
+        return folder
+
+    good = [run_module.make_body(i, size, filler) for i in range(n)]
+    assert child._verify_parquet(write(good, "good"), n, None, size) == (True, "")
+    truncated = list(good)
+    truncated[7] = truncated[7][:-1]
+    ok, why = child._verify_parquet(write(truncated, "truncated"), n, None, size)
+    assert not ok and "bytes" in why
+    twice = list(good)
+    twice[9] = good[8]  # the same message twice, another missing: the keys cannot tell
+    ok, why = child._verify_parquet(write(twice, "twice"), n, None, size)
+    assert not ok and "indexes" in why
+    garbled = list(good)
+    garbled[3] = b"x" * size
+    ok, why = child._verify_parquet(write(garbled, "garbled"), n, None, size)
+    assert not ok and "12-digit" in why
+    # Without body_size (as before): the keys only.
+    assert child._verify_parquet(write(twice, "keys-only"), n)[0]
