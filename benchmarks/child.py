@@ -625,10 +625,10 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
         # no path always right after the same one), so that no path always runs first, right
         # after the source or the set-up, or after the same other path.
         paths = {"sink": sink, "bulk": bulk, "plain": plain}
-        names = ["sink", "bulk", "plain"] if spec.get("bulk", True) else ["sink", "plain"]
-        for rnd, order in enumerate(round_orders(names, int(spec.get("rounds", 1)))):
-            for name in order:
-                await paths[name](rnd)
+        path_names = ["sink", "bulk", "plain"] if spec.get("bulk", True) else ["sink", "plain"]
+        for rnd, order in enumerate(round_orders(path_names, int(spec.get("rounds", 1)))):
+            for path_name in order:
+                await paths[path_name](rnd)
             if rnd < int(spec.get("source_rounds", 1)):
                 await source(rnd)
     finally:
