@@ -18,7 +18,7 @@ UNIT_WORKERS ?= 4
 # the pure path twice (setup.py turns a failed build into a warning, for machines without).
 EXPECT_COMPILED = $(shell command -v $${CC:-cc} >/dev/null 2>&1 && $(PY) -c "import os, sysconfig; print(int(os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))))" 2>/dev/null || echo 0)
 
-.PHONY: setup test test-unit test-unit-pure test-broker lint demo broker-up broker-down broker-status bench bench-quick clean chaos docs
+.PHONY: setup setup-test test test-unit test-unit-pure test-broker lint demo broker-up broker-down broker-status bench bench-quick clean chaos docs
 
 $(STAMP): pyproject.toml setup.py rmq_async/protocol/_cmessage.pyx
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,9 +29,14 @@ $(STAMP): pyproject.toml setup.py rmq_async/protocol/_cmessage.pyx
 setup: $(STAMP)
 	$(PY) -m rmq_async.devbroker fetch
 
+# What make test needs besides: the 4.9.7 jars of the compatibility tests (tests/compat),
+# fetched here and not inside a timed test's fixture.
+setup-test: setup
+	$(PY) -m rmq_async.devbroker fetch --version 4.9.7
+
 # Every part runs even when one before it failed (a failing unit test must not hide what the
 # broker tests would have found in the same run); make test fails if any part did, and names it.
-test: setup
+test: setup-test
 	@failed=""; \
 	for part in test-unit test-unit-pure test-broker docs; do \
 		$(MAKE) --no-print-directory $$part || failed="$$failed $$part"; \
@@ -47,7 +52,7 @@ test-unit-pure: $(STAMP)
 	RMQ_ASYNC_NO_EXTENSIONS=1 $(PY) -m pytest -ra -p no:cacheprovider -n $(UNIT_WORKERS) -m "not broker and not spark" tests/unit $(PYTEST_ARGS)
 
 # The tests on the real broker (and on local Spark): the rest of the suite.
-test-broker: setup
+test-broker: setup-test
 	$(PY) -m pytest -ra -p no:cacheprovider --durations=25 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "broker or spark" $(PYTEST_ARGS)
 
 # The chaos suite (tests/chaos) at full sizes: 100,000-message broker kill, 50,000-message

@@ -35,7 +35,7 @@ import structlog
 from .broker import LocalRocketMQ
 from .cluster import LocalCluster
 from .errors import DevBrokerError
-from .maven import DEFAULT_VERSION, cache_root, ensure_jars_sync
+from .maven import DEFAULT_VERSION, cache_root, check_jdk, ensure_jars_sync
 from .procs import RunRecord, pid_mentions, reap_stale_runs, write_whole
 from .versions import profile
 
@@ -111,6 +111,7 @@ def _parse_kv(items: Sequence[str]) -> dict[str, str]:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     _check_version(args.version)
+    check_jdk()  # make setup: a missing compiler or an old Java said here, not at a test
     print(ensure_jars_sync(args.version))
     return 0
 

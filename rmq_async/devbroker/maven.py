@@ -43,6 +43,7 @@ __all__ = [
     "cache_root",
     "ensure_jars",
     "ensure_jars_sync",
+    "check_jdk",
     "find_tool",
     "jars_ready",
     "render_pom",
@@ -132,8 +133,8 @@ def find_tool(name: str) -> Path:
     if found:
         return Path(found)
     what = {
-        "java": "a Java runtime (JDK 11+, 17 recommended)",
-        "javac": "a Java compiler (a full JDK, 17 recommended)",
+        "java": f"a Java runtime (JDK {MIN_JAVA}+)",
+        "javac": f"a Java compiler (a full JDK {MIN_JAVA}+, not a runtime alone)",
         "mvn": "Apache Maven 3.6+",
     }.get(name, name)
     raise DevBrokerError(
@@ -182,11 +183,53 @@ def _dir_lock(vdir: Path) -> Iterator[None]:
         os.close(fd)
 
 
+#: The oldest Java everything here runs on: the brokers need 8+ (5.x: 11+ for its flags), the
+#: benchmark's and tests' Java programs a compiler, and PySpark 4 (the Spark extra) Java 17.
+MIN_JAVA = 17
+
+
+def java_major(version_output: str) -> int | None:
+    """The major version in ``java -version``'s output (``"17.0.15"`` → 17, ``"1.8.0_392"``
+    → 8); None when it names none."""
+    found = re.search(r'version "(\d+)(?:\.(\d+))?', version_output)
+    if found is None:
+        return None
+    major = int(found.group(1))
+    return int(found.group(2) or 0) if major == 1 else major
+
+
+def check_jdk() -> None:
+    """:class:`DevBrokerError` unless a JDK of :data:`MIN_JAVA` or later is here: ``java`` and
+    ``javac`` (the test harness compiles Java programs; a runtime alone passed ``make setup``
+    and failed every broker start), and a ``java -version`` that says 17 or more (PySpark 4
+    refuses older ones; Java 8 cannot start a 5.x name server)."""
+    java = find_tool("java")
+    find_tool("javac")
+    try:
+        out = subprocess.run([str(java), "-version"], capture_output=True, text=True,
+                             timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DevBrokerError(f"`{java} -version` failed: {exc}") from exc
+    major = java_major(out.stderr + out.stdout)
+    if major is None or major < MIN_JAVA:
+        first = (out.stderr + out.stdout).strip().splitlines()[:1]
+        raise DevBrokerError(
+            f"`{java}` is Java {major if major is not None else '(unknown)'} "
+            f"({first[0] if first else 'no version printed'}): the local RocketMQ, its tests "
+            f"and the Spark extra need Java {MIN_JAVA} or later. Point JAVA_HOME at one "
+            "(e.g. `apt-get install openjdk-17-jdk-headless`).")
+
+
 def _mvn_command(mvn: Path, pom_path: Path, out_dir: Path) -> list[str]:
     return [
         str(mvn),
         "-B",
         "-q",
+        # A jar whose checksum does not match (a proxy's error page) fails the fetch instead of
+        # a warning -q would hide; and a transfer that failed before is tried again now, not
+        # after Maven's day-long cache of the failure.
+        "--strict-checksums",
+        "--update-snapshots",
         "-f",
         str(pom_path),
         f"{DEPENDENCY_PLUGIN}:copy-dependencies",

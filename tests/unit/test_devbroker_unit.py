@@ -250,6 +250,8 @@ async def test_ensure_jars_fetches_once(monkeypatch: pytest.MonkeyPatch, tmp_pat
     argv = calls[0].split()
     assert f"{maven.DEPENDENCY_PLUGIN}:copy-dependencies" in argv
     assert "-DincludeScope=runtime" in argv
+    # A corrupt download fails (not a warning under -q); a failure cached by Maven is retried.
+    assert "--strict-checksums" in argv and "--update-snapshots" in argv
     assert argv[argv.index("-f") + 1] == str(vdir / "pom.xml")
     marker = json.loads((lib / maven.MARKER_NAME).read_text())
     assert marker["version"] == "5.3.3"
@@ -348,6 +350,28 @@ def test_maven_ends_with_a_killed_fetch(monkeypatch: pytest.MonkeyPatch,
         if pid_file.exists() and pid_file.read_text().strip():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.parametrize(("java", "javac", "error"), [
+    ('echo \'openjdk version "17.0.15" 2025-04-15\' >&2', "exit 0", None),
+    ('echo \'openjdk version "21" 2023-09-19\' >&2', "exit 0", None),
+    ('echo \'openjdk version "11.0.2" 2019-01-15\' >&2', "exit 0", "is Java 11"),
+    ('echo \'java version "1.8.0_392"\' >&2', "exit 0", "is Java 8"),
+    ('echo \'openjdk version "17.0.15"\' >&2', None, "a Java compiler"),
+])
+def test_setup_names_a_missing_compiler_or_an_old_java(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, java: str, javac: str | None,
+        error: str | None) -> None:
+    """``make setup`` (``fetch``) checks the JDK: a runtime without ``javac`` passed it and then
+    failed every broker start; Java 11 passed it and failed the Spark extra (PySpark 4 needs
+    17); Java 8 failed the 5.x name server's flags."""
+    tools = {"java": java} | ({"javac": javac} if javac is not None else {})
+    _fake_path(monkeypatch, tmp_path, tools)
+    if error is None:
+        maven.check_jdk()
+    else:
+        with pytest.raises(DevBrokerError, match=error):
+            maven.check_jdk()
 
 
 def test_java_home_is_preferred(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
