@@ -166,7 +166,15 @@ class Rebalancer:
         mq_sorted, cid_sorted = sort_inputs(mq_all, cid_all)
         strategy = rt.options.allocate_strategy
         started = time.monotonic()
-        result = strategy.allocate(rt.group, rt.client_id, mq_sorted, cid_sorted)
+        try:
+            result = strategy.allocate(rt.group, rt.client_id, mq_sorted, cid_sorted)
+        except Exception as exc:
+            # A user's strategy that fails (a machine-room resolver without an entry, say):
+            # this topic is left as it is and the round goes on with the others (Java's
+            # rebalanceByTopic catches Throwable there and reports the topic unbalanced).
+            log.error("rebalance.allocate_failed", group=rt.group, topic=topic,
+                      strategy=strategy.name, error=f"{type(exc).__name__}: {exc}")
+            return None
         log.debug("rebalance.allocated", group=rt.group, topic=topic, strategy=strategy.name,
                   consumers=len(cid_sorted), queues=len(mq_sorted), mine=len(result),
                   seconds=round(time.monotonic() - started, 6))

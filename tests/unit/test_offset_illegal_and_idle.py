@@ -411,3 +411,57 @@ async def test_an_offset_illegal_on_a_locked_orderly_queue_gives_its_lock_back()
         assert unlocked == [MQ] and MQ not in rt.process_queues
     finally:
         await pull.aclose()
+
+
+async def test_a_failing_allocation_strategy_leaves_its_topic_and_balances_the_others() -> None:
+    """A user's strategy raising for one topic (a machine-room resolver without an entry)
+    ended the whole round: the topics after it were never taken. Java's rebalanceByTopic
+    catches it, logs it and counts that topic unbalanced."""
+    from rmq_async.consumer.allocate import AllocateAveragely
+
+    class PickyStrategy(AllocateAveragely):
+        def allocate(self, group: str, current_cid: str, mq_all: list[MessageQueue],
+                     cid_all: list[str]) -> list[MessageQueue]:
+            if mq_all and mq_all[0].topic == "A":
+                raise KeyError("no machine room for broker-a")
+            return super().allocate(group, current_cid, mq_all, cid_all)
+
+    opts = ConsumerOptions.from_kwargs("G", allocate_strategy=PickyStrategy())
+    queues = {t: [MessageQueue(t, "broker-a", i) for i in range(2)] for t in ("A", "B")}
+
+    async def subscribe_queues(topic: str) -> list[MessageQueue]:
+        return queues[topic]
+
+    async def find_any_broker(topic: str) -> str:
+        return "127.0.0.1:10911"
+
+    async def get_consumer_ids(addr: str, group: str) -> list[str]:
+        return ["me"]
+
+    rt: Any = SimpleNamespace(
+        tasks=TaskOwner("consumer[G]"),
+        group="G", client_id="me", stopping=False, options=opts, process_queues={},
+        subscriptions=SimpleNamespace(subscribed_topics=lambda: ["A", "B"]),
+        instance=SimpleNamespace(subscribe_queues=subscribe_queues,
+                                 find_any_broker=find_any_broker,
+                                 api=SimpleNamespace(get_consumer_ids=get_consumer_ids)))
+    rebalancer = Rebalancer(rt, pull=None, orderly=None)  # type: ignore[arg-type]
+    applied: dict[str, set[MessageQueue]] = {}
+
+    async def apply_allocation(topic: str, allocated: set[MessageQueue]) -> None:
+        applied[topic] = allocated
+        for mq in allocated:
+            rt.process_queues[mq] = ProcessQueue()
+
+    async def drop_unsubscribed(topics: set[str]) -> None:
+        applied["dropped"] = set()
+
+    rebalancer.apply_allocation = apply_allocation  # type: ignore[method-assign]
+    rebalancer.drop_unsubscribed = drop_unsubscribed  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        await rebalancer.rebalance_once()
+    assert applied == {"B": set(queues["B"]), "dropped": set()}
+    assert rebalancer._last_round_balanced is False  # topic A: tried again soon
+    failed = [e for e in logs if e["event"] == "rebalance.allocate_failed"]
+    assert [(e["topic"], e["error"]) for e in failed] == [
+        ("A", "KeyError: 'no machine room for broker-a'")]
