@@ -583,13 +583,15 @@ class ConsumerOptions:
             "rebalance_lock_interval",
             "rebalance_lock_max_live_time",
             "max_time_consume_continuously",
+            # A queue over its limits, or paused, is pulled again after this: 0 would pull at
+            # once, turning flow control and pause() off (Java's are fixed, 50 ms and 1 s).
+            "pull_time_delay_when_flow_control",
+            "pull_time_delay_when_suspend",
         ):
             _seconds(name, getattr(self, name))
         for name in (
             "pull_time_delay_when_exception",
-            "pull_time_delay_when_flow_control",
             "pull_time_delay_when_broker_flow_control",
-            "pull_time_delay_when_suspend",
         ):
             _seconds(name, getattr(self, name), allow_zero=True)
         if self.consumer_timeout_when_suspend <= self.broker_suspend_max_time:

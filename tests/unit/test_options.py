@@ -170,6 +170,9 @@ def test_topic_thresholds_accept_minus_one() -> None:
         ("pull_batch_size", "32"),
         ("heartbeat_interval", "30"),
         ("pull_interval", float("nan")),
+        # 0 would pull again at once: flow control and pause() turned off.
+        ("pull_time_delay_when_flow_control", 0),
+        ("pull_time_delay_when_suspend", 0.0),
         ("post_subscription_when_pull", 1),
         ("instance_name", ""),
         ("client_ip", "  "),
