@@ -47,6 +47,10 @@ SESSION_BROKER_CONFIG: dict[str, str] = {"messageDelayLevel": FAST_DELAY_LEVELS,
                                          "timerWheelEnable": "false"}
 
 
+#: How long an interrupted :func:`run_blocking` waits for its coroutine's clean-up.
+CLEANUP_SECONDS = 60.0
+
+
 def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` to completion on a private event loop of the calling (main) thread.
 
@@ -55,8 +59,19 @@ def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
     main thread means: with the test process.
     """
     loop = asyncio.new_event_loop()
+    task = loop.create_task(coro)
     try:
-        return loop.run_until_complete(coro)
+        return loop.run_until_complete(task)
+    except BaseException:
+        # pytest-timeout's alarm (or Ctrl-C) raised inside the loop: the start is still under
+        # way. Cancelled and drained here, its own clean-up (a shielded teardown) stops what
+        # it started; left as it was, the loop closed under it and its JVMs lived on.
+        if not task.done():
+            task.cancel()
+            loop.run_until_complete(asyncio.wait({task}, timeout=CLEANUP_SECONDS))
+            if task.done() and not task.cancelled():
+                task.exception()  # (its own error: the interruption is what is raised)
+        raise
     finally:
         try:
             loop.run_until_complete(loop.shutdown_asyncgens())

@@ -881,3 +881,33 @@ def test_module_cli_failures_exit_1(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(cli, "ensure_jars_sync", fail)
     assert cli.main(["fetch"]) == 1
     assert "Maven failed" in capsys.readouterr().err
+
+
+def test_an_interrupted_blocking_start_still_runs_its_clean_up() -> None:
+    """pytest-timeout's alarm (or Ctrl-C) raises inside ``run_blocking``'s loop while a
+    broker starts: the start was abandoned with the loop closed under it, its shielded
+    teardown never ran, and its JVMs lived on for the rest of the worker's session."""
+    import asyncio
+
+    from rmq_async.devbroker.pytest_plugin import run_blocking
+
+    class Interrupted(KeyboardInterrupt):  # Ctrl-C; pytest's Failed from its alarm likewise
+        pass                                # leaves the loop from its select()
+
+    cleaned: list[str] = []
+
+    def interrupt() -> None:
+        raise Interrupted
+
+    async def start() -> None:
+        asyncio.get_running_loop().call_later(0.05, interrupt)
+        try:
+            await asyncio.sleep(30)  # a JVM that does not come up
+        finally:
+            with anyio.CancelScope(shield=True):
+                await asyncio.sleep(0.01)  # the teardown's own awaits
+                cleaned.append("stopped what it started")
+
+    with pytest.raises(Interrupted):
+        run_blocking(start())
+    assert cleaned == ["stopped what it started"]
