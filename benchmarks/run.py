@@ -627,23 +627,17 @@ async def run_drain(rt: Runtime, sc: Scenario, contenders: list[str],
                 warm_up.append(await run_contender(rt, sc, contender, 0, topic))
         rt.broker_warm = True
     runs = []
-    for rnd in range(1, sc.rounds + 1):
-        for contender in round_order(contenders, rnd):
+    for rnd, order in enumerate(round_orders(contenders, sc.rounds), start=1):
+        for contender in order:
             if rnd <= sc.capped_rounds.get(contender, sc.rounds):
                 runs.append(await run_contender(rt, sc, contender, rnd, topic))
     return {"topic": topic, "preload": load, "warm_up": warm_up, "runs": runs}
 
 
-def round_order(contenders: list[str], rnd: int) -> list[str]:
-    """The contenders of round ``rnd`` (from 1), as :func:`benchlib.round_orders` balances
-    them: no contender always right after the same one, or always first or last."""
-    return round_orders(contenders, rnd)[rnd - 1]
-
-
 async def run_latency(rt: Runtime, sc: Scenario, contenders: list[str]) -> dict[str, Any]:
     runs = []
-    for rnd in range(1, sc.rounds + 1):
-        for contender in round_order(contenders, rnd):
+    for rnd, order in enumerate(round_orders(contenders, sc.rounds), start=1):
+        for contender in order:
             topic = await new_topic(rt, "bench_latency")
             producer_info: dict[str, Any] = {}
 

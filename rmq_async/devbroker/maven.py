@@ -41,9 +41,9 @@ __all__ = [
     "DEFAULT_VERSION",
     "DEPENDENCY_PLUGIN",
     "cache_root",
+    "check_jdk",
     "ensure_jars",
     "ensure_jars_sync",
-    "check_jdk",
     "find_tool",
     "jars_ready",
     "render_pom",
@@ -210,9 +210,10 @@ def check_jdk() -> None:
                              timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise DevBrokerError(f"`{java} -version` failed: {exc}") from exc
-    major = java_major(out.stderr + out.stdout)
+    said = out.stderr + out.stdout  # (java -version writes to stderr)
+    major = java_major(said)
     if major is None or major < MIN_JAVA:
-        first = (out.stderr + out.stdout).strip().splitlines()[:1]
+        first = said.strip().splitlines()[:1]
         raise DevBrokerError(
             f"`{java}` is Java {major if major is not None else '(unknown)'} "
             f"({first[0] if first else 'no version printed'}): the local RocketMQ, its tests "
