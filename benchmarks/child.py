@@ -519,7 +519,7 @@ async def run_spark(spec: dict[str, Any]) -> dict[str, Any]:
     await asyncio.to_thread(out_dir.mkdir, parents=True, exist_ok=True)
     expected = int(spec["expected"])
     batch_rows = int(spec["batch_rows"])
-    body_size = int(spec["body_size"]) if "body_size" in spec else None
+    body_size = int(spec["body_size"])
     t_start = time.perf_counter()
     spark = await asyncio.to_thread(_spark_session, "rmq_async-bench")
     session_seconds = time.perf_counter() - t_start
