@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from rmq_async.consumer.allocate import AllocateAveragely, AllocateStrategy
 from rmq_async.errors import InvalidArgumentError
+from rmq_async.protocol.codes import LanguageCode
 from rmq_async.remoting.tls import client_ssl_context
 
 __all__ = [
@@ -398,6 +399,9 @@ def _default_offset_store_dir() -> Path:
     return Path.home() / ".rocketmq_offsets"
 
 
+_DEFAULT_CONCURRENCY = 20  # Java's consumeThreadMin
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -476,8 +480,9 @@ class ConsumerOptions:
     # -- consuming
     consume_concurrently_max_span: int = 2000
     consume_message_batch_max_size: int = 1
-    consume_concurrency: int = 20
-    """Concurrent listener calls (Java consumeThreadMin/Max)."""
+    consume_concurrency: int = _DEFAULT_CONCURRENCY
+    """Concurrent listener calls (Java ``consumeThreadMin``; ``consumeThreadMax`` is only
+    checked, see :data:`JAVA_OPTION_NAMES`)."""
     max_reconsume_times: int = -1
     """-1: 16 for concurrent listeners, unlimited for orderly ones."""
     consume_timeout: float = 900.0
@@ -493,7 +498,9 @@ class ConsumerOptions:
     unit_name: str | None = None
     client_ip: str = field(default_factory=default_client_ip)
     language: str = "PYTHON"
-    """LanguageCode sent on requests."""
+    """The ``LanguageCode`` name a heartbeat carries (Java ``language``, which Java sends on
+    heartbeats only): brokers record it per client and admin tools show it in the group's
+    connections. Any case; kept upper-case."""
 
     # -- periodic work (seconds)
     persist_offset_interval: float = 5.0
@@ -606,6 +613,12 @@ class ConsumerOptions:
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise InvalidOptionError(name, f"expected a non-empty string, got {value!r}")
+        language = self.language.strip().upper()
+        if language not in LanguageCode.__members__:
+            raise InvalidOptionError(
+                "language", f"{self.language!r} is not a LanguageCode name "
+                f"({', '.join(LanguageCode.__members__)})")
+        object.__setattr__(self, "language", language)
         if self.unit_name is not None and not isinstance(self.unit_name, str):
             raise InvalidOptionError("unit_name", f"expected a string, got {self.unit_name!r}")
         if not isinstance(self.post_subscription_when_pull, bool):
@@ -673,7 +686,8 @@ class ConsumerOptions:
     def replace(self, **changes: Any) -> ConsumerOptions:
         """A copy with some options changed (validated like the original); Java names are
         accepted as in :meth:`from_kwargs`."""
-        return dataclasses.replace(self, **_python_options(changes))
+        return dataclasses.replace(
+            self, **_python_options(changes, concurrency=self.consume_concurrency))
 
     # ------------------------------------------------------------------ construction
 
@@ -717,7 +731,7 @@ JAVA_OPTION_NAMES: dict[str, tuple[str, str]] = {
     "consumeConcurrentlyMaxSpan": ("consume_concurrently_max_span", ""),
     "consumeMessageBatchMaxSize": ("consume_message_batch_max_size", ""),
     "consumeThreadMin": ("consume_concurrency", "threads"),
-    "consumeThreadMax": ("consume_concurrency", "threads"),
+    "consumeThreadMax": ("consume_concurrency", "ceiling"),
     "maxReconsumeTimes": ("max_reconsume_times", ""),
     "consumeTimeout": ("consume_timeout", "minutes"),
     "suspendCurrentQueueTimeMillis": ("suspend_current_queue_time", "ms"),
@@ -735,9 +749,10 @@ JAVA_OPTION_NAMES: dict[str, tuple[str, str]] = {
 """Java ``DefaultMQPushConsumer`` / ``ClientConfig`` setting -> (option, Java unit).
 
 Each is accepted as a keyword with its Java unit and converted: ``ms`` values are divided by
-1000, ``minutes`` multiplied by 60. ``consumeThreadMin`` and ``consumeThreadMax`` both set
-``consume_concurrency`` (the Java pool runs ``consumeThreadMin`` threads; its queue is
-unbounded, so it never grows to the maximum); given both, the larger wins."""
+1000, ``minutes`` multiplied by 60. ``consumeThreadMin`` sets ``consume_concurrency``: the
+Java pool runs that many threads (its queue is unbounded, so it never grows to the maximum).
+``consumeThreadMax`` is only checked as Java checks it (1 to 1000, and not below the
+concurrency, given or the default 20) and changes nothing."""
 
 _JAVA_CONVERTERS: dict[str, Callable[[Any], Any]] = {"ms": _millis, "minutes": _minutes}
 
@@ -755,16 +770,23 @@ _JAVA_HINTS = {
 }
 
 
-def _python_options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with Java (and legacy) names converted to options; unknown names rejected."""
+def _python_options(kwargs: Mapping[str, Any], concurrency: int | None = None) -> dict[str, Any]:
+    """``kwargs`` with Java (and legacy) names converted to options; unknown names rejected.
+
+    ``concurrency`` is the ``consume_concurrency`` in force when ``kwargs`` leave it as it is
+    (``consumeThreadMax`` may not be below it); the default's when not given."""
     names = set(_option_names())
     out: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    ceiling: Any = None
     for key, value in kwargs.items():
         if key in names:
             target, converted = key, value
         elif key in JAVA_OPTION_NAMES:
             target, unit = JAVA_OPTION_NAMES[key]
+            if unit == "ceiling":
+                ceiling = value
+                continue
             converted = _JAVA_CONVERTERS.get(unit, _same)(value)
         elif key in _LEGACY_NAMES:
             target, convert = _LEGACY_NAMES[key]
@@ -772,15 +794,22 @@ def _python_options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         else:
             raise _unknown_option(key)
         if target in out:
-            both_threads = {sources[target], key} <= {"consumeThreadMin", "consumeThreadMax"}
-            if both_threads and _is_number(out[target]) and _is_number(converted):
-                converted = max(out[target], converted)
-            else:
-                raise InvalidOptionError(
-                    key, f"sets {target!r}, which {sources[target]!r} already sets"
-                )
+            raise InvalidOptionError(
+                key, f"sets {target!r}, which {sources[target]!r} already sets"
+            )
         out[target] = converted
         sources[target] = key
+    if ceiling is not None:
+        # Java's checkConfig: each within [1, 1000], and the core size not above the maximum.
+        _int_in("consumeThreadMax", ceiling, 1, 1000)
+        threads = out.get("consume_concurrency", concurrency or _DEFAULT_CONCURRENCY)
+        if _is_number(threads) and threads > ceiling:
+            raise InvalidOptionError(
+                "consumeThreadMax",
+                f"{ceiling} is below the {threads} concurrent calls "
+                f"({sources.get('consume_concurrency', 'the default')}); Java refuses a "
+                "consumeThreadMin larger than consumeThreadMax",
+            )
     return out
 
 

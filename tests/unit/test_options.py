@@ -176,6 +176,8 @@ def test_topic_thresholds_accept_minus_one() -> None:
         ("post_subscription_when_pull", 1),
         ("instance_name", ""),
         ("client_ip", "  "),
+        ("language", "xyz"),  # not a LanguageCode name: no broker would know it
+        ("language", 3),
         ("unit_name", 5),
         ("allocate_strategy", object()),
         ("credentials", ("ak",)),
@@ -188,6 +190,12 @@ def test_wrong_types_are_rejected(name: str, value: Any) -> None:
     with pytest.raises(InvalidOptionError) as info:
         ConsumerOptions.from_kwargs("g1", **{name: value})
     assert info.value.option == name
+
+
+def test_the_language_is_a_language_code_name_in_any_case() -> None:
+    assert ConsumerOptions.from_kwargs("g1").language == "PYTHON"
+    assert ConsumerOptions.from_kwargs("g1", language=" java ").language == "JAVA"
+    assert ConsumerOptions.from_kwargs("g1", language="Node_JS").language == "NODE_JS"
 
 
 @pytest.mark.parametrize("ts", ["2024010112000", "20241301120000", "2024-01-01 12:00", ""])
@@ -232,7 +240,7 @@ def test_java_names_are_accepted_in_java_units() -> None:
         "g1", consumeTimeout=2, suspendCurrentQueueTimeMillis=500, pullInterval=250,
         persistConsumerOffsetInterval=1000, heartbeatBrokerInterval=10_000,
         pollNameServerInterval=5000, mqClientApiTimeout=1500, pullBatchSize=16,
-        consumeTimestamp="20240102030405", consumeThreadMin=4, consumeThreadMax=8,
+        consumeTimestamp="20240102030405", consumeThreadMin=4, consumeThreadMax=64,
         messageModel="BROADCASTING", pullTimeDelayMillsWhenException=2000,
     )
     assert o.consume_timeout == 120.0
@@ -240,7 +248,7 @@ def test_java_names_are_accepted_in_java_units() -> None:
     assert o.pull_interval == 0.25
     assert (o.persist_offset_interval, o.heartbeat_interval) == (1.0, 10.0)
     assert (o.route_refresh_interval, o.api_timeout) == (5.0, 1.5)
-    assert o.pull_batch_size == 16 and o.consume_concurrency == 8
+    assert o.pull_batch_size == 16 and o.consume_concurrency == 4
     assert o.consume_timestamp == datetime(2024, 1, 2, 3, 4, 5)
     assert o.message_model is MessageModel.BROADCASTING
     assert o.pull_time_delay_when_exception == 2.0
@@ -251,6 +259,30 @@ def test_java_names_are_accepted_in_java_units() -> None:
         ConsumerOptions.from_kwargs("g1", consumeTimeout=1, consume_timeout=60)
     with pytest.raises(InvalidOptionError, match="pull_interval"):
         ConsumerOptions.from_kwargs("g1", pullInterval=70_000)
+
+
+def test_the_thread_maximum_is_checked_as_java_checks_it_and_sets_nothing() -> None:
+    # The Java pool's queue is unbounded: it runs consumeThreadMin threads, never more.
+    assert ConsumerOptions.from_kwargs("g1", consumeThreadMax=64).consume_concurrency == 20
+    assert ConsumerOptions.from_kwargs(
+        "g1", consumeThreadMax=64, consumeThreadMin=10).consume_concurrency == 10
+    assert ConsumerOptions.from_kwargs(
+        "g1", consume_concurrency=5, consumeThreadMax=5).consume_concurrency == 5
+    # checkConfig: consumeThreadMin (30) is larger than consumeThreadMax (20).
+    with pytest.raises(InvalidOptionError, match=r"consumeThreadMax.*below the 30"):
+        ConsumerOptions.from_kwargs("g1", consumeThreadMin=30, consumeThreadMax=20)
+    with pytest.raises(InvalidOptionError, match="below the 20"):
+        ConsumerOptions.from_kwargs("g1", consumeThreadMax=10)  # the default core size, 20
+    with pytest.raises(InvalidOptionError, match="out of range"):
+        ConsumerOptions.from_kwargs("g1", consumeThreadMin=1, consumeThreadMax=1001)
+    with pytest.raises(InvalidOptionError, match="expected an int"):
+        ConsumerOptions.from_kwargs("g1", consumeThreadMax="8")
+    base = ConsumerOptions.from_kwargs("g1", consume_concurrency=40)
+    with pytest.raises(InvalidOptionError, match="below the 40"):
+        base.replace(consumeThreadMax=30)
+    assert base.replace(consumeThreadMax=30, consumeThreadMin=8).consume_concurrency == 8
+    with pytest.raises(InvalidOptionError, match="already sets"):
+        ConsumerOptions.from_kwargs("g1", consumeThreadMin=4, consume_concurrency=8)
 
 
 def test_long_poll_timeout_must_exceed_broker_suspend() -> None:
