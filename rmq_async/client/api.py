@@ -22,6 +22,7 @@ from rmq_async.protocol.bodies import (
     encode_lock_batch_request,
 )
 from rmq_async.protocol.codes import (
+    LanguageCode,
     PullSysFlag,
     RequestCode,
     ResponseCode,
@@ -147,15 +148,22 @@ class PendingPull:
 class MQClientAPI:
     """One method per broker / name-server request. Errors become :class:`MQBrokerError`."""
 
-    def __init__(self, remoting: RemotingClient, *, timeout: float = 3.0) -> None:
+    def __init__(self, remoting: RemotingClient, *, timeout: float = 3.0,
+                 language: int = LanguageCode.PYTHON) -> None:
         self._pull_templates: dict[tuple[Any, ...], FrameTemplate | None] = {}
         self.remoting = remoting
         self.timeout = timeout
+        self.language = language
+        """The LanguageCode a heartbeat carries (Java sets the client's on HEART_BEAT only;
+        brokers record it per client and show it in the group's connections)."""
 
     async def _call(self, addr: str, code: int, ext: dict[str, str] | None, body: bytes = b"",
                     *, timeout: float | None = None, ok: tuple[int, ...] = (ResponseCode.SUCCESS,),
-                    name: str = "", resend_on_go_away: bool = True) -> RemotingCommand:
+                    name: str = "", resend_on_go_away: bool = True,
+                    language: int | None = None) -> RemotingCommand:
         req = RemotingCommand.request(code, ext_fields=ext, body=body)
+        if language is not None:
+            req.language = language
         resp = await self.remoting.invoke(addr, req, self.timeout if timeout is None else timeout,
                                           resend_on_go_away=resend_on_go_away)
         if resp.code not in ok:
@@ -190,7 +198,8 @@ class MQClientAPI:
                         resend_on_go_away: bool = True) -> int:
         """Send a heartbeat; returns the broker's version ordinal."""
         resp = await self._call(addr, RequestCode.HEART_BEAT, {}, data.to_json_bytes(),
-                                name="HEART_BEAT", resend_on_go_away=resend_on_go_away)
+                                name="HEART_BEAT", resend_on_go_away=resend_on_go_away,
+                                language=self.language)
         return resp.version
 
     async def unregister_client(self, addr: str, client_id: str, producer_group: str | None,

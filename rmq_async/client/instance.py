@@ -26,6 +26,7 @@ from rmq_async.protocol.bodies import (
     consumer_queues,
     producer_queues,
 )
+from rmq_async.protocol.codes import LanguageCode
 from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.client import RemotingClient
@@ -87,6 +88,7 @@ class ClientInstance:
         ssl: _ssl.SSLContext | None = None,
         api_timeout: float = 3.0,
         connect_timeout: float = 3.0,
+        language: int = LanguageCode.PYTHON,
     ) -> None:
         self.namesrv_addrs = parse_namesrv(namesrv)
         self.client_id = client_id
@@ -96,7 +98,7 @@ class ClientInstance:
             request_handler=request_handler, on_connect=self._connected,
         )
         self._connect_heartbeats: set[asyncio.Task[None]] = set()
-        self.api = MQClientAPI(self.remoting, timeout=api_timeout)
+        self.api = MQClientAPI(self.remoting, timeout=api_timeout, language=language)
         self.routes: dict[str, TopicRouteData] = {}
         self.brokers: dict[str, _BrokerAddrs] = {}
         self.broker_versions: dict[str, int] = {}

@@ -55,6 +55,7 @@ from rmq_async.consumer.subscriptions import (
 from rmq_async.consumer.tasks import TaskOwner, UserCall, running_user_call
 from rmq_async.errors import IllegalStateError, InvalidArgumentError, InvalidTypeError
 from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP, ConsumerData, HeartbeatData, ProducerData
+from rmq_async.protocol.codes import LanguageCode
 from rmq_async.protocol.command import RemotingCommand
 from rmq_async.protocol.filter import EXPRESSION_SQL92, SubscriptionData, build_subscription
 from rmq_async.protocol.types import MessageExt, MessageQueue
@@ -508,6 +509,8 @@ class PushConsumer:
             request_handler=self._handle_broker_request,
             rpc_hook=self.options.rpc_hook(),
             ssl=self.options.client_ssl_context(self.client_id),
+            api_timeout=self.options.api_timeout,
+            language=LanguageCode[self.options.language],
         )
         if self.options.message_model == MessageModel.BROADCASTING:
             self.offset_store = LocalFileOffsetStore(

@@ -12,7 +12,7 @@ import pytest
 
 from rmq_async.client.instance import ClientInstance, _BrokerAddrs
 from rmq_async.protocol.bodies import HeartbeatData
-from rmq_async.protocol.codes import RequestCode, ResponseCode
+from rmq_async.protocol.codes import LanguageCode, RequestCode, ResponseCode
 from rmq_async.protocol.command import FrameDecoder, RemotingCommand
 from rmq_async.remoting.errors import RemotingError
 
@@ -20,6 +20,7 @@ from rmq_async.remoting.errors import RemotingError
 class FakeBroker:
     def __init__(self) -> None:
         self.codes: list[int] = []
+        self.languages: list[int] = []  # of the heartbeats
         self.writers: list[asyncio.StreamWriter] = []
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -29,6 +30,8 @@ class FakeBroker:
             while data := await reader.read(65536):
                 for cmd in decoder.feed(data):
                     self.codes.append(cmd.code)
+                    if cmd.code == RequestCode.HEART_BEAT:
+                        self.languages.append(cmd.language)
                     if not cmd.is_oneway:
                         writer.write(cmd.response_to(ResponseCode.SUCCESS).encode())
         except ConnectionError:
@@ -130,3 +133,47 @@ async def test_a_broker_shutting_down_gets_no_chain_of_connections() -> None:
             assert broker.codes().count(RequestCode.HEART_BEAT) <= 3
         finally:
             await instance.close()
+
+
+async def test_heartbeats_carry_the_configured_language() -> None:
+    # Java sets ClientConfig.language on HEART_BEAT; the broker records it per client.
+    async with fake_broker() as (broker, addr):
+        for language in (LanguageCode.JAVA, LanguageCode.PYTHON):
+            kwargs = {} if language is LanguageCode.PYTHON else {"language": language}
+            instance = ClientInstance(
+                "127.0.0.1:1", "cid@test",
+                heartbeat_source=lambda: HeartbeatData(client_id="cid@test"), **kwargs)
+            instance.brokers["b"] = _BrokerAddrs("c", {0: addr})
+            broker.languages.clear()
+            try:
+                assert await instance.send_heartbeats() == {addr: True}  # and on connecting
+                await _wait(lambda: len(broker.languages) == 2)
+                assert broker.languages == [language, language]
+            finally:
+                await instance.close()
+
+
+async def test_a_consumer_gives_its_client_the_api_timeout_and_language(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rmq_async.consumer import push
+
+    seen: list[dict[str, object]] = []
+
+    class Refused(Exception):
+        pass
+
+    def recording(*args: object, **kwargs: object) -> ClientInstance:
+        seen.append(kwargs)
+        raise Refused
+
+    monkeypatch.setattr(push, "ClientInstance", recording)
+    consumer = push.PushConsumer("g_opts", "127.0.0.1:1", api_timeout=7.5, language="go")
+    consumer.subscribe("T", listener=_noop)
+    with pytest.raises(Refused):
+        await consumer.start()
+    assert seen and seen[0]["api_timeout"] == 7.5
+    assert seen[0]["language"] is LanguageCode.GO
+
+
+async def _noop(msg: object) -> None:
+    return None
