@@ -316,9 +316,18 @@ def find_raw_property(bytes raw not None, str name not None):
                                               b"replace"), name)
 
 
-def decode_properties(str text not None):
-    """Compiled :func:`rmq_async.protocol.message.decode_properties`."""
-    return _parse_text(text)
+def decode_properties(object text):
+    """Compiled :func:`rmq_async.protocol.message.decode_properties` (a ``str`` subclass is
+    read as its text, as the pure function's ``split`` reads it)."""
+    return _parse_text(_exact_str(text))
+
+
+cdef str _exact_str(object text):
+    if type(text) is str:
+        return <str> text
+    if isinstance(text, str):
+        return str.__str__(text)  # the text itself, as an exact str
+    raise TypeError(f"expected str, got {type(text).__name__}")
 
 
 def parse_raw_properties(bytes raw not None):
@@ -404,7 +413,7 @@ cdef _unwrap_batch(object outer, list out):
         index += 1
 
 
-def stamp_delivered(list msgs not None, str broker_name not None, dict values not None):
+def stamp_delivered(list msgs not None, object broker_name, dict values not None):
     """Compiled ``_stamp_delivered``: the same, writing the slots directly."""
     cdef Py_ssize_t i = 0
     cdef object msg
@@ -441,7 +450,10 @@ cdef _put_each(list msgs, dict values):
             continue
         props = _get(msg, S_PROPS)
         if props is not None:
-            PyDict_Update(props, values)
+            if type(props) is dict:
+                PyDict_Update(props, values)
+            else:  # a mapping the user set: its own update, as the pure twin calls it
+                props.update(values)
             continue
         pending = _get(msg, S_PROPS_PENDING)
         if pending is None:
@@ -1007,20 +1019,18 @@ cdef inline char *_buf(bytearray b) noexcept:
     return PyByteArray_AS_STRING(b)
 
 
-cdef char *_writable(object buf, Py_ssize_t size) except NULL:
-    # The memory of a writable buffer the caller's allocator returned (kept alive by ``buf``).
-    cdef Py_buffer view
-    cdef char *p
-    cdef Py_ssize_t length
-    PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
-    p = <char *> view.buf
-    length = view.len
-    PyBuffer_Release(&view)
-    if p == NULL:
+cdef char *_hold_writable(object buf, Py_buffer *view, Py_ssize_t size) except NULL:
+    # The memory of a writable buffer the caller's allocator returned. The view stays held
+    # (the caller releases it once the fill is done), so the buffer can be neither resized
+    # nor freed by another thread while the fill writes into it without the GIL.
+    PyObject_GetBuffer(buf, view, PyBUF_WRITABLE)
+    if view.buf == NULL or view.len < size:
+        length = view.len
+        PyBuffer_Release(view)
+        if length < size:
+            raise ValueError(f"the allocator returned {length} bytes for {size}")
         raise MemoryError("the allocator returned a buffer without memory")
-    if length < size:
-        raise ValueError(f"the allocator returned {length} bytes for {size}")
-    return p
+    return <char *> view.buf
 
 
 cdef bytearray _alloc(Py_ssize_t size):
@@ -1116,6 +1126,8 @@ cdef object _columns(Row *rows, Py_ssize_t n, Entries *e_in, object alloc):
     cdef char *c_values
     cdef char *c_born
     cdef char *c_store
+    cdef Py_buffer body_view
+    cdef bint body_held = False
     with nogil:
         _measure(rows, n, entries.items, &z)
     if max(z.topic, z.broker, z.msg_id, z.oid, z.tags, z.keys, z.body, z.prop_names,
@@ -1151,7 +1163,6 @@ cdef object _columns(Row *rows, Py_ssize_t n, Entries *e_in, object alloc):
     c_keys_off, c_tok_off, c_tok = <int32_t *> _buf(keys_off), <int32_t *> _buf(tok_off), \
         _buf(tok_data)
     c_body_off = <int32_t *> _buf(body_off)
-    c_body = _buf(body_data) if type(body_data) is bytearray else _writable(body_data, z.body)
     c_props_off = <int32_t *> _buf(props_off)
     c_names_off, c_names = <int32_t *> _buf(names_off), _buf(names_data)
     c_values_off, c_values = <int32_t *> _buf(values_off), _buf(values_data)
@@ -1159,63 +1170,71 @@ cdef object _columns(Row *rows, Py_ssize_t n, Entries *e_in, object alloc):
     c_born_off, c_born = <int32_t *> _buf(born_off), _buf(born_data)
     c_store_off, c_store = <int32_t *> _buf(store_off), _buf(store_data)
     c_reconsume = <int32_t *> _buf(reconsume)
-
-    with nogil:
-        c_topic_off[0] = c_broker_off[0] = c_msg_id_off[0] = c_oid_off[0] = 0
-        c_tags_off[0] = c_keys_off[0] = c_tok_off[0] = c_body_off[0] = c_props_off[0] = 0
-        c_names_off[0] = c_values_off[0] = c_born_off[0] = c_store_off[0] = 0
-        if c_tags_valid != NULL:
-            memset(c_tags_valid, 0, (n + 7) // 8)
-        for r in range(n):
-            _put_text(c_topic_off, c_topic, r, &p_topic, rows[r].topic.p, rows[r].topic.n)
-            _put_text(c_broker_off, c_broker, r, &p_broker, rows[r].broker.p,
-                      rows[r].broker.n)
-            c_queue_id[r] = rows[r].queue_id
-            c_queue_offset[r] = rows[r].queue_offset
-            if rows[r].uniq >= 0 and entries.items[rows[r].uniq].value.n > 0:
-                v = entries.items[rows[r].uniq].value
-                _put_text(c_msg_id_off, c_msg_id, r, &p_msg_id, v.p, v.n)
-            else:
-                _put_oid(c_msg_id_off, c_msg_id, r, &p_msg_id, &rows[r])
-            _put_oid(c_oid_off, c_oid, r, &p_oid, &rows[r])
-            if rows[r].tags >= 0:
-                v = entries.items[rows[r].tags].value
-                if c_tags_valid != NULL:
-                    c_tags_valid[r >> 3] |= <unsigned char> (1 << (r & 7))
-                _put_text(c_tags_off, c_tags, r, &p_tags, v.p, v.n)
-            else:
-                c_tags_off[r + 1] = p_tags
-            if rows[r].keys >= 0:
-                v = entries.items[rows[r].keys].value
-                t = 0
-                while t < v.n:
-                    if v.p[t] == 32:
-                        t += 1
-                        continue
-                    i = t
-                    while i < v.n and v.p[i] != 32:
-                        i += 1
-                    memcpy(c_tok + p_keys, v.p + t, i - t)
-                    p_keys += <int32_t> (i - t)
-                    p_tok += 1
-                    c_tok_off[p_tok] = p_keys
-                    t = i
-            c_keys_off[r + 1] = p_tok
-            _put_text(c_body_off, c_body, r, &p_body, rows[r].body.p, rows[r].body.n)
-            for i in range(rows[r].first_entry, rows[r].first_entry + rows[r].n_entries):
-                e = &entries.items[i]
-                _put_text(c_names_off, c_names, p_entries, &p_names, e.name.p, e.name.n)
-                _put_text(c_values_off, c_values, p_entries, &p_values, e.value.p,
-                          e.value.n)
-                p_entries += 1
-            c_props_off[r + 1] = p_entries
-            c_born_ts[r] = rows[r].born_ts
-            c_store_ts[r] = rows[r].store_ts
-            _put_text(c_born_off, c_born, r, &p_born, rows[r].born_host.p,
-                      rows[r].born_host.n)
-            _put_text(c_store_off, c_store, r, &p_store, rows[r].store_host.p,
-                      rows[r].store_host.n)
-            c_reconsume[r] = rows[r].reconsume
+    if alloc is None or z.body == 0:
+        c_body = _buf(body_data)
+    else:
+        c_body = _hold_writable(body_data, &body_view, z.body)
+        body_held = True
+    try:
+        with nogil:
+            c_topic_off[0] = c_broker_off[0] = c_msg_id_off[0] = c_oid_off[0] = 0
+            c_tags_off[0] = c_keys_off[0] = c_tok_off[0] = c_body_off[0] = c_props_off[0] = 0
+            c_names_off[0] = c_values_off[0] = c_born_off[0] = c_store_off[0] = 0
+            if c_tags_valid != NULL:
+                memset(c_tags_valid, 0, (n + 7) // 8)
+            for r in range(n):
+                _put_text(c_topic_off, c_topic, r, &p_topic, rows[r].topic.p, rows[r].topic.n)
+                _put_text(c_broker_off, c_broker, r, &p_broker, rows[r].broker.p,
+                          rows[r].broker.n)
+                c_queue_id[r] = rows[r].queue_id
+                c_queue_offset[r] = rows[r].queue_offset
+                if rows[r].uniq >= 0 and entries.items[rows[r].uniq].value.n > 0:
+                    v = entries.items[rows[r].uniq].value
+                    _put_text(c_msg_id_off, c_msg_id, r, &p_msg_id, v.p, v.n)
+                else:
+                    _put_oid(c_msg_id_off, c_msg_id, r, &p_msg_id, &rows[r])
+                _put_oid(c_oid_off, c_oid, r, &p_oid, &rows[r])
+                if rows[r].tags >= 0:
+                    v = entries.items[rows[r].tags].value
+                    if c_tags_valid != NULL:
+                        c_tags_valid[r >> 3] |= <unsigned char> (1 << (r & 7))
+                    _put_text(c_tags_off, c_tags, r, &p_tags, v.p, v.n)
+                else:
+                    c_tags_off[r + 1] = p_tags
+                if rows[r].keys >= 0:
+                    v = entries.items[rows[r].keys].value
+                    t = 0
+                    while t < v.n:
+                        if v.p[t] == 32:
+                            t += 1
+                            continue
+                        i = t
+                        while i < v.n and v.p[i] != 32:
+                            i += 1
+                        memcpy(c_tok + p_keys, v.p + t, i - t)
+                        p_keys += <int32_t> (i - t)
+                        p_tok += 1
+                        c_tok_off[p_tok] = p_keys
+                        t = i
+                c_keys_off[r + 1] = p_tok
+                _put_text(c_body_off, c_body, r, &p_body, rows[r].body.p, rows[r].body.n)
+                for i in range(rows[r].first_entry, rows[r].first_entry + rows[r].n_entries):
+                    e = &entries.items[i]
+                    _put_text(c_names_off, c_names, p_entries, &p_names, e.name.p, e.name.n)
+                    _put_text(c_values_off, c_values, p_entries, &p_values, e.value.p,
+                              e.value.n)
+                    p_entries += 1
+                c_props_off[r + 1] = p_entries
+                c_born_ts[r] = rows[r].born_ts
+                c_store_ts[r] = rows[r].store_ts
+                _put_text(c_born_off, c_born, r, &p_born, rows[r].born_host.p,
+                          rows[r].born_host.n)
+                _put_text(c_store_off, c_store, r, &p_store, rows[r].store_host.p,
+                          rows[r].store_host.n)
+                c_reconsume[r] = rows[r].reconsume
+    finally:
+        if body_held:
+            PyBuffer_Release(&body_view)
     return {
         "rows": n,
         "key_tokens": z.key_tokens,
@@ -1614,8 +1633,11 @@ cdef Py_ssize_t _json_number(const unsigned char *p, Py_ssize_t i, Py_ssize_t n,
         i += 1
     if i == start or (p[start] == 48 and i - start > 1):
         return -1  # no digits, or a leading zero (not JSON)
-    if i - start > 4300:
-        return -1  # json.loads refuses it (Python's limit on int digits)
+    if i - start > 640:
+        # Left to json.loads, which applies the process's limit on int digits (4300 unless
+        # set otherwise; 640 is the lowest a process may set), so both readers agree under
+        # any setting. No broker writes such a number.
+        return -1
     if i < n and (p[i] == 46 or p[i] == 101 or p[i] == 69):  # . e E
         return -1
     value[0] = -v if negative else v

@@ -176,7 +176,8 @@ class _LazyFields(_FieldNames):
             if pending is not None and name in pending:
                 return pending[name]
             raw = self._props_raw
-            if raw is not None and _property_finder is not None:
+            if raw is not None and _property_finder is not None and type(name) is str:
+                # (Any other key, a str enum's member say, is looked up in the parsed dict.)
                 value = _property_finder(raw, name)
                 return default if value is None else value
             props = self._parse_properties()
