@@ -29,6 +29,7 @@ from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.service import PullRequest
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
 from rmq_async.consumer.tasks import enter_user_call
+from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.errors import RemotingError
 
@@ -133,7 +134,9 @@ class Rebalancer:
                     log.warning("rebalance.topic_has_no_route", group=rt.group, topic=topic,
                                 error=str(exc))
                 continue
-            except (MQClientError, RemotingError, ValueError) as exc:
+            except (MQClientError, RemotingError, ProtocolError, ValueError) as exc:
+                # (ProtocolError: a broker's answer that does not decode; Java's
+                # findConsumerIdList catches every exception and counts the topic unbalanced.)
                 log.warning("rebalance.topic_failed", group=rt.group, topic=topic, error=str(exc))
                 # Java never counts the retry topic's failures against the balance.
                 if not topic.startswith(RETRY_GROUP_TOPIC_PREFIX):
@@ -153,11 +156,13 @@ class Rebalancer:
     async def _allocate(self, topic: str) -> set[MessageQueue] | None:
         rt = self._rt
         mq_all = await rt.instance.subscribe_queues(topic)
+        if rt.options.message_model == MessageModel.BROADCASTING:
+            # Every readable queue, none when the route has none (all of them lost the read
+            # permission): Java's broadcasting rebalance applies that too and gives them up.
+            return set(mq_all)
         if not mq_all:
             log.warning("rebalance.no_queues", group=rt.group, topic=topic)
             return None
-        if rt.options.message_model == MessageModel.BROADCASTING:
-            return set(mq_all)
         addr = await rt.instance.find_any_broker(topic)
         cid_all = await rt.instance.api.get_consumer_ids(addr, rt.group)
         if not cid_all:

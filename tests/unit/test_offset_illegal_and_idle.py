@@ -413,6 +413,51 @@ async def test_an_offset_illegal_on_a_locked_orderly_queue_gives_its_lock_back()
         await pull.aclose()
 
 
+def _two_topics(
+    opts: ConsumerOptions, queues: dict[str, list[MessageQueue]],
+    consumer_ids: Any = None,
+) -> tuple[Rebalancer, Any, dict[str, set[MessageQueue]]]:
+    """A rebalancer over topics A and B of one broker; ``applied`` records each topic's
+    allocation (and "dropped" once drop_unsubscribed ran). ``consumer_ids(topic)`` answers
+    the member list (default: this client alone)."""
+
+    async def subscribe_queues(topic: str) -> list[MessageQueue]:
+        return queues[topic]
+
+    async def find_any_broker(topic: str) -> str:
+        return f"127.0.0.1:10911#{topic}"
+
+    async def get_consumer_ids(addr: str, group: str) -> list[str]:
+        if consumer_ids is not None:
+            return await consumer_ids(addr.rpartition("#")[2])
+        return ["me"]
+
+    rt: Any = SimpleNamespace(
+        tasks=TaskOwner("consumer[G]"),
+        group="G", client_id="me", stopping=False, options=opts, process_queues={},
+        subscriptions=SimpleNamespace(subscribed_topics=lambda: ["A", "B"]),
+        instance=SimpleNamespace(subscribe_queues=subscribe_queues,
+                                 find_any_broker=find_any_broker,
+                                 api=SimpleNamespace(get_consumer_ids=get_consumer_ids)))
+    rebalancer = Rebalancer(rt, pull=None, orderly=None)  # type: ignore[arg-type]
+    applied: dict[str, set[MessageQueue]] = {}
+
+    async def apply_allocation(topic: str, allocated: set[MessageQueue]) -> None:
+        applied[topic] = allocated
+        for mq in list(rt.process_queues):
+            if mq.topic == topic and mq not in allocated:
+                del rt.process_queues[mq]
+        for mq in allocated:
+            rt.process_queues.setdefault(mq, ProcessQueue())
+
+    async def drop_unsubscribed(topics: set[str]) -> None:
+        applied["dropped"] = set()
+
+    rebalancer.apply_allocation = apply_allocation  # type: ignore[method-assign]
+    rebalancer.drop_unsubscribed = drop_unsubscribed  # type: ignore[method-assign]
+    return rebalancer, rt, applied
+
+
 async def test_a_failing_allocation_strategy_leaves_its_topic_and_balances_the_others() -> None:
     """A user's strategy raising for one topic (a machine-room resolver without an entry)
     ended the whole round: the topics after it were never taken. Java's rebalanceByTopic
@@ -428,36 +473,7 @@ async def test_a_failing_allocation_strategy_leaves_its_topic_and_balances_the_o
 
     opts = ConsumerOptions.from_kwargs("G", allocate_strategy=PickyStrategy())
     queues = {t: [MessageQueue(t, "broker-a", i) for i in range(2)] for t in ("A", "B")}
-
-    async def subscribe_queues(topic: str) -> list[MessageQueue]:
-        return queues[topic]
-
-    async def find_any_broker(topic: str) -> str:
-        return "127.0.0.1:10911"
-
-    async def get_consumer_ids(addr: str, group: str) -> list[str]:
-        return ["me"]
-
-    rt: Any = SimpleNamespace(
-        tasks=TaskOwner("consumer[G]"),
-        group="G", client_id="me", stopping=False, options=opts, process_queues={},
-        subscriptions=SimpleNamespace(subscribed_topics=lambda: ["A", "B"]),
-        instance=SimpleNamespace(subscribe_queues=subscribe_queues,
-                                 find_any_broker=find_any_broker,
-                                 api=SimpleNamespace(get_consumer_ids=get_consumer_ids)))
-    rebalancer = Rebalancer(rt, pull=None, orderly=None)  # type: ignore[arg-type]
-    applied: dict[str, set[MessageQueue]] = {}
-
-    async def apply_allocation(topic: str, allocated: set[MessageQueue]) -> None:
-        applied[topic] = allocated
-        for mq in allocated:
-            rt.process_queues[mq] = ProcessQueue()
-
-    async def drop_unsubscribed(topics: set[str]) -> None:
-        applied["dropped"] = set()
-
-    rebalancer.apply_allocation = apply_allocation  # type: ignore[method-assign]
-    rebalancer.drop_unsubscribed = drop_unsubscribed  # type: ignore[method-assign]
+    rebalancer, _, applied = _two_topics(opts, queues)
     with capture_logs() as logs:
         await rebalancer.rebalance_once()
     assert applied == {"B": set(queues["B"]), "dropped": set()}
@@ -465,3 +481,48 @@ async def test_a_failing_allocation_strategy_leaves_its_topic_and_balances_the_o
     failed = [e for e in logs if e["event"] == "rebalance.allocate_failed"]
     assert [(e["topic"], e["error"]) for e in failed] == [
         ("A", "KeyError: 'no machine room for broker-a'")]
+
+
+async def test_a_garbled_member_list_leaves_its_topic_and_balances_the_others() -> None:
+    """A broker's member-list answer that does not decode (a ProtocolError) ended the whole
+    round like the strategy above. Java's findConsumerIdList catches it and returns null:
+    that topic is unbalanced, the others are taken."""
+    from rmq_async.protocol.errors import ProtocolError
+
+    queues = {t: [MessageQueue(t, "broker-a", i) for i in range(2)] for t in ("A", "B")}
+
+    async def consumer_ids(topic: str) -> list[str]:
+        if topic == "A":
+            raise ProtocolError("consumer list body is not a JSON object")
+        return ["me"]
+
+    rebalancer, _, applied = _two_topics(ConsumerOptions.from_kwargs("G"), queues,
+                                         consumer_ids)
+    with capture_logs() as logs:
+        await rebalancer.rebalance_once()
+    assert applied == {"B": set(queues["B"]), "dropped": set()}
+    assert rebalancer._last_round_balanced is False
+    assert [e["topic"] for e in logs if e["event"] == "rebalance.topic_failed"] == ["A"]
+
+
+async def test_broadcasting_gives_up_the_queues_of_a_topic_with_none_readable() -> None:
+    """A topic whose queues all lost the read permission (or were cut to none) has an empty
+    queue set. Java's broadcasting rebalance applies it: the queues are given up and the
+    round is balanced. They were kept, pulled (each pull refused) and retried every second.
+    Clustering keeps them, as Java's strategies refuse an empty queue list."""
+    for model, kept in (("BROADCASTING", False), ("CLUSTERING", True)):
+        queues = {t: _all(t) for t in ("A", "B")}
+        rebalancer, rt, _ = _two_topics(
+            ConsumerOptions.from_kwargs("G", message_model=model), queues)
+        await rebalancer.rebalance_once()
+        assert set(rt.process_queues) == set(_all("A")) | set(_all("B"))
+        queues["A"] = []  # the route now has no readable queue of A
+        with capture_logs():
+            await rebalancer.rebalance_once()
+        expected = set(_all("B")) | (set(_all("A")) if kept else set())
+        assert set(rt.process_queues) == expected, model
+        assert rebalancer._last_round_balanced is not kept, model
+
+
+def _all(topic: str) -> list[MessageQueue]:
+    return [MessageQueue(topic, "broker-a", i) for i in range(2)]
