@@ -542,11 +542,15 @@ class PushConsumer:
             for topic in self.subscribed_topics():
                 try:
                     await self.instance.update_route(topic)
-                except NoRouteError:
+                except NoRouteError as exc:
                     # A new group's retry topic is created by the broker on the first
-                    # heartbeat; the rebalancer picks its route up later.
+                    # heartbeat. Any other topic may not be created yet, or the name server
+                    # asked may have restarted before the brokers registered again: as
+                    # Java's start does, this is a warning, and the rebalancer takes the
+                    # topic once its route appears.
                     if topic != self.retry_topic:
-                        raise
+                        log.warning("consumer.topic_has_no_route", group=self.group,
+                                    topic=topic, error=str(exc))
             await raise_if_refused(self, await self.instance.send_heartbeats())
             await self.sink_service.start_sinks()
             # Before the first rebalance and pull.

@@ -260,3 +260,38 @@ async def test_a_topic_subscribed_again_in_the_other_mode_is_taken_anew(
                                             for pq in queues.values())
     assert set(concurrent.values()) == {1} and set(ordered.values()) == {1}
     assert set(again.values()) == {1}
+
+
+async def test_a_topic_created_after_start_is_consumed_once_its_route_appears(
+        rocketmq: LocalRocketMQ) -> None:
+    """Java's start only warns about a subscribed topic the name server does not know (not
+    created yet, or a name server restarted before the brokers registered again); the
+    rebalancer takes it once its route appears. start() used to fail with NoRouteError."""
+    from structlog.testing import capture_logs
+
+    ns = rocketmq.namesrv_addr
+    topic = unique("T_later")
+    got: collections.Counter[tuple[int, int]] = collections.Counter()
+    consumer = PushConsumer(unique("G_later"), namesrv=ns,
+                            consume_from_where="CONSUME_FROM_FIRST_OFFSET",
+                            rebalance_interval=0.5)
+
+    async def on(msgs: list[MessageExt]) -> ConsumeResult:
+        for m in msgs:
+            got[(m.queue_id, m.queue_offset)] += 1
+        return ConsumeResult.SUCCESS
+
+    consumer.subscribe(topic, listener=on)
+    with capture_logs() as logs:
+        await consumer.start()
+    try:
+        assert [e["topic"] for e in logs if e["event"] == "consumer.topic_has_no_route"] \
+            == [topic]
+        assert not consumer.process_queues
+        await rocketmq.create_topic(topic, queues=2)
+        await wait_until(lambda: _queues(consumer, topic) == 2, 30, what="queues taken")
+        await produce(ns, topic, simple_messages(topic, 40), batch=10)
+        await wait_until(lambda: len(got) == 40, 30, what="40 consumed")
+        assert set(got.values()) == {1}
+    finally:
+        await consumer.stop()
