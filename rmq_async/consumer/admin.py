@@ -36,13 +36,14 @@ import sys
 import time
 import traceback
 from collections.abc import Coroutine
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from rmq_async.client.errors import MQClientError, NoPermissionError
 from rmq_async.consumer.middleware import run_call
-from rmq_async.consumer.options import MessageModel
+from rmq_async.consumer.options import JAVA_OPTION_NAMES, ConsumerOptions, MessageModel
 from rmq_async.consumer.results import (
     ConsumeContext,
     DirectConsumeResult,
@@ -166,6 +167,40 @@ def _camel(name: str) -> str:
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
+def option_properties(options: ConsumerOptions) -> dict[str, str]:
+    """The options as Java's running info writes a consumer's settings (``object2Properties``
+    of the ``DefaultMQPushConsumer``): an option with a Java setting under the Java name, in
+    the Java unit (``consumeTimeout`` in minutes, ``pullInterval`` and the other intervals in
+    ms, ``consumeTimestamp`` as ``yyyyMMddHHmmss``, ``consume_concurrency`` as both
+    ``consumeThreadMin`` and ``consumeThreadMax``); any other under its own name in camelCase,
+    in this library's unit (seconds). Credentials and TLS contexts are left out."""
+    java: dict[str, list[tuple[str, str]]] = {}
+    for java_name, (option, unit) in JAVA_OPTION_NAMES.items():
+        java.setdefault(option, []).append((java_name, unit))
+    props: dict[str, str] = {}
+    for name in type(options).__dataclass_fields__:
+        if name in _HIDDEN_OPTIONS:
+            continue
+        value = getattr(options, name)
+        if value is None:
+            continue
+        for key, unit in java.get(name, [(_camel(name), "")]):
+            props[key] = _java_value(value, unit)
+    return props
+
+
+def _java_value(value: Any, unit: str) -> str:
+    if unit == "ms":
+        return str(round(value * 1000))
+    if unit == "minutes":
+        minutes = value / 60
+        return str(int(minutes)) if minutes == int(minutes) else str(minutes)
+    if isinstance(value, datetime):
+        local = value.astimezone() if value.tzinfo is not None else value
+        return local.strftime("%Y%m%d%H%M%S")
+    return _option_value(value)
+
+
 def _option_value(value: Any) -> str:
     name = getattr(value, "name", None)
     if isinstance(name, str) and hasattr(value, "allocate"):
@@ -212,13 +247,7 @@ def build_running_info(consumer: ConsumerView, *, jstack: bool = False) -> Consu
     c = consumer
     import rmq_async
 
-    props: dict[str, str] = {}
-    for name in type(c.options).__dataclass_fields__:
-        if name in _HIDDEN_OPTIONS:
-            continue
-        value = getattr(c.options, name)
-        if value is not None:
-            props[_camel(name)] = _option_value(value)
+    props = option_properties(c.options)
     if c.options.credentials is not None:
         props["accessKey"] = c.options.credentials.access_key
     props["useTLS"] = "true" if c.options.tls_enabled else "false"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import types
 from typing import Any
 
@@ -52,6 +53,21 @@ def test_running_info_properties_and_no_secret() -> None:
     assert props["PROP_CLIENT_VERSION"] == "V5_3_3"
     assert props["consumerGroup"] == "G_admin" and props["pullBatchSize"] == "32"
     assert props["accessKey"] == "my-access-key"
+    # Settings with a Java name under it, in Java's unit, as Java's object2Properties of the
+    # DefaultMQPushConsumer writes them (they were written in seconds under camelCased names
+    # of this library's options: consumeTimeout=900.0 where Java shows 15).
+    assert (props["consumeTimeout"], props["pullInterval"]) == ("15", "0")
+    assert (props["persistConsumerOffsetInterval"], props["heartbeatBrokerInterval"],
+            props["pollNameServerInterval"], props["mqClientApiTimeout"],
+            props["suspendCurrentQueueTimeMillis"]) == ("5000", "30000", "30000", "3000", "1000")
+    assert props["consumeThreadMin"] == props["consumeThreadMax"] == "7"
+    assert re.fullmatch(r"\d{14}", props["consumeTimestamp"])
+    assert props["useTLS"] == "false" and props["pullThresholdSizeForQueue"] == "100"
+    assert not {"consumeConcurrency", "apiTimeout", "heartbeatInterval", "tls"} & set(props)
+    assert props["brokerSuspendMaxTime"] == "15.0"  # no Java setting: this library's seconds
+    odd = build_running_info(_consumer(consume_timeout=90, consume_timestamp="20240102030405"))
+    assert (odd.properties["consumeTimeout"], odd.properties["consumeTimestamp"]) == (
+        "1.5", "20240102030405")
     body = info.to_json_bytes()
     assert b"my-very-secret-key" not in body
     subs = {s["topic"]: s["subString"] for s in json.loads(body)["subscriptionSet"]}
