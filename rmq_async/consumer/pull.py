@@ -427,7 +427,9 @@ class PullService:
                         if ahead is not None:
                             ahead.cancel()
                         raise
-            return opts.pull_interval, ahead
+            # (Java waits pull_interval only after a chunk it dispatched; an answer the tag
+            # filter emptied is followed at once.)
+            return (opts.pull_interval if msgs else 0.0), ahead
         if status in (PullStatus.NO_NEW_MSG, PullStatus.NO_MATCHED_MSG):
             req.next_offset = result.next_begin_offset
             if req.pq.msg_count == 0:

@@ -194,3 +194,43 @@ async def test_a_queue_taken_in_the_other_mode_hands_nothing_on_and_pulls_no_mor
         assert submitted[:32] == list(range(32))
     finally:
         await pull.aclose()
+
+
+async def test_a_found_answer_the_tag_filter_emptied_is_followed_at_once_despite_pull_interval(
+) -> None:
+    """Java pulls again at once when its client-side tag filter left nothing of a FOUND answer
+    (a tag hash collision), and waits pull_interval only after a chunk it dispatched."""
+    from rmq_async.protocol.filter import build_subscription
+
+    sent_at: list[float] = []
+
+    class Pull(PullService):
+        async def _send(self, req: PullRequest, offset: int) -> Any:
+            sent_at.append(time.monotonic())
+            if len(sent_at) > 3:
+                return Pending()
+            tag = "b" if len(sent_at) < 3 else "a"  # two answers the filter empties, then one
+            msgs = [MessageExt("T", b"x", 0, offset + i, properties={"TAGS": tag})
+                    for i in range(4)]
+            return Pending(SimpleNamespace(
+                status=PullStatus.FOUND, next_begin_offset=offset + 4, min_offset=0,
+                max_offset=100, suggest_which_broker_id=0, offset_delta=None, body=b"",
+                decode=lambda: msgs))
+
+    opts = ConsumerOptions.from_kwargs("G", pull_interval=2.0)
+    pq = ProcessQueue()
+    rt = runtime(opts, pq)
+    sub = build_subscription("T", "a")
+    rt.subscriptions.subscription_data = lambda t: sub
+    submitted: list[int] = []
+    pull = Pull(rt, router(submitted), on_queue_forgotten=lambda: None)
+    pull.start_queue(PullRequest(MQ, pq, 0))
+    try:
+        async with asyncio.timeout(1.5):  # under one pull_interval
+            while not submitted:
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.2)
+        assert submitted == [8, 9, 10, 11]
+        assert len(sent_at) == 3  # the pull after the dispatched chunk waits pull_interval
+    finally:
+        await pull.aclose()
