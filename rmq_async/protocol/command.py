@@ -142,6 +142,17 @@ class ExtFields(dict[str, str]):
         return f"ExtFields({dict.__repr__(self)})"
 
 
+_SECRET_FIELDS = frozenset({"SecurityToken", "Signature"})
+
+
+def _shown_ext(fields: Mapping[str, str] | None) -> str:
+    """``repr`` of ext fields with the ACL session token and the signature masked (a repr
+    ends up in logs and tracebacks; the access key alone names who signed)."""
+    if fields is None or not _SECRET_FIELDS & fields.keys():
+        return repr(fields)
+    return repr({k: ("***" if k in _SECRET_FIELDS else v) for k, v in fields.items()})
+
+
 def _copy_ext(fields: Mapping[str, str]) -> dict[str, str]:
     return fields.copy() if isinstance(fields, ExtFields) else dict(fields)
 
@@ -229,7 +240,8 @@ class RemotingCommand:
         kind = "response" if self.is_response else ("oneway" if self.is_oneway else "request")
         return (
             f"RemotingCommand({kind} code={self.code} opaque={self.opaque} flag={self.flag} "
-            f"remark={self.remark!r} ext_fields={self.ext_fields!r} body_len={len(self.body)} "
+            f"remark={self.remark!r} ext_fields={_shown_ext(self.ext_fields)} "
+            f"body_len={len(self.body)} "
             f"serialize_type={self.serialize_type.name})"
         )
 

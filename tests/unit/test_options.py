@@ -475,3 +475,17 @@ def test_direct_consume_result_names() -> None:
     assert direct_consume_result(None) is DirectConsumeResult.CR_SUCCESS  # returned normally
     assert direct_consume_result(KeyError()) is DirectConsumeResult.CR_THROW_EXCEPTION
     assert str(DirectConsumeResult.CR_SUCCESS) == "CR_SUCCESS"
+
+
+def test_a_signed_commands_repr_shows_neither_its_token_nor_its_signature() -> None:
+    from rmq_async.protocol.command import RemotingCommand
+
+    cmd = RemotingCommand.request(11, ext_fields={"topic": "T"})
+    ConsumerOptions.from_kwargs(
+        "g1", credentials=("ak", "sk", "session-token-123")).rpc_hook()(cmd)  # type: ignore[misc]
+    assert cmd.ext_fields is not None and cmd.ext_fields["SecurityToken"] == "session-token-123"
+    shown = repr(cmd)
+    assert "session-token-123" not in shown and cmd.ext_fields["Signature"] not in shown
+    assert "'AccessKey': 'ak'" in shown and "'SecurityToken': '***'" in shown
+    assert "'topic': 'T'" in shown
+    assert "'topic': 'T'" in repr(RemotingCommand.request(11, ext_fields={"topic": "T"}))
