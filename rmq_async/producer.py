@@ -58,6 +58,7 @@ from rmq_async.protocol.codes import (
     COMPRESSION_ZSTD,
     MessageSysFlag,
 )
+from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.filter import java_string_hash
 from rmq_async.protocol.message import (
     UniqKeyGenerator,
@@ -67,6 +68,8 @@ from rmq_async.protocol.message import (
 )
 from rmq_async.protocol.types import (
     PROPERTY_DELAY,
+    PROPERTY_MAX_RECONSUME_TIMES,
+    PROPERTY_RECONSUME_TIME,
     PROPERTY_UNIQ_KEY,
     PROPERTY_WAIT,
     Message,
@@ -253,6 +256,11 @@ class Producer:
         self._compression = _COMPRESSION_TYPES[opts.compress_type]
         self._uniq = UniqKeyGenerator(_ip_or_none(opts.client_ip))
         self._counters: dict[str, Iterator[int]] = {}
+        # Topics without a route of their own: until when the create_topic_key route's
+        # queues stand in for theirs, and those queues.
+        self._stand_ins: dict[str, tuple[float, list[MessageQueue]]] = {}
+        # When each topic's route was last fetched or checked (a producer not started).
+        self._routes_checked: dict[str, float] = {}
         self._tasks: TaskOwner | None = None
         self._lookup_late = (f"route lookup took the rest of send_timeout "
                              f"({self.options.send_timeout:.3f}s)")
@@ -323,7 +331,19 @@ class Producer:
     async def _publish_queues(self, topic: str) -> list[MessageQueue]:
         """The topic's writable queues; for a topic without a route, those the route of
         ``create_topic_key`` stands in for (Java ``tryToFindTopicPublishInfo``): at most
-        ``default_topic_queue_nums`` per broker, on which the broker creates the topic."""
+        ``default_topic_queue_nums`` per broker, on which the broker creates the topic.
+
+        A stand-in is kept for ``route_refresh_interval`` (Java keeps it in its publish table
+        until the periodic refresh finds the topic's own route): the sends meanwhile ask the
+        name servers nothing."""
+        loop = asyncio.get_running_loop()
+        held = self._stand_ins.get(topic)
+        if held is not None:
+            if held[0] > loop.time():
+                return held[1]
+            del self._stand_ins[topic]
+        if self._tasks is None:
+            await self._refresh_unstarted(topic, loop.time())
         try:
             return await self.instance.publish_queues(topic)
         except NoRouteError as missing:
@@ -336,7 +356,26 @@ class Producer:
             dataclasses.replace(qd, read_queue_nums=min(n, qd.read_queue_nums),
                                 write_queue_nums=min(n, qd.read_queue_nums))
             for qd in template.queue_datas])
-        return producer_queues(stand_in, topic)
+        queues = producer_queues(stand_in, topic)
+        if queues:
+            self._stand_ins[topic] = (loop.time() + self.options.route_refresh_interval, queues)
+        return queues
+
+    async def _refresh_unstarted(self, topic: str, now: float) -> None:
+        """A producer used without :meth:`start` has no route refresh task: a held route older
+        than ``route_refresh_interval`` is fetched again by the send that needs it (a master
+        that moved, a queue count changed), and kept when the name servers fail to answer."""
+        checked = self._routes_checked.get(topic)
+        if checked is None or topic not in self.instance.routes:
+            self._routes_checked[topic] = now
+            return
+        if now - checked < self.options.route_refresh_interval:
+            return
+        self._routes_checked[topic] = now
+        try:
+            await self.instance.update_route(topic)
+        except (MQClientError, RemotingError, ProtocolError) as exc:
+            log.warning("producer.route_refresh_failed", topic=topic, error=str(exc))
 
     async def send(self, msg: Message, *, queue: MessageQueue | None = None,
                    selector: QueueSelector | None = None) -> SendResult:
@@ -350,6 +389,7 @@ class Producer:
         uniq_id = self._unique_id(msg)
         props = msg.all_properties()
         props.setdefault(PROPERTY_WAIT, "true")
+        counts = _retry_counts(msg.topic, props)
         sys_flag = 0
         # As in Java, compressing the body is part of the send, so of its send_timeout.
         deadline = asyncio.get_running_loop().time() + self.options.send_timeout
@@ -358,7 +398,7 @@ class Producer:
             sys_flag |= MessageSysFlag.COMPRESSED_FLAG | (self._compression << 8)
         return await self._send_with_retry(
             msg.topic, queue, msg, selector, body, encode_properties(props), sys_flag, msg.flag,
-            batch=False, msg_id=uniq_id, deadline=deadline,
+            batch=False, msg_id=uniq_id, deadline=deadline, retry_counts=counts,
         )
 
     def _unique_id(self, msg: Message) -> str:
@@ -378,6 +418,14 @@ class Producer:
         if self._stopped:
             raise IllegalStateError(f"producer {self.group!r} is stopped")
         check_topic_name(msg.topic)
+        if msg.topic in NOT_ALLOWED_SEND_TOPICS:
+            # Java's Validators.isNotAllowedSendTopic: the broker refuses them (NO_PERMISSION,
+            # which a send would retry and then blame on the credentials).
+            raise InvalidArgumentError(f"sending a message to topic {msg.topic!r} is forbidden")
+        if not isinstance(msg.flag, int) or isinstance(msg.flag, bool) \
+                or not -(1 << 31) <= msg.flag < 1 << 31:
+            raise InvalidArgumentError(f"a message flag is a 32-bit int (Java's int), "
+                                       f"not {msg.flag!r}")
         if not isinstance(msg.body, bytes | bytearray | memoryview):
             raise InvalidTypeError(f"a message body must be bytes, not {type(msg.body).__name__}"
                                    " (encode text first)")
@@ -454,7 +502,9 @@ class Producer:
     async def _send_with_retry(self, topic: str, queue: MessageQueue | None, msg: Message | None,
                                selector: QueueSelector | None, body: bytes, properties: str,
                                sys_flag: int, flag: int, *, batch: bool,
-                               msg_id: str, deadline: float | None = None) -> SendResult:
+                               msg_id: str, deadline: float | None = None,
+                               retry_counts: tuple[int | None, int | None] = (None, None),
+                               ) -> SendResult:
         """Send, retrying as Java's ``sendDefaultImpl`` does, all within one ``send_timeout``.
 
         Each attempt (route lookup, connecting, the request) gets what the ones before it
@@ -497,6 +547,7 @@ class Producer:
                     default_topic=self.options.create_topic_key,
                     default_topic_queue_nums=self.options.default_topic_queue_nums,
                     timeout=deadline - loop.time(), msg_id=msg_id,
+                    reconsume_times=retry_counts[0], max_reconsume_times=retry_counts[1],
                 )
             except TlsVerificationError:
                 raise  # another attempt meets the same certificate
@@ -532,3 +583,32 @@ class Producer:
                 addr=last_exc.addr, request=last_exc.request,
             ) from last_exc
         raise last_exc
+
+
+#: Java ``TopicValidator``'s topics no client may send to (the broker's own).
+NOT_ALLOWED_SEND_TOPICS = frozenset({
+    "SCHEDULE_TOPIC_XXXX", "RMQ_SYS_TRANS_HALF_TOPIC", "RMQ_SYS_TRANS_OP_HALF_TOPIC",
+    "TRANS_CHECK_MAX_TIME_TOPIC", "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT",
+})
+
+
+def _retry_counts(topic: str, props: dict[str, str]) -> tuple[int | None, int | None]:
+    """For a ``%RETRY%`` topic, the message's ``RECONSUME_TIME`` and ``MAX_RECONSUME_TIMES``
+    taken out of ``props`` for the request header, as Java's ``sendKernelImpl`` moves them:
+    the broker decides between a retry and the dead-letter queue from the header alone."""
+    if not topic.startswith(RETRY_GROUP_TOPIC_PREFIX):
+        return None, None
+    counts: list[int | None] = []
+    for name in (PROPERTY_RECONSUME_TIME, PROPERTY_MAX_RECONSUME_TIMES):
+        text = props.pop(name, None)
+        if text is None:
+            counts.append(None)
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            raise InvalidArgumentError(f"property {name} is not a number: {text!r}") from None
+        if not -(1 << 31) <= value < 1 << 31:
+            raise InvalidArgumentError(f"property {name} is not a 32-bit int: {text!r}")
+        counts.append(value)
+    return counts[0], counts[1]

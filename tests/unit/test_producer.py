@@ -26,7 +26,7 @@ from rmq_async import (
 from rmq_async.client.api import MQClientAPI, SendResult
 from rmq_async.client.errors import MQBrokerError, NoPermissionError
 from rmq_async.consumer.options import ConsumerOptions, Credentials, InvalidOptionError
-from rmq_async.errors import IllegalStateError
+from rmq_async.errors import IllegalStateError, InvalidArgumentError
 from rmq_async.producer import select_queue
 from rmq_async.protocol.codes import (
     MSG_COMPRESSED_FLAG,
@@ -674,28 +674,38 @@ async def test_a_topic_without_a_route_uses_the_create_topic_key_route_when_ther
          BrokerData("c", "broker-c", {0: "10.0.0.3:10911"})])
     asked: list[str] = []
 
-    async def publish_queues(topic: str) -> list[MessageQueue]:
-        raise NoRouteError(topic, "no route")
-
     async def update_route(topic: str) -> TopicRouteData:
         asked.append(topic)
         if topic != "TBW102":
             raise NoRouteError(topic, "no route")
         return template
 
-    producer.instance.publish_queues = publish_queues  # type: ignore[method-assign]
+    async def own_route_missing(topic: str) -> list[MessageQueue]:
+        asked.append(topic)
+        raise NoRouteError(topic, "no route")
+
+    producer.instance.publish_queues = own_route_missing  # type: ignore[method-assign]
     producer.instance.update_route = update_route  # type: ignore[method-assign]
     queues = await producer._publish_queues("NEW")
     assert [(q.topic, q.broker_name, q.queue_id) for q in queues] == [
         ("NEW", "broker-a", 0), ("NEW", "broker-a", 1), ("NEW", "broker-b", 0)]
-    await producer.send(Message("NEW", b"x"))
+    for _ in range(3):
+        await producer.send(Message("NEW", b"x"))
     assert api.calls[-1]["default_topic"] == "TBW102"
     assert api.calls[-1]["default_topic_queue_nums"] == 2
-    template.queue_datas.clear()
-    template.broker_datas.clear()
-    producer.options.create_topic_key = "NO_SUCH_KEY"  # no broker creates topics
+    # The stand-in is kept (Java's publish table): the sends after the first asked nothing.
+    # It lasts route_refresh_interval; then the topic's own route is asked for again.
+    assert asked == ["NEW", "TBW102"]
+    _, held = producer._stand_ins["NEW"]
+    producer._stand_ins["NEW"] = (0.0, held)
+    await producer.send(Message("NEW", b"x"))
+    assert asked == ["NEW", "TBW102", "NEW", "TBW102"]
+    # No broker creates topics: the topic's own error.
+    other, _ = _fake_producer({}, create_topic_key="NO_SUCH_KEY")
+    other.instance.publish_queues = own_route_missing  # type: ignore[method-assign]
+    other.instance.update_route = update_route  # type: ignore[method-assign]
     with pytest.raises(NoRouteError, match="'NEW'"):
-        await producer.send(Message("NEW", b"x"))
+        await other.send(Message("NEW", b"x"))
 
 
 def test_options_groups_and_messages_are_checked_before_any_send() -> None:
@@ -815,3 +825,87 @@ async def test_compressing_the_body_is_inside_send_timeout(monkeypatch: pytest.M
     assert api.sent == []
     await producer.send(Message("T", b"small"))  # not compressed: sent
     assert len(api.sent) == 1
+
+
+async def test_a_retry_topic_send_carries_its_counts_in_the_header() -> None:
+    """Java's sendKernelImpl moves RECONSUME_TIME / MAX_RECONSUME_TIMES of a %RETRY% message
+    into the header, where the broker reads them to choose between a retry and the DLQ; they
+    were left in the properties and the header said 0 retries (never dead-lettered)."""
+    from rmq_async.protocol.message import decode_properties
+
+    producer, api = _fake_producer({})
+    msg = Message("%RETRY%G", b"x", properties={"RECONSUME_TIME": "5",
+                                                  "MAX_RECONSUME_TIMES": "16", "k": "v"})
+    await producer.send(msg)
+    call = api.calls[-1]
+    assert (call["reconsume_times"], call["max_reconsume_times"]) == (5, 16)
+    props = decode_properties(call["properties"])
+    assert props["k"] == "v" and not {"RECONSUME_TIME", "MAX_RECONSUME_TIMES"} & set(props)
+    assert msg.properties["RECONSUME_TIME"] == "5"  # the caller's message is left as it was
+    await producer.send(Message("T", b"x", properties={"RECONSUME_TIME": "5"}))
+    call = api.calls[-1]  # another topic: sent as given, as Java does
+    assert (call["reconsume_times"], call["max_reconsume_times"]) == (None, None)
+    assert decode_properties(call["properties"])["RECONSUME_TIME"] == "5"
+    with pytest.raises(InvalidArgumentError, match="RECONSUME_TIME is not a number"):
+        await producer.send(Message("%RETRY%G", b"x", properties={"RECONSUME_TIME": "x"}))
+
+
+@pytest.mark.parametrize("topic", ["SCHEDULE_TOPIC_XXXX", "RMQ_SYS_TRANS_HALF_TOPIC",
+                                   "OFFSET_MOVED_EVENT", "SELF_TEST_TOPIC"])
+async def test_the_brokers_own_topics_are_refused_before_any_send(topic: str) -> None:
+    # Java's Validators.isNotAllowedSendTopic; the broker's NO_PERMISSION was retried three
+    # times and then blamed on the credentials.
+    producer, api = _fake_producer({})
+    with pytest.raises(InvalidArgumentError, match="is forbidden"):
+        await producer.send(Message(topic, b"x"))
+    assert api.sent == []
+
+
+@pytest.mark.parametrize("flag", [2**31, -(2**31) - 1, 2**40, True, 1.0])
+async def test_a_flag_outside_javas_int_is_refused_before_any_send(flag: Any) -> None:
+    producer, api = _fake_producer({})
+    for send in (lambda: producer.send(Message("T", b"x", flag=flag)),
+                 lambda: producer.send_batch([Message("T", b"x", flag=flag)])):
+        with pytest.raises(InvalidArgumentError, match="32-bit int"):
+            await send()
+    assert api.sent == []
+    await producer.send(Message("T", b"x", flag=2**31 - 1))
+    await producer.send(Message("T", b"x", flag=-(2**31)))
+    assert [c["flag"] for c in api.calls] == [2**31 - 1, -(2**31)]
+
+
+async def test_a_producer_used_without_start_fetches_a_stale_route_again() -> None:
+    """Without start() there is no route refresh task: a route was held for good, so a master
+    that moved (or new queues) was never seen. A send now fetches a route older than
+    route_refresh_interval again, and keeps the old one when no name server answers."""
+    from rmq_async.protocol.bodies import BrokerData, QueueData, TopicRouteData
+
+    producer = Producer("PG_unit", "127.0.0.1:1")
+    api = _FakeApi({})
+    routes = [TopicRouteData([QueueData("broker-a", 2, 2, 6)],
+                             [BrokerData("c", "broker-a", {0: "10.0.0.1:10911"})]),
+              TopicRouteData([QueueData("broker-a", 2, 2, 6)],
+                             [BrokerData("c", "broker-a", {0: "10.0.0.9:10911"})])]
+    asked: list[str] = []
+
+    async def get_route(namesrv: str, topic: str) -> TopicRouteData:
+        asked.append(topic)
+        answer = routes[min(len(asked), 2) - 1]
+        if len(asked) == 3:
+            raise MQBrokerError(ResponseCode.SYSTEM_ERROR, "name server trouble")
+        return answer
+
+    api.get_route = get_route  # type: ignore[attr-defined]
+    producer.instance.api = api  # type: ignore[assignment]
+    try:
+        await producer.send(Message("T", b"x"))
+        await producer.send(Message("T", b"x"))
+        assert asked == ["T"] and {a for a, *_ in api.sent} == {"10.0.0.1:10911"}
+        producer._routes_checked["T"] -= producer.options.route_refresh_interval  # stale
+        await producer.send(Message("T", b"x"))
+        assert asked == ["T", "T"] and api.sent[-1][0] == "10.0.0.9:10911"  # the new master
+        producer._routes_checked["T"] -= producer.options.route_refresh_interval
+        await producer.send(Message("T", b"x"))  # the name server fails: the route held serves
+        assert asked == ["T", "T", "T"] and api.sent[-1][0] == "10.0.0.9:10911"
+    finally:
+        await producer.stop()
