@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rmq_async.client.errors import MQClientError
-from rmq_async.consumer.runtime import retry_copy_properties
+from rmq_async.consumer.runtime import dead_letter_counts, retry_copy_properties
 from rmq_async.errors import InvalidArgumentError
 from rmq_async.payloads import MAX_REASON_CHARS
 from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP
@@ -72,7 +72,7 @@ def dead_letter_properties(msg: MessageExt, reason: str) -> dict[str, str]:
 
 async def send_to_dlq(rt: ConsumerRuntime, msg: MessageExt, reason: str) -> bool:
     """Put ``msg`` into ``%DLQ%<group>`` with ``reason``; ``False`` if it could not be."""
-    max_times = rt.options.effective_max_reconsume_times(orderly=False)
+    reconsume, limit = dead_letter_counts(rt.options.effective_max_reconsume_times(orderly=False))
     try:
         addr = await rt.instance.find_broker_master(msg.broker_name, msg.topic)
         await rt.instance.api.send_message(
@@ -80,7 +80,7 @@ async def send_to_dlq(rt: ConsumerRuntime, msg: MessageExt, reason: str) -> bool
             producer_group=INNER_PRODUCER_GROUP, body=msg.body,
             properties=encode_properties(dead_letter_properties(msg, reason)), flag=msg.flag,
             born_timestamp=msg.born_timestamp or None,
-            reconsume_times=max_times + 1, max_reconsume_times=max_times,
+            reconsume_times=reconsume, max_reconsume_times=limit,
         )
     except (MQClientError, RemotingError, InvalidArgumentError) as exc:
         log.warning("consume.dead_letter_send_failed", group=rt.group, topic=msg.topic,

@@ -33,13 +33,15 @@ class Api:
     def __init__(self, outcomes: list[BaseException | None]) -> None:
         self.outcomes = outcomes
         self.sends: list[tuple[str, MessageQueue, float]] = []
+        self.kwargs: list[dict[str, Any]] = []
 
     async def consumer_send_msg_back(self, addr: str, msg: MessageExt, group: str,
                                      delay_level: int, max_reconsume_times: int) -> None:
         raise busy("CONSUMER_SEND_MSG_BACK")
 
     async def send_message(self, addr: str, mq: MessageQueue, **kw: Any) -> None:
-        self.sends.append((addr, mq, kw["timeout"]))
+        self.sends.append((addr, mq, kw.get("timeout", 3.0)))
+        self.kwargs.append(kw)
         outcome = self.outcomes.pop(0)
         if outcome is not None:
             raise outcome
@@ -108,3 +110,45 @@ async def test_a_final_answer_or_a_timeout_ends_the_attempts(error: BaseExceptio
     rt = runtime(api, ["broker-a", "broker-b"])
     assert not await rt.send_message_back(failed_message(), 0)
     assert len(api.sends) == 1
+
+
+@pytest.mark.parametrize(("delay_level", "limit", "counts"), [
+    (0, -1, (3, 16)),  # a retry: reconsume times + 1, the group's limit
+    (-1, -1, (17, 16)),  # a dead letter: over the limit, so the broker moves it to the DLQ
+    (-1, 2**31 - 1, (2**31 - 1, 2**31 - 2)),  # within Java's int (2**31 overflowed it)
+])
+async def test_the_copy_carries_its_counts_in_the_header_only(
+        delay_level: int, limit: int, counts: tuple[int, int]) -> None:
+    """Java's inner producer moves RECONSUME_TIME and MAX_RECONSUME_TIMES of a %RETRY% send
+    into the request header; the copy kept them in its properties too, and the broker stores
+    the properties it is given (a consumer of the retry topic or the DLQ saw them)."""
+    from rmq_async.protocol.message import decode_properties
+
+    api = Api([None])
+    rt = runtime(api, ["broker-a"])
+    rt.options = rt.options.replace(max_reconsume_times=limit)
+    msg = failed_message()
+    msg.reconsume_times = 2
+    msg.properties = {**msg.properties, "RECONSUME_TIME": "2", "MAX_RECONSUME_TIMES": "16"}
+    assert await rt.send_message_back(msg, delay_level)
+    kw = api.kwargs[0]
+    assert (kw["reconsume_times"], kw["max_reconsume_times"]) == counts
+    props = decode_properties(kw["properties"])
+    assert "RECONSUME_TIME" not in props and "MAX_RECONSUME_TIMES" not in props
+    assert props["RETRY_TOPIC"] == "orders" and props["ORIGIN_MESSAGE_ID"] == msg.msg_id
+
+
+async def test_a_dead_letter_sent_directly_keeps_within_javas_int_and_its_reason() -> None:
+    """With max_reconsume_times at 2**31-1 the dead letter's direct send said 2**31 retries,
+    which the broker cannot read; the send failed and the copy went through the send-back
+    path, which carries no reason."""
+    from rmq_async.consumer.dead_letter import send_to_dlq
+    from rmq_async.protocol.message import decode_properties
+
+    api = Api([None])
+    rt = runtime(api, ["broker-a"])
+    rt.options = rt.options.replace(max_reconsume_times=2**31 - 1)
+    assert await send_to_dlq(rt, failed_message(), "bad body")
+    kw = api.kwargs[0]
+    assert (kw["reconsume_times"], kw["max_reconsume_times"]) == (2**31 - 1, 2**31 - 2)
+    assert decode_properties(kw["properties"])["RMQ_DLQ_REASON"] == "bad body"
