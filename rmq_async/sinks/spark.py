@@ -90,6 +90,7 @@ reading (``dropDuplicates``).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import math
 import time
@@ -113,6 +114,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from rmq_async.consumer.listener import is_async, is_generator
 from rmq_async.consumer.tasks import ends_the_caller, in_user_thread
 from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.stored import StoredChunk
@@ -289,7 +291,8 @@ class SparkSink:
 
     Args:
         spark: the SparkSession; may be None only when ``create_dataframe`` is given.
-        write: stores one batch; called in a worker thread, one batch at a time.
+        write: stores one batch; called in a worker thread, one batch at a time, and the
+            batch counts as written when it returns: a plain function, not ``async def``.
         batch_rows: the most messages of a batch (a single larger chunk makes a batch of its own).
         batch_bytes: the most body bytes of a batch (at most 1 GiB); likewise.
         max_batch_latency: close a batch this many seconds after its first chunk arrived.
@@ -343,6 +346,14 @@ class SparkSink:
             raise InvalidArgumentError("value_format needs value_schema, a pyspark StructType")
         if value_format is None and value_schema is not None:
             raise InvalidArgumentError("value_schema given without value_format")
+        if not callable(write):
+            raise InvalidArgumentError(f"write must be a function (df, info), not {write!r}")
+        if is_async(write) or is_generator(write):
+            # It runs in a worker thread and its return is taken for "written": an async
+            # function's coroutine would never run, and its rows' offsets would be committed.
+            raise InvalidArgumentError(
+                "write must be a plain function (it runs in a worker thread, where Spark's "
+                "calls block), not a coroutine or generator function")
         if create_dataframe is None:
             if spark is None:
                 raise InvalidArgumentError("spark is required unless create_dataframe is given")
@@ -808,7 +819,15 @@ class SparkSink:
         frame, job.frame = job.frame, None  # a retry hands the table to Spark anew
         if frame is None:
             frame = self._frame(job.table)
-        self._write(frame, job.info)
+        returned: object = self._write(frame, job.info)
+        if inspect.isawaitable(returned):
+            # (A wrapper the check in __init__ did not see through.) Its work would run
+            # nowhere, or later: the batch is not taken for written.
+            close = getattr(returned, "close", None)
+            if close is not None:
+                close()  # a coroutine never awaited, closed without a warning
+            raise TypeError(f"write returned {type(returned).__name__}, an awaitable: it must "
+                            "write the batch before it returns (a plain function)")
         job.written = True
 
     def _convert_and_create(self, job: _Job) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from rmq_async.consumer.runtime import ConsumerRuntime
 from rmq_async.consumer.service import ServiceRouter
 from rmq_async.consumer.sink_service import SinkConsumeService
 from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.errors import InvalidArgumentError
 from rmq_async.protocol.message import encode_stored_message
 from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, MessageExt, MessageQueue
@@ -95,6 +97,44 @@ async def offer_300_in_chunks_of_50(sink: SparkSink) -> list[bool]:
 
 
 # ---------------------------------------------------------------------------- the sink
+
+
+async def test_a_write_that_does_not_write_before_it_returns_is_refused() -> None:
+    """The write runs in a worker thread and its return means "written": an ``async def``
+    write's coroutine never ran, and the batch was acknowledged (its offsets committed)
+    without a row written. Refused up front; an awaitable returned by a wrapper the check
+    cannot see through fails the attempt (the batch is not acknowledged)."""
+    import functools
+
+    async def async_write(df: Any, info: BatchInfo) -> None:
+        raise AssertionError("never run")
+
+    def generator_write(df: Any, info: BatchInfo) -> Any:
+        yield
+
+    class AsyncCall:
+        async def __call__(self, df: Any, info: BatchInfo) -> None:
+            raise AssertionError("never run")
+
+    for bad in (async_write, functools.partial(async_write), AsyncCall(), generator_write,
+                "not a function"):
+        with pytest.raises(InvalidArgumentError, match="write must be"):
+            SparkSink(None, bad, create_dataframe=lambda table: table)  # type: ignore[arg-type]
+
+    def hidden(df: Any, info: BatchInfo) -> Any:  # a plain function returning a coroutine
+        return async_write(df, info)
+
+    sink = SparkSink(None, hidden, create_dataframe=lambda table: table, batch_rows=10,
+                     max_batch_latency=30.0, write_retries=1, retry_backoff=0.0)
+    acks: list[bool] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the coroutine is closed, not left unawaited)
+        async with running(sink):
+            sink.offer(msgs(0, 10), acks.append)
+            async with asyncio.timeout(10):
+                while not acks:
+                    await asyncio.sleep(0.01)
+    assert acks == [False]
 
 
 async def test_flow_limit_caps_batches_at_half_of_it() -> None:
