@@ -116,7 +116,7 @@ from pyspark.sql.types import (
 
 from rmq_async.consumer.listener import is_async, is_generator
 from rmq_async.consumer.tasks import ends_the_caller, in_user_thread
-from rmq_async.errors import InvalidArgumentError
+from rmq_async.errors import IllegalStateError, InvalidArgumentError
 from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import MessageExt, MessageQueue
 from rmq_async.sinks import AckCallback, SinkClosedError, TaskSpawner
@@ -582,9 +582,17 @@ class SparkSink:
         """Start :meth:`run` as a task of ``owner`` (a task owner or an asyncio TaskGroup).
 
         A sink closed by :meth:`aclose` (its consumer stopped) is open again: a consumer that
-        is stopped and started again writes through the same sink.
+        is stopped and started again writes through the same sink. Raises
+        :class:`~rmq_async.errors.IllegalStateError` while a write that the last stop gave up
+        still runs in its thread.
         """
         if self._closed:
+            if self._writer_lock.locked():
+                # The last run's writer still waits for a write in its thread: a stop() gave
+                # it up (Spark calls cannot be interrupted). Waiting here would hang start().
+                raise IllegalStateError(
+                    "the sink's last writer is still in a Spark write that stop() gave up; "
+                    "start again once that write has returned")
             async with self._writer_lock:  # a closing run() has returned
                 self._closed = False
         if isinstance(owner, asyncio.TaskGroup):

@@ -137,6 +137,35 @@ async def test_a_write_that_does_not_write_before_it_returns_is_refused() -> Non
     assert acks == [False]
 
 
+async def test_a_start_while_a_given_up_write_still_runs_is_refused_not_hung() -> None:
+    """stop() gives a hung Spark write up (its thread cannot be interrupted); the writer loop
+    holds its lock until the write returns, and a start() after it waited for that lock, for
+    good (holding the consumer's start lock, so a second stop() hung too)."""
+    from rmq_async.errors import IllegalStateError
+
+    write = Writes()
+    write.gate.clear()
+    sink = sink_for(write, batch_rows=10)
+    owner = TaskOwner("sink")
+    await sink.start(owner)
+    sink.offer(msgs(0, 10), ignore)
+    await write.wait_entered()
+    await owner.aclose(abandon_after=0.2)  # stop(): the writer given up in its write
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await sink.aclose()
+    again = TaskOwner("sink-again")
+    async with asyncio.timeout(2):
+        with pytest.raises(IllegalStateError, match="still in a Spark write"):
+            await sink.start(again)
+    write.gate.set()  # the write returns; its loop ends
+    await wait_until(lambda: not sink._writer_lock.locked(), 10, what="the old writer ended")
+    async with asyncio.timeout(2):
+        await sink.start(again)  # now it opens again
+    await sink.aclose()
+    await again.aclose()
+
+
 async def test_flow_limit_caps_batches_at_half_of_it() -> None:
     write = Writes()
     sink = sink_for(write, batch_rows=1000)
