@@ -297,7 +297,11 @@ class RemotingClient:
         conns = [*self._connections.values(), *self._retired]
         self._connections.clear()
         self._retired.clear()
-        await asyncio.gather(*attempts, *(c.close() for c in conns), return_exceptions=True)
+        # The calling task may be a request handler of one of these connections (a listener
+        # that stopped its consumer): spared by each close(), which runs in a task of its own.
+        me = asyncio.current_task()
+        await asyncio.gather(*attempts, *(c.close(spare=me) for c in conns),
+                             return_exceptions=True)
 
     async def __aenter__(self) -> RemotingClient:
         return self

@@ -26,7 +26,7 @@ import contextlib
 import math
 import ssl as _ssl
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
@@ -65,6 +65,9 @@ _SWEEP_SLACK = 0.001
 #: Seconds a graceful close leaves the frames still buffered to go out before the socket is
 #: closed anyway (a peer that stopped reading never takes them).
 CLOSE_FLUSH_GRACE = 2.0
+#: How long close() waits for the request handlers it cancelled (a listener of
+#: CONSUME_MESSAGE_DIRECTLY may clean up slowly, or swallow the cancellation).
+HANDLER_CLOSE_WAIT = 1.0
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -164,16 +167,23 @@ class Connection(asyncio.BufferedProtocol):
     def pending_count(self) -> int:
         return len(self._pending)
 
-    async def close(self) -> None:
-        """Close the connection, fail pending requests and end the handler tasks."""
-        self._shutdown(None)
-        # A handler that closes its own connection must not wait for itself.
-        current = asyncio.current_task()
-        tasks = [t for t in self._handler_tasks if t is not current]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+    async def close(self, *, spare: asyncio.Task[Any] | None = None) -> None:
+        """Close the connection, fail pending requests and end the handler tasks.
+
+        A handler task that closes its own connection (its request's handler stopped the
+        consumer), the calling task or ``spare`` (the task that asked the client to close),
+        is neither cancelled nor waited for: it would wait for itself. The others are
+        cancelled and waited for at most ``HANDLER_CLOSE_WAIT`` seconds (one that swallows
+        its cancellation is left to end on its own, logged)."""
+        keep = {asyncio.current_task(), spare}
+        self._shutdown(None, keep=keep)
+        tasks = [t for t in self._handler_tasks if t not in keep and not t.done()]
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=HANDLER_CLOSE_WAIT)
+        if pending:
+            log.warning("remoting.handlers_left_running", addr=self.addr, count=len(pending),
+                        seconds=HANDLER_CLOSE_WAIT)
 
     async def wait_closed(self) -> None:
         await self._closed_event.wait()
@@ -191,7 +201,8 @@ class Connection(asyncio.BufferedProtocol):
         if self._close_when_idle and not self._pending:
             self._shutdown(None)
 
-    def _shutdown(self, exc: BaseException | None, *, hard: bool = False) -> None:
+    def _shutdown(self, exc: BaseException | None, *, hard: bool = False,
+                  keep: set[asyncio.Task[Any] | None] | None = None) -> None:
         if self._closed:
             return
         self._closed = True
@@ -237,7 +248,8 @@ class Connection(asyncio.BufferedProtocol):
                 err.__cause__ = exc
                 fut.set_exception(err)
         for task in self._handler_tasks:
-            task.cancel()
+            if keep is None or task not in keep:
+                task.cancel()
         self._closed_event.set()
         if self.on_closed is not None:
             self.on_closed(self)

@@ -927,3 +927,50 @@ async def test_a_graceful_close_whose_buffer_drains_in_time_leaves_no_timer_behi
     finally:
         loop.set_exception_handler(None)
         server.close()
+
+
+async def test_a_request_handler_that_closes_the_client_is_neither_cancelled_nor_waited_for(
+) -> None:
+    """A CONSUME_MESSAGE_DIRECTLY listener that stops its consumer ends in the client's
+    close(), inside the connection's own handler task: each connection's close() ran in a
+    task of its own, did not know the handler's task, cancelled it and waited for it, while
+    the handler waited for the close (a deadlock; cancelling it recursed)."""
+    client = RemotingClient()
+    after: list[str] = []
+
+    async def handler(cmd: RemotingCommand, conn: Connection) -> None:
+        await client.close()
+        await asyncio.sleep(0)  # not cancelled: the rest of the stop goes on
+        after.append("closed")
+
+    conn = Connection("10.0.0.1:10911", handler=handler)
+    client._connections[conn.addr] = conn
+    conn._dispatch_request(RemotingCommand(code=RequestCode.CONSUME_MESSAGE_DIRECTLY))
+    await wait_until(lambda: after == ["closed"], 3, what="the handler's close")
+    assert conn.closed and not client.addresses
+
+
+async def test_close_waits_a_bounded_time_for_a_handler_slow_to_end() -> None:
+    """A handler (a CONSUME_MESSAGE_DIRECTLY listener) whose clean-up on cancellation is slow,
+    or that swallows the cancellation, held close(), and so the consumer's stop(), for as long
+    as it took."""
+    from rmq_async.remoting.connection import HANDLER_CLOSE_WAIT
+
+    release = asyncio.Event()
+
+    async def handler(cmd: RemotingCommand, conn: Connection) -> None:
+        try:
+            await asyncio.sleep(1000)
+        finally:
+            await release.wait()
+
+    conn = Connection("10.0.0.1:10911", handler=handler)
+    conn._dispatch_request(RemotingCommand(code=RequestCode.CONSUME_MESSAGE_DIRECTLY))
+    await asyncio.sleep(0.05)
+    started = time.monotonic()
+    with capture_logs() as logs:
+        await conn.close()
+    assert time.monotonic() - started < HANDLER_CLOSE_WAIT + 1.0
+    assert [e["count"] for e in logs if e["event"] == "remoting.handlers_left_running"] == [1]
+    release.set()
+    await wait_until(lambda: not conn._handler_tasks, 3, what="the handler's end")
