@@ -37,7 +37,7 @@ from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
 from rmq_async.consumer.service import BusyWorkers
 from rmq_async.consumer.subscriptions import Subscription, reset_retry_topic
-from rmq_async.consumer.tasks import TaskOwner, ends_the_caller
+from rmq_async.consumer.tasks import ABANDON_AFTER, TaskOwner, ends_the_caller
 from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.message import put_each
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
@@ -107,8 +107,10 @@ class OrderlyConsumeService:
         the turns end at their next batch, ``stop()`` having begun."""
         await self._busy.wait_idle(caller)
 
-    async def aclose(self) -> None:
-        await self._owner.aclose()
+    async def aclose(self, *, abandon_after: float = ABANDON_AFTER) -> None:
+        """End this service's tasks; one still running ``abandon_after`` seconds after its
+        cancellation (a handler that swallows it) is left to end on its own, logged."""
+        await self._owner.aclose(abandon_after=abandon_after)
 
     # ------------------------------------------------------------------ scheduling
 

@@ -27,7 +27,7 @@ from rmq_async.client.instance import MASTER_ID
 from rmq_async.consumer.events import ConsumerError, ConsumerErrorKind
 from rmq_async.consumer.options import MessageModel
 from rmq_async.consumer.service import PullRequest
-from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.consumer.tasks import ABANDON_AFTER, TaskOwner
 from rmq_async.protocol.codes import ResponseCode
 from rmq_async.protocol.filter import tag_matches
 from rmq_async.protocol.message import ProtocolError, stamp_delivered
@@ -134,8 +134,10 @@ class PullService:
         task = self._owner.get(mq)
         return task is not None and not task.done()
 
-    async def aclose(self) -> None:
-        await self._owner.aclose()
+    async def aclose(self, *, abandon_after: float = ABANDON_AFTER) -> None:
+        """End this service's tasks; one still running ``abandon_after`` seconds after its
+        cancellation (a handler that swallows it) is left to end on its own, logged."""
+        await self._owner.aclose(abandon_after=abandon_after)
         self.requests.clear()
 
     # ------------------------------------------------------------------ flow control

@@ -664,18 +664,24 @@ class PushConsumer:
         shortfalls: list[str] = []
         self.stop_shortfalls = ("failed",)  # until this stop has gone through
         owner = self._owner
+        loop = asyncio.get_running_loop()
+
+        def stage_left() -> float:
+            return _stage_deadline(stop_by, timeout) - loop.time()
+
         # 1. no new rebalances, heartbeats or pulls
-        await self.pull_service.aclose()
+        await self.pull_service.aclose(abandon_after=stage_left())
         # 2. sinks flush what they hold; running listeners finish (side by side)
         if not await wait_all_idle(self._services(), timeout, caller):
             log.warning("consumer.stop_timeout", group=self.group, timeout=timeout)
             shortfalls.append("listeners")
-        await self.consume_service.aclose()
+        # (A handler still running is cancelled; one that swallows that is left to end on
+        # its own once the stage's time is up, not waited for a minute.)
+        await self.consume_service.aclose(abandon_after=stage_left())
         # Orderly queues given up while a batch ran on: persisted and unlocked once it ended.
         await self.orderly_service.finish_releases(
-            _stage_deadline(stop_by, timeout) - asyncio.get_running_loop().time(),
-            call.queue if call is not None else None)
-        await self.orderly_service.aclose()
+            stage_left(), call.queue if call is not None else None)
+        await self.orderly_service.aclose(abandon_after=stage_left())
         # The error events reported so far reach their handlers before the delivery
         # task ends with the others below, in at most half of what is left of the
         # timeout (a hung handler must not take the offsets' and sinks' time), but at
@@ -739,8 +745,13 @@ class PushConsumer:
             pq.dropped = True
         self.process_queues.clear()
         await self.hooks.run_shutdown(self.group, deadline=_stage_deadline(stop_by, timeout))
-        # 4. leave the group and close the connections
-        await self.instance.unregister(None, self.group)
+        # 4. leave the group and close the connections (a broker that does not answer the
+        # unregistration forgets the client when its connection closes)
+        try:
+            async with asyncio.timeout_at(_stage_deadline(stop_by, timeout)):
+                await self.instance.unregister(None, self.group)
+        except TimeoutError:
+            log.warning("consumer.unregister_timeout", group=self.group)
         await self.instance.close()
         self._owner = None
         self._lag = None

@@ -63,7 +63,7 @@ class _Idle:
     async def finish_releases(self, timeout: float, caller_queue: object = None) -> None:
         return None
 
-    async def aclose(self) -> None:
+    async def aclose(self, **kw: Any) -> None:
         return None
 
 
@@ -205,7 +205,7 @@ async def test_a_stop_that_raises_part_way_is_a_shortfall() -> None:
     # `rmq-async run` reads stop_shortfalls after the drain: a consumer whose stop() raised
     # (App.stop logs it and goes on) must not read as a clean stop.
     class _Failing(_Idle):
-        async def aclose(self) -> None:
+        async def aclose(self, **kw: Any) -> None:
             raise RuntimeError("a bug in a service's close")
 
     c = _running_consumer(pull=_Failing(), sinks=_Idle())
@@ -343,3 +343,53 @@ async def test_a_stop_cancelled_while_waiting_for_the_persist_lock_lets_the_reba
     async with asyncio.timeout(20):
         await c.stop(timeout=3.0)
     assert time.monotonic() - began < 2.0
+
+
+async def test_a_handler_that_swallows_its_cancellation_holds_stop_up_a_stage_at_most() -> None:
+    """After the listeners' wait ran out, the consume service's tasks were cancelled and
+    waited for up to a minute (the task owner's default) when a handler swallowed it."""
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                continue  # a retry loop's `except BaseException: continue`
+
+    class _Workers(_Idle):
+        def __init__(self) -> None:
+            self.owner = TaskOwner("consume[G]")
+            self.owner.spawn(stubborn(), name="worker-0")
+
+        async def aclose(self, *, abandon_after: float = 60.0) -> None:
+            await self.owner.aclose(abandon_after=abandon_after)
+
+    c = _running_consumer(pull=_Idle(), sinks=_Idle())
+    workers = _Workers()
+    c.consume_service = cast(Any, workers)
+    began = time.monotonic()
+    async with asyncio.timeout(20):
+        await c.stop(timeout=0.5)
+    assert time.monotonic() - began < 3.0
+    left = list(workers.owner._tasks)
+    assert left  # abandoned, still running
+    release.set()
+    for task in left:
+        task.cancel()  # (swallowed once more, and the loop sees the release)
+    await asyncio.wait(left, timeout=5)
+    assert all(t.done() for t in left)
+
+
+async def test_an_unanswered_unregistration_holds_stop_up_a_stage_at_most() -> None:
+    class _Mute(_Instance):
+        async def unregister(self, *a: Any) -> None:
+            await asyncio.Event().wait()  # (the connect and the request share api_timeout)
+
+    c = _running_consumer(pull=_Idle(), sinks=_Idle())
+    c.instance = cast(ClientInstance, _Mute())
+    began = time.monotonic()
+    async with asyncio.timeout(20):
+        await c.stop(timeout=0.5)
+    assert time.monotonic() - began < 2.0
+    assert c.stop_shortfalls == ()  # the broker forgets the client with its connection
