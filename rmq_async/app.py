@@ -105,8 +105,10 @@ class App:
     async def stop(self, timeout: float | timedelta = 30.0) -> None:
         """Stop every consumer concurrently; listener calls in flight get ``timeout`` seconds.
 
-        A ``start()`` under way is waited for first (its consumers are then stopped; if it
-        fails, nothing is left to stop). Acknowledged offsets are persisted by each consumer's
+        A ``start()`` under way is waited for first, up to ``timeout`` (its consumers are then
+        stopped; if it fails, nothing is left to stop); one that takes longer is given up (the
+        member starting raises :class:`~rmq_async.errors.IllegalStateError`, and the app's
+        ``start()`` with it). Acknowledged offsets are persisted by each consumer's
         own ``stop()``. The app counts as running until its members' stops have returned:
         a ``stop()`` that was cancelled (a drain cut short) can be called again, and stops
         the members still running.
@@ -127,7 +129,18 @@ class App:
                                          for c in self._consumers)
         if self._stopping and from_member:
             return  # the stop under way waits for the calling code
-        async with self._start_lock:
+        lock = self._start_lock
+        try:
+            async with asyncio.timeout(timeout):
+                await lock.acquire()
+        except TimeoutError:
+            # A start under way for all of timeout (a member's on_startup hook waiting for
+            # something that does not answer): the member starting gives its start up, and
+            # the app's start then stops those it started and fails.
+            for c in self._consumers:
+                c._give_up_start(timeout)
+            await lock.acquire()
+        try:
             if not self._started:
                 return
             self._stopping = True
@@ -137,6 +150,8 @@ class App:
                 self._stopping = False
             self._started = False
             log.info("app.stopped", consumers=[c.group for c in self._consumers])
+        finally:
+            lock.release()
 
     async def __aenter__(self) -> App:
         await self.start()

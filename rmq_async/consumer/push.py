@@ -153,6 +153,8 @@ class PushConsumer:
         self._stopped = asyncio.Event()  # set while not started
         self._stopped.set()
         self._starting = False
+        self._start_task: asyncio.Task[Any] | None = None  # the task of a start() under way
+        self._start_given_up = False  # a stop() cancelled that start
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran on
         self._stop_running = False  # a stop() is under way (its body, under the lock)
         self._start_lock = asyncio.Lock()
@@ -474,6 +476,10 @@ class PushConsumer:
     async def start(self) -> None:
         """Connect, register with the brokers and start consuming.
 
+        A :meth:`stop` called meanwhile waits for the start up to its ``timeout``, then gives
+        it up: the start undoes what it began and raises
+        :class:`~rmq_async.errors.IllegalStateError`.
+
         Raises :class:`~rmq_async.errors.IllegalStateError` when already started and
         :class:`~rmq_async.errors.InvalidArgumentError` without a subscription; the broker's
         refusal (for example a missing permission) raises its
@@ -488,11 +494,20 @@ class PushConsumer:
             if not self._subs:
                 raise InvalidArgumentError("subscribe at least one topic before start()")
             self._starting = True
+            self._start_task = me = asyncio.current_task()
+            self._start_given_up = False
             self._stopped.clear()
             try:
                 await self._start()
+            except asyncio.CancelledError:
+                if self._start_given_up and me is not None and me.uncancel() == 0:
+                    raise IllegalStateError(
+                        "the start was given up: stop() was called and the start did not "
+                        "finish within its timeout") from None
+                raise
             finally:
                 self._starting = False
+                self._start_task = None
                 if not self._started:  # the start failed: stopped as before
                     self._stopped.set()
 
@@ -620,6 +635,10 @@ class PushConsumer:
         past the timeout (a Spark call cannot be interrupted; that batch is not acknowledged,
         and its messages come again).
 
+        A :meth:`start` under way is waited for first, up to ``timeout``; one that takes
+        longer (an ``on_startup`` hook waiting for something that does not answer) is given
+        up, and that ``start()`` raises :class:`~rmq_async.errors.IllegalStateError`.
+
         Called from the consumer's own code while it runs (a handler, a rebalance listener,
         an ``on_error`` handler, a thread one of them runs in or a task it started and
         awaits), ``stop()`` does not wait for that very call: it stops the consumer and
@@ -644,15 +663,35 @@ class PushConsumer:
             return  # the stop under way waits for this very call
         lifecycle = _LIFECYCLE.set((self, "stop"))
         try:
-            async with self._start_lock:
+            lock = self._start_lock
+            if not await _acquire_by(lock, asyncio.get_running_loop().time() + timeout):
+                # A start under way for all of timeout (an on_startup hook waiting for a
+                # service that does not answer, say) is given up.
+                self._give_up_start(timeout)
+                await lock.acquire()
+            try:
                 if self._started:
                     self._stop_running = True
                     try:
                         await self._stop(timeout, call)
                     finally:
                         self._stop_running = False
+            finally:
+                lock.release()
         finally:
             _LIFECYCLE.reset(lifecycle)
+
+    def _give_up_start(self, waited: float) -> bool:
+        """Cancel a :meth:`start` under way (``stop()`` waited ``waited`` seconds for it):
+        it undoes what it began and raises :class:`~rmq_async.errors.IllegalStateError`.
+        False when no start is under way."""
+        start = self._start_task
+        if start is None or start.done() or self._start_given_up:
+            return False
+        log.warning("consumer.start_given_up", group=self.group, waited=waited)
+        self._start_given_up = True
+        start.cancel()
+        return True
 
     async def _stop(self, timeout: float, call: UserCall | None) -> None:
         """The body of :meth:`stop`, under its lock; ``call`` is the consumer's own user call

@@ -393,3 +393,103 @@ async def test_an_unanswered_unregistration_holds_stop_up_a_stage_at_most() -> N
         await c.stop(timeout=0.5)
     assert time.monotonic() - began < 2.0
     assert c.stop_shortfalls == ()  # the broker forgets the client with its connection
+
+
+async def test_a_start_hung_in_its_startup_hook_is_given_up_by_stop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop() waited for the start lock without a bound: a start whose on_startup hook waited
+    for something that never answered (a cache warm-up on a dead database) held a stop(1.0)
+    for good. It now waits for the start up to its timeout, then gives the start up: start()
+    undoes what it began and raises IllegalStateError."""
+    from rmq_async.errors import IllegalStateError
+
+    async def route(self: ClientInstance, topic: str) -> None:
+        return None
+
+    async def heartbeats(self: ClientInstance) -> dict[str, bool]:
+        return {}
+
+    monkeypatch.setattr(ClientInstance, "update_route", route)
+    monkeypatch.setattr(ClientInstance, "send_heartbeats", heartbeats)
+    c = PushConsumer("G", "127.0.0.1:9876")
+    c.subscribe("T", listener=lambda m: None)
+    undone: list[str] = []
+
+    @c.on_startup
+    async def warm_cache() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            undone.append("hook cancelled")
+
+    start = asyncio.create_task(c.start())
+    await asyncio.sleep(0.2)
+    assert c.starting
+    began = time.monotonic()
+    async with asyncio.timeout(10):
+        await c.stop(timeout=1.0)
+    assert time.monotonic() - began < 3.0
+    with pytest.raises(IllegalStateError, match="the start was given up"):
+        await start
+    assert undone == ["hook cancelled"] and not c.starting and c.stopped
+    assert not c.instance.remoting.addresses and c.instance.remoting.closed
+
+
+async def test_a_start_that_ends_within_the_timeout_is_waited_for_then_stopped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(As before, and as App.stop() does: a start under way finishes, then is stopped.)"""
+    async def route(self: ClientInstance, topic: str) -> None:
+        return None
+
+    async def heartbeats(self: ClientInstance) -> dict[str, bool]:
+        return {}
+
+    monkeypatch.setattr(ClientInstance, "update_route", route)
+    monkeypatch.setattr(ClientInstance, "send_heartbeats", heartbeats)
+    c = PushConsumer("G", "127.0.0.1:9876")
+    c.subscribe("T", listener=lambda m: None)
+
+    @c.on_startup
+    async def warm_cache() -> None:
+        await asyncio.sleep(0.3)
+
+    start = asyncio.create_task(c.start())
+    await asyncio.sleep(0.1)
+    async with asyncio.timeout(10):
+        await c.stop(timeout=2.0)
+    await start  # it finished, and was then stopped
+    assert c.stopped and not c.starting
+
+
+async def test_an_app_whose_member_start_hangs_is_stopped_within_its_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rmq_async import App
+    from rmq_async.errors import IllegalStateError
+
+    async def route(self: ClientInstance, topic: str) -> None:
+        return None
+
+    async def heartbeats(self: ClientInstance) -> dict[str, bool]:
+        return {}
+
+    monkeypatch.setattr(ClientInstance, "update_route", route)
+    monkeypatch.setattr(ClientInstance, "send_heartbeats", heartbeats)
+    first, second = PushConsumer("G1", "127.0.0.1:9876"), PushConsumer("G2", "127.0.0.1:9876")
+    for c in (first, second):
+        c.subscribe("T", listener=lambda m: None)
+
+    @second.on_startup
+    async def warm_cache() -> None:
+        await asyncio.Event().wait()
+
+    app = App(first, second)
+    start = asyncio.create_task(app.start())
+    await asyncio.sleep(0.3)
+    assert first.is_running and second.starting
+    began = time.monotonic()
+    async with asyncio.timeout(15):
+        await app.stop(timeout=1.0)
+    assert time.monotonic() - began < 8.0  # the app's start stops the first member in 5 s
+    with pytest.raises(IllegalStateError, match="the start was given up"):
+        await start
+    assert first.stopped and second.stopped and not app.is_running
