@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -238,6 +239,13 @@ class LocalFileOffsetStore(_MemoryTable):
         self.path = Path(directory).expanduser() / safe_cid / group / "offsets.json"
         self._file: dict[MessageQueue, int] = {}
         self._write_lock = anyio.Lock()
+        # The writes themselves, in their threads, one at a time and newest last: a persist
+        # cancelled while its thread writes (stop()'s stage ran out) lets the next one go on
+        # the event loop's side while that thread still runs, and an older snapshot replacing
+        # the file after a newer one would move the queues back.
+        self._thread_lock = threading.Lock()
+        self._snapshots = 0  # taken (the event loop's side)
+        self._written = 0  # the newest written (the threads' side)
 
     async def load(self) -> None:
         data = await anyio.to_thread.run_sync(self._read_file)
@@ -300,17 +308,29 @@ class LocalFileOffsetStore(_MemoryTable):
         # process of the group wrote stay), with this store's offsets over it.
         async with self._write_lock:
             own = {mq: off for mq, off in self._table.items() if off >= 0}
+            self._snapshots += 1
             try:
-                merged = await anyio.to_thread.run_sync(self._merge_and_write, own)
+                merged = await anyio.to_thread.run_sync(self._merge_and_write, own,
+                                                        self._snapshots)
             except OSError as exc:  # as Java's store: logged, the next round tries again
                 log.warning("offset.file_write_failed", path=str(self.path),
                             error=f"{type(exc).__name__}: {exc}")
                 return
             self._file = merged
 
-    def _merge_and_write(self, own: dict[MessageQueue, int]) -> dict[MessageQueue, int]:
+    def _merge_and_write(self, own: dict[MessageQueue, int],
+                         snapshot: int) -> dict[MessageQueue, int]:
         """In a worker thread: the file's entries with ``own`` over them, written unless
-        the file already holds exactly that; returns what the file holds then."""
+        the file already holds exactly that, or a later snapshot than ``snapshot`` was
+        written already; returns what the file holds then."""
+        with self._thread_lock:
+            if snapshot < self._written:
+                return self._read_current()
+            merged = self._merge_and_write_now(own)
+            self._written = max(self._written, snapshot)
+            return merged
+
+    def _merge_and_write_now(self, own: dict[MessageQueue, int]) -> dict[MessageQueue, int]:
         current = self._read_current()
         merged = {**current, **own}
         if merged == current and self.path.exists():

@@ -114,3 +114,45 @@ async def test_two_processes_sharing_the_file_keep_each_others_entries(tmp_path:
     fresh = LocalFileOffsetStore(tmp_path, "cid", "G")
     await fresh.load()
     assert fresh.stored() == {Q0: 42, Q2: 500}
+
+
+async def test_a_cancelled_persist_still_writing_cannot_put_older_offsets_over_newer(
+        tmp_path: Path) -> None:
+    """A persist cancelled while its thread writes (stop()'s stage ran out) released the
+    store's lock with that thread still running; the final persist then wrote the newer
+    offsets beside it, and the older snapshot could replace the file last (a broadcasting
+    queue consumed again from an older offset at the next start)."""
+    import asyncio
+    import contextlib
+    import threading
+
+    store = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
+    await store.load()
+    hold, entered = threading.Event(), threading.Event()
+    write_file = store._write_file
+    calls = 0
+
+    def slow_first_write(payload: bytes) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            entered.set()
+            assert hold.wait(10)
+        write_file(payload)
+
+    store._write_file = slow_first_write  # type: ignore[method-assign]
+    store.update(Q0, 10, increase_only=True)
+    first = asyncio.create_task(store.persist_all({Q0}, oneway=False))
+    assert await asyncio.to_thread(entered.wait, 10)
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    store.update(Q0, 20, increase_only=True)
+    final = asyncio.create_task(store.persist_all({Q0}, oneway=False))
+    await asyncio.sleep(0.1)
+    hold.set()  # the older write goes on now
+    await final
+    await asyncio.sleep(0.2)  # (the cancelled persist's thread has ended by now)
+    again = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
+    await again.load()
+    assert again.read_memory(Q0) == 20
