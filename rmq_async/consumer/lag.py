@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rmq_async.client.errors import MQClientError
+from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.types import MessageQueue
 from rmq_async.remoting.errors import RemotingError
 
@@ -107,6 +108,8 @@ class LagMonitor:
         try:
             addr = await rt.instance.find_broker_master(mq.broker_name, mq.topic)
             return await rt.instance.api.get_max_offset(addr, mq)
-        except (MQClientError, RemotingError) as exc:
+        except (MQClientError, RemotingError, ProtocolError) as exc:
+            # (ProtocolError: an answer that does not decode. Caught here, not by the gather
+            # below, which would leave the other queues' requests running unowned.)
             log.warning("lag.refresh_failed", group=rt.group, queue=str(mq), error=str(exc))
             return None

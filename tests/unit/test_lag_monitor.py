@@ -86,3 +86,23 @@ async def test_a_queue_given_up_is_left_out() -> None:
     del rt.process_queues[Q0]
     assert monitor.snapshot() == {}
     assert await monitor.refresh() == {}
+
+
+async def test_an_answer_that_does_not_decode_fails_only_its_queue() -> None:
+    """A garbled GET_MAX_OFFSET answer (ProtocolError) escaped the per-queue catch: the whole
+    refresh raised and the other queues' requests were left running unowned."""
+    import asyncio
+
+    from rmq_async.protocol.errors import ProtocolError
+
+    class _Garbled(_Api):
+        async def get_max_offset(self, addr: str, mq: MessageQueue) -> int:
+            if mq == Q0:
+                raise ProtocolError("header field 'offset' is not a number")
+            await asyncio.sleep(0.05)
+            return self.max_offsets[mq]
+
+    rt = _runtime(_Garbled({Q1: 7}), {Q1: 5})
+    rt.process_queues.update({Q0: ProcessQueue(), Q1: ProcessQueue()})
+    lags = await LagMonitor(cast(Any, rt)).refresh()
+    assert Q0 not in lags and lags[Q1].lag == 2
