@@ -517,13 +517,17 @@ class PushConsumer:
         self._rt = None  # the runtime of a stop() before is not this start's
         self.start_timestamp = int(time.time() * 1000)
         self.subscriptions.reset_retry()
+        # (Reading a CA bundle is file I/O: off the event loop.)
+        ssl_context = (await anyio.to_thread.run_sync(self.options.client_ssl_context,
+                                                      self.client_id)
+                       if self.options.tls_enabled else None)
         self.instance = ClientInstance(
             self.namesrv,
             self.client_id,
             heartbeat_source=self.heartbeat_data,
             request_handler=self._handle_broker_request,
             rpc_hook=self.options.rpc_hook(),
-            ssl=self.options.client_ssl_context(self.client_id),
+            ssl=ssl_context,
             api_timeout=self.options.api_timeout,
             language=LanguageCode[self.options.language],
         )
