@@ -393,6 +393,26 @@ def _fit(values: list[Any], value_type: pa.StructType) -> pa.Array:
     return pa.concat_arrays([_fit(values[:middle], value_type), _fit(values[middle:], value_type)])
 
 
+def all_nullable(value_type: pa.DataType) -> pa.DataType:
+    """``value_type`` with every field, item and map value nullable, at every depth.
+
+    A body that leaves out a field the schema marks non-nullable would otherwise give a row
+    whose non-nullable child holds a null (pyarrow builds it so, and Spark trusts the flag);
+    it is null as a missing field is with Spark's ``from_json``, which reads every field of
+    its schema as nullable too (the JSON path)."""
+    if pa.types.is_struct(value_type):
+        return pa.struct([pa.field(f.name, all_nullable(f.type), nullable=True,
+                                   metadata=f.metadata) for f in value_type])
+    if pa.types.is_map(value_type):
+        return pa.map_(value_type.key_type, pa.field(value_type.item_field.name,
+                                                     all_nullable(value_type.item_type)))
+    if pa.types.is_large_list(value_type):
+        return pa.large_list(all_nullable(value_type.value_type))
+    if pa.types.is_list(value_type):
+        return pa.list_(all_nullable(value_type.value_type))
+    return value_type
+
+
 def decode_values(bodies: Sequence[bytes], value_format: ValueFormat, value_type: pa.StructType) -> pa.Array:
     """Decode each body (JSON or msgpack) into a struct array of ``value_type``.
 

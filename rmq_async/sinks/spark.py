@@ -123,6 +123,7 @@ from rmq_async.sinks import AckCallback, SinkClosedError, TaskSpawner
 from rmq_async.sinks._arrow import (
     ARROW_SCHEMA,
     ValueFormat,
+    all_nullable,
     chunk_offset_ranges,
     decode_values,
     messages_to_arrow,
@@ -299,7 +300,9 @@ class SparkSink:
         write_retries: attempts after the first failed one before the batch is given up.
         retry_backoff: seconds before the first retry; doubled for every further retry.
         value_format: ``"json"`` or ``"msgpack"`` to decode bodies into a ``value`` column.
-        value_schema: the ``StructType`` of ``value``; required with ``value_format``.
+        value_schema: the ``StructType`` of ``value``; required with ``value_format``. Every
+            field of ``value`` is nullable, whatever the schema says (as Spark's ``from_json``
+            reads them): a body without a field has it null.
         flush_when_caught_up: write the open batch as soon as the writer is free once the
             consumer has read every queue of the topic to its end, instead of waiting for
             ``max_batch_latency``. Suits draining a backlog (a catch-up, a batch job): the last
@@ -376,7 +379,8 @@ class SparkSink:
             from pyspark.sql.pandas.types import to_arrow_type
 
             assert value_schema is not None
-            self._value_arrow_type = to_arrow_type(value_schema, timezone="UTC")
+            self._value_arrow_type = cast(pa.StructType, all_nullable(
+                to_arrow_type(value_schema, timezone="UTC")))
 
         self._flow_rows: int | None = None
         self._flow_bytes: int | None = None

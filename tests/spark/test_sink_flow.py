@@ -916,6 +916,41 @@ def test_a_decoded_value_column_keeps_the_tables_even_slices(path: str) -> None:
     assert job.table.column("value").to_pylist()[:2] == [{"id": 7}, {"id": 7}]
 
 
+def test_a_msgpack_body_without_a_non_nullable_field_has_it_null_not_invalid() -> None:
+    """pyarrow builds a null into a child the schema marks non-nullable (and Spark trusts the
+    flag: it read such a value as 0). Every field of ``value`` is nullable now, as Spark's
+    ``from_json`` makes them on the JSON path."""
+    import msgpack
+    from pyspark.sql.types import ArrayType, LongType, StringType, StructField, StructType
+
+    from rmq_async.sinks.spark import _Batch, _Job
+
+    schema = StructType([
+        StructField("id", LongType(), nullable=False),
+        StructField("inner", StructType([StructField("n", LongType(), nullable=False)]),
+                    nullable=False),
+        StructField("tags", ArrayType(StringType(), containsNull=False), nullable=False),
+    ])
+    sink = SparkSink(None, lambda df, info: None, create_dataframe=lambda t: t,
+                     value_format="msgpack", value_schema=schema)
+    batch = _Batch(1)
+    batch.chunks = [msgs(0, 1, body=msgpack.packb({"tags": ["a"], "inner": {}}))
+                    + msgs(1, 1, body=msgpack.packb({"id": 3, "inner": {"n": 4},
+                                                     "tags": ["b"]}))]
+    batch.rows = 2
+    job = _Job(batch)
+    sink._convert(job)
+    assert job.table is not None
+    value = job.table.column("value").combine_chunks()
+    value.validate(full=True)
+    assert value.to_pylist() == [{"id": None, "inner": {"n": None}, "tags": ["a"]},
+                                 {"id": 3, "inner": {"n": 4}, "tags": ["b"]}]
+    value_type = job.table.schema.field("value").type
+    assert all(f.nullable for f in value_type)
+    assert all(f.nullable for f in value_type.field("inner").type)
+    assert value_type.field("tags").type.value_field.nullable
+
+
 async def test_a_queue_taken_again_starts_a_new_batch() -> None:
     """Rows 100-199 of a queue wait in the open batch when the queue is given up; another
     consumer stores 200-299 and commits; the queue comes back at 300. One batch of 100-199 and
