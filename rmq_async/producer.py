@@ -599,13 +599,14 @@ NOT_ALLOWED_SEND_TOPICS = frozenset({
 
 def _retry_counts(topic: str, props: dict[str, str]) -> tuple[int | None, int | None]:
     """For a ``%RETRY%`` topic, the message's ``RECONSUME_TIME`` and ``MAX_RECONSUME_TIMES``
-    taken out of ``props`` for the request header, as Java's ``sendKernelImpl`` moves them:
-    the broker decides between a retry and the dead-letter queue from the header alone."""
+    for the request header, as Java's ``sendKernelImpl`` copies them there (after writing the
+    properties, which keep them): the broker decides between a retry and the dead-letter
+    queue from the header alone."""
     if not topic.startswith(RETRY_GROUP_TOPIC_PREFIX):
         return None, None
     counts: list[int | None] = []
     for name in (PROPERTY_RECONSUME_TIME, PROPERTY_MAX_RECONSUME_TIMES):
-        text = props.pop(name, None)
+        text = props.get(name)
         if text is None:
             counts.append(None)
             continue

@@ -54,11 +54,8 @@ RETRY_RESEND_TIMEOUT = 3.0
 #: Properties the pull loop or the delay added to a delivered message, and the transaction
 #: mark (a copy is a plain message, as Java's consumer clears it on its retry copies): not
 #: carried to a copy.
-# (The two counts go in the request header only: Java's inner producer moves them out of
-# the properties of a %RETRY% send, and the broker stores the properties it is given.)
 _NOT_COPIED = (PROPERTY_CONSUME_START_TIME, PROPERTY_MIN_OFFSET, PROPERTY_MAX_OFFSET, PROPERTY_DELAY,
-               PROPERTY_TRANSACTION_PREPARED, PROPERTY_RECONSUME_TIME,
-               PROPERTY_MAX_RECONSUME_TIMES)
+               PROPERTY_TRANSACTION_PREPARED)
 
 
 _INT32_MAX = (1 << 31) - 1
@@ -74,8 +71,7 @@ def dead_letter_counts(max_times: int) -> tuple[int, int]:
 
 def retry_copy_properties(msg: MessageExt) -> dict[str, str]:
     """The properties of a copy of ``msg`` the client sends into ``%RETRY%<group>`` (a retry
-    after a failed send-back, or a dead letter): its own, less what delivery added and the
-    retry counts (sent in the header), with
+    after a failed send-back, or a dead letter): its own, less what delivery added, with
     ``RETRY_TOPIC`` (the topic it was first sent to) and ``ORIGIN_MESSAGE_ID``; never
     ``TRAN_MSG``, which would make the broker store the copy as a transaction's half message."""
     props = {k: v for k, v in msg.properties.items() if k not in _NOT_COPIED}
@@ -194,6 +190,10 @@ class ConsumerRuntime:
         else:
             reconsume = msg.reconsume_times + 1
         props = retry_copy_properties(msg)
+        # In the properties as well as in the header, as Java's sendMessageBackAsNormalMessage
+        # sets them (its producer writes the properties before it takes the two out).
+        props[PROPERTY_RECONSUME_TIME] = str(reconsume)
+        props[PROPERTY_MAX_RECONSUME_TIMES] = str(max_times)
         props[PROPERTY_DELAY] = str(3 + msg.reconsume_times)
         try:
             queues = await self.instance.publish_queues(self.retry_topic)
