@@ -148,7 +148,8 @@ class PushConsumer:
         """What the last :meth:`stop` left undone within its timeout: ``"listeners"`` (listener
         calls or sink writes still running), ``"sinks"`` (a sink not closed), ``"offsets"``
         (the final offsets not all persisted) and ``"unlocks"`` (orderly locks not given
-        back), or ``"failed"`` (the stop raised part-way). Empty after a clean stop."""
+        back), or ``"failed"`` (the stop raised part-way), or ``"start"`` (a start under way
+        was given up and had not ended a second timeout later). Empty after a clean stop."""
         self._started = False
         self._stopped = asyncio.Event()  # set while not started
         self._stopped.set()
@@ -495,16 +496,29 @@ class PushConsumer:
                 raise InvalidArgumentError("subscribe at least one topic before start()")
             self._starting = True
             self._start_task = me = asyncio.current_task()
+            baseline = me.cancelling() if me is not None else 0
             self._start_given_up = False
             self._stopped.clear()
             try:
                 await self._start()
             except asyncio.CancelledError:
-                if self._start_given_up and me is not None and me.uncancel() == 0:
-                    raise IllegalStateError(
-                        "the start was given up: stop() was called and the start did not "
-                        "finish within its timeout") from None
+                # (Compared with the cancellations requested before, as asyncio.timeout()
+                # does: one of the caller's own is passed on.)
+                if self._start_given_up and me is not None and me.uncancel() <= baseline:
+                    raise IllegalStateError(_GIVEN_UP) from None
                 raise
+            else:
+                if self._start_given_up:
+                    # The give-up's cancellation was swallowed (by an on_startup hook) and the
+                    # start went through: it is undone here, and fails all the same.
+                    if me is not None:
+                        me.uncancel()
+                    self._stop_running = True
+                    try:
+                        await self._stop(STAGE_MIN_SECONDS, None)
+                    finally:
+                        self._stop_running = False
+                    raise IllegalStateError(_GIVEN_UP)
             finally:
                 self._starting = False
                 self._start_task = None
@@ -579,6 +593,9 @@ class PushConsumer:
             finally:
                 _LIFECYCLE.reset(lifecycle)
         except BaseException:
+            # Failing already: a stop() meanwhile waits for this clean-up rather than cut it
+            # short (and hide why the start failed).
+            self._start_task = None
             await self._owner.aclose()
             await self.instance.close()
             raise
@@ -633,9 +650,12 @@ class PushConsumer:
         second, or ``timeout`` when shorter); a hook over time is cancelled and not waited
         for. Offsets are persisted and orderly queues unlocked, each in what is left of
         ``timeout`` as well (at least a second: a broker that stopped answering does not
-        hold ``stop()`` up longer), the client is unregistered from the brokers and the
+        hold ``stop()`` up longer), the client is unregistered from the brokers (as long as
+        that lasts too; a broker also forgets a client whose connection closed) and the
         connections are closed. Afterwards no task of this consumer is left running, but for
-        a hook that ignored its cancellation and a sink write still running in its thread
+        code that ignored its cancellation (a hook, a handler, a listener called by an admin
+        tool's consume-directly request), each given what was left of its stage and then
+        logged and left to end on its own, and a sink write still running in its thread
         past the timeout (a Spark call cannot be interrupted; that batch is not acknowledged,
         and its messages come again).
 
@@ -668,11 +688,18 @@ class PushConsumer:
         lifecycle = _LIFECYCLE.set((self, "stop"))
         try:
             lock = self._start_lock
-            if not await _acquire_by(lock, asyncio.get_running_loop().time() + timeout):
+            loop = asyncio.get_running_loop()
+            if not await _acquire_by(lock, loop.time() + timeout):
                 # A start under way for all of timeout (an on_startup hook waiting for a
-                # service that does not answer, say) is given up.
-                self._give_up_start(timeout)
-                await lock.acquire()
+                # service that does not answer, say) is given up: it undoes what it began.
+                if not self._give_up_start(timeout):
+                    await lock.acquire()  # another stop() (bounded), a failing start's undo
+                elif not await _acquire_by(lock, loop.time() + max(timeout, STAGE_MIN_SECONDS)):
+                    # A hook that swallowed its cancellation and waits on: the start undoes
+                    # itself whenever it ends (start() below).
+                    log.error("consumer.start_not_given_up", group=self.group)
+                    self.stop_shortfalls = ("start",)
+                    return
             try:
                 if self._started:
                     self._stop_running = True
@@ -710,7 +737,9 @@ class PushConsumer:
         loop = asyncio.get_running_loop()
 
         def stage_left() -> float:
-            return _stage_deadline(stop_by, timeout) - loop.time()
+            # (At least a tenth of a second: tasks just cancelled get to end, not abandoned
+            # before their first step, with a timeout near 0.)
+            return max(_stage_deadline(stop_by, timeout) - loop.time(), 0.1)
 
         # 1. no new rebalances, heartbeats or pulls
         await self.pull_service.aclose(abandon_after=stage_left())
@@ -1021,6 +1050,8 @@ __all__ = ["RETRY_GROUP_TOPIC_PREFIX", "PushConsumer", "Subscription", "MQBroker
 #: The least time stop() gives the on_revoked hooks, and then the on_shutdown hooks, however
 #: long the drain took (capped by stop()'s timeout).
 STAGE_MIN_SECONDS = 1.0
+_GIVEN_UP = ("the start was given up: stop() was called and the start did not finish within "
+             "its timeout")
 
 
 async def _acquire_by(lock: asyncio.Lock, deadline: float) -> bool:

@@ -17,6 +17,7 @@ from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.push import PushConsumer
 from rmq_async.consumer.runtime import ConsumerRuntime
 from rmq_async.consumer.tasks import TaskOwner
+from rmq_async.errors import IllegalStateError
 from rmq_async.protocol.types import MessageQueue
 
 
@@ -493,3 +494,71 @@ async def test_an_app_whose_member_start_hangs_is_stopped_within_its_timeout(
     with pytest.raises(IllegalStateError, match="the start was given up"):
         await start
     assert first.stopped and second.stopped and not app.is_running
+
+
+def _no_broker(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def route(self: ClientInstance, topic: str) -> None:
+        return None
+
+    async def heartbeats(self: ClientInstance) -> dict[str, bool]:
+        return {}
+
+    monkeypatch.setattr(ClientInstance, "update_route", route)
+    monkeypatch.setattr(ClientInstance, "send_heartbeats", heartbeats)
+
+
+async def test_a_stop_does_not_cut_short_the_undo_of_a_start_failing_already(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The give-up's cancellation must not land in a failing start's own clean-up: it cut
+    the connections' close short and hid the start's error behind IllegalStateError."""
+    _no_broker(monkeypatch)
+    closing = ClientInstance.close
+
+    async def slow_close(self: ClientInstance) -> None:
+        await asyncio.sleep(0.8)
+        await closing(self)
+
+    monkeypatch.setattr(ClientInstance, "close", slow_close)
+    c = PushConsumer("G", "127.0.0.1:9876")
+    c.subscribe("T", listener=lambda m: None)
+
+    @c.on_startup
+    async def warm_cache() -> None:
+        await asyncio.sleep(0.2)
+        raise RuntimeError("the cache is not there")
+
+    start = asyncio.create_task(c.start())
+    await asyncio.sleep(0.05)
+    async with asyncio.timeout(10):
+        await c.stop(timeout=0.4)  # its wait ends while the failed start undoes itself
+    with pytest.raises(RuntimeError, match="the cache is not there"):
+        await start
+    assert c.instance.remoting.closed and c.stopped
+
+
+async def test_a_start_whose_hook_swallows_the_give_up_is_undone_when_it_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_broker(monkeypatch)
+    c = PushConsumer("G", "127.0.0.1:9876")
+    c.subscribe("T", listener=lambda m: None)
+
+    @c.on_startup
+    async def warm_cache() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.3)  # swallowed; the hook then returns
+
+    async def starter() -> int:
+        with pytest.raises(IllegalStateError, match="the start was given up"):
+            await c.start()
+        task = asyncio.current_task()
+        assert task is not None
+        return task.cancelling()
+
+    start = asyncio.create_task(starter())
+    await asyncio.sleep(0.1)
+    async with asyncio.timeout(10):
+        await c.stop(timeout=0.5)
+    assert await start == 0  # the give-up's cancellation is not left on the caller's task
+    assert c.stopped and not c.is_running and c.instance.remoting.closed
