@@ -9,6 +9,7 @@ import ssl as _ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -417,10 +418,11 @@ class ClientInstance:
             addrs = self.all_broker_addrs()
         await asyncio.gather(*(one(addr) for addr in addrs))
 
-    async def close(self) -> None:
+    async def close(self, *, spare: asyncio.Task[Any] | None = None) -> None:
+        """Close the connections; ``spare``: see :meth:`RemotingClient.close`."""
         for task in list(self._connect_heartbeats):
             task.cancel()
-        await self.remoting.close()
+        await self.remoting.close(spare=spare)
         if self._connect_heartbeats:
             await asyncio.gather(*self._connect_heartbeats, return_exceptions=True)
 

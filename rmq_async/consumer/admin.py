@@ -31,6 +31,7 @@ Anything else is answered with REQUEST_CODE_NOT_SUPPORTED.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import sys
 import time
@@ -50,6 +51,7 @@ from rmq_async.consumer.results import (
     direct_consume_result,
 )
 from rmq_async.consumer.subscriptions import reset_retry_topic
+from rmq_async.consumer.tasks import enter_user_call
 from rmq_async.protocol.bodies import (
     ConsumeMessageDirectlyResult,
     ConsumerRunningInfo,
@@ -121,6 +123,8 @@ class ConsumerView(Protocol):
                      ) -> ListenerAdapter | None: ...
 
     def is_orderly(self, topic: str) -> bool: ...
+
+    def task_family(self) -> object | None: ...
 
     def is_paused(self, topic: str) -> bool: ...
 
@@ -481,10 +485,15 @@ class BrokerRequestHandler:
         ctx = ConsumeContext(message_queue=mq)
         orderly = c.is_orderly(msg.topic)
         started = time.monotonic()
-        # Through the middlewares, as consumption would (one may unwrap or transform it).
-        outcome = await run_call(listener, [msg], ctx, group=c.group, topic=msg.topic,
-                                 queue=mq, orderly=orderly,
-                                 middlewares=c.subscriptions.middlewares)
+        # Through the middlewares, as consumption would (one may unwrap or transform it). A
+        # user call of the consumer, as a handler's: a stop() it makes (or a task it awaits
+        # makes) does not wait for it, nor cancel it with the connection it came on.
+        me, family = asyncio.current_task(), c.task_family()
+        with (enter_user_call(me, family) if me is not None and family is not None
+              else contextlib.nullcontext()):
+            outcome = await run_call(listener, [msg], ctx, group=c.group, topic=msg.topic,
+                                     queue=mq, orderly=orderly,
+                                     middlewares=c.subscriptions.middlewares)
         spent = int((time.monotonic() - started) * 1000)
         dead = outcome.dead_reason or next((reason for _, reason in ctx.dead_letters), None)
         remark: str | None = None

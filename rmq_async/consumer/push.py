@@ -712,6 +712,11 @@ class PushConsumer:
         finally:
             _LIFECYCLE.reset(lifecycle)
 
+    def task_family(self) -> object | None:
+        """The family of this run's tasks (see :func:`~rmq_async.consumer.tasks.enter_user_call`),
+        or None when not started."""
+        return self._owner.family if self._owner is not None else None
+
     def _give_up_start(self, waited: float) -> bool:
         """Cancel a :meth:`start` under way (``stop()`` waited ``waited`` seconds for it):
         it undoes what it began and raises :class:`~rmq_async.errors.IllegalStateError`.
@@ -824,7 +829,7 @@ class PushConsumer:
                 await self.instance.unregister(None, self.group)
         except TimeoutError:
             log.warning("consumer.unregister_timeout", group=self.group)
-        await self.instance.close()
+        await self.instance.close(spare=caller)
         self._owner = None
         self._lag = None
         self._started = False

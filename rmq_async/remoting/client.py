@@ -6,7 +6,7 @@ import asyncio
 import functools
 import ssl as _ssl
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
@@ -289,7 +289,10 @@ class RemotingClient:
     def addresses(self) -> list[str]:
         return [a for a, c in self._connections.items() if not c.closed]
 
-    async def close(self) -> None:
+    async def close(self, *, spare: asyncio.Task[Any] | None = None) -> None:
+        """Close every connection. The calling task and ``spare`` (a request handler's task
+        whose code this close is part of, awaiting it from a task of its own) are neither
+        cancelled nor waited for, if they are a connection's request handlers."""
         self._closed = True
         attempts = list(self._connecting.values())
         for attempt in attempts:
@@ -299,8 +302,8 @@ class RemotingClient:
         self._retired.clear()
         # The calling task may be a request handler of one of these connections (a listener
         # that stopped its consumer): spared by each close(), which runs in a task of its own.
-        me = asyncio.current_task()
-        await asyncio.gather(*attempts, *(c.close(spare=me) for c in conns),
+        keep = (asyncio.current_task(), spare)
+        await asyncio.gather(*attempts, *(c.close(spare=keep) for c in conns),
                              return_exceptions=True)
 
     async def __aenter__(self) -> RemotingClient:

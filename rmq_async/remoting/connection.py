@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import math
 import ssl as _ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
@@ -167,15 +167,16 @@ class Connection(asyncio.BufferedProtocol):
     def pending_count(self) -> int:
         return len(self._pending)
 
-    async def close(self, *, spare: asyncio.Task[Any] | None = None) -> None:
+    async def close(self, *, spare: Collection[asyncio.Task[Any] | None] = ()) -> None:
         """Close the connection, fail pending requests and end the handler tasks.
 
         A handler task that closes its own connection (its request's handler stopped the
-        consumer), the calling task or ``spare`` (the task that asked the client to close),
-        is neither cancelled nor waited for: it would wait for itself. The others are
-        cancelled and waited for at most ``HANDLER_CLOSE_WAIT`` seconds (one that swallows
-        its cancellation is left to end on its own, logged)."""
-        keep = {asyncio.current_task(), spare}
+        consumer), the calling task or one in ``spare`` (the task that asked the client to
+        close, the handler task whose code that is part of) is neither cancelled nor waited
+        for: it would wait for itself. The others are cancelled and waited for at most
+        ``HANDLER_CLOSE_WAIT`` seconds (one that swallows its cancellation is left to end on
+        its own, logged)."""
+        keep = {asyncio.current_task(), *spare}
         self._shutdown(None, keep=keep)
         tasks = [t for t in self._handler_tasks if t not in keep and not t.done()]
         if not tasks:

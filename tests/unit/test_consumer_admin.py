@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import types
@@ -356,3 +357,38 @@ async def test_a_reset_is_written_again_after_the_pulls_sent_before_it(
         await BrokerRequestHandler(view).reset_offsets("T", {mq: 5})  # type: ignore[arg-type]
     assert writes == [5, 5]
     assert broker[mq] == 5 and memory == {}
+
+
+async def test_a_listener_called_directly_is_a_user_call_of_its_consumer() -> None:
+    """As a handler's call: a stop() it makes, or makes from a task it awaits, does not wait
+    for it nor cancel it with the connection its request came on (it was cancelled, and the
+    stop with it, half done)."""
+    from rmq_async.consumer.push import running_call_of
+    from rmq_async.consumer.tasks import TaskOwner
+
+    c = _consumer()
+    c._owner = TaskOwner("consumer[G_admin]")  # as start() leaves it
+    seen: list[object] = []
+
+    async def on(msgs: list[MessageExt]) -> ConsumeResult:
+        call = running_call_of(c)
+        seen.append(call is not None and call.task is asyncio.current_task())
+        inner = await asyncio.create_task(_call_of(c))  # a task the listener awaits
+        seen.append(inner)
+        return ConsumeResult.SUCCESS
+
+    c.subscribe("T1", listener=on)
+    ext = ConsumeMessageDirectlyResultRequestHeader(
+        consumer_group="G_admin", client_id="cid", msg_id="X", broker_name="broker-a",
+        topic="T1").to_ext_fields()
+    cmd = RemotingCommand.request(RequestCode.CONSUME_MESSAGE_DIRECTLY, ext,
+                                  body=_stored("T1", b"x"))
+    resp = await asyncio.create_task(_ask(c, cmd))  # a task of its own, as a handler's
+    assert resp is not None and resp.code == ResponseCode.SUCCESS
+    assert seen == [True, True]
+
+
+async def _call_of(c: PushConsumer) -> bool:
+    from rmq_async.consumer.push import running_call_of
+
+    return running_call_of(c) is not None

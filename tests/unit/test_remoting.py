@@ -974,3 +974,25 @@ async def test_close_waits_a_bounded_time_for_a_handler_slow_to_end() -> None:
     assert [e["count"] for e in logs if e["event"] == "remoting.handlers_left_running"] == [1]
     release.set()
     await wait_until(lambda: not conn._handler_tasks, 3, what="the handler's end")
+
+
+async def test_a_close_awaited_from_a_task_of_a_handler_spares_that_handler() -> None:
+    """stop() called from a task a handler started and awaits: the close runs outside the
+    handler's task, which it is told to spare (the consumer's user call); it cancelled the
+    handler, the cancellation reached the awaited close, and the second connection stayed
+    open."""
+    client = RemotingClient()
+    after: list[str] = []
+
+    async def handler(cmd: RemotingCommand, conn: Connection) -> None:
+        me = asyncio.current_task()
+        await asyncio.create_task(client.close(spare=me))
+        after.append("closed")
+
+    one = Connection("10.0.0.1:10911", handler=handler)
+    two = Connection("10.0.0.2:10911", handler=handler)
+    client._connections[one.addr] = one
+    client._connections[two.addr] = two
+    one._dispatch_request(RemotingCommand(code=RequestCode.CONSUME_MESSAGE_DIRECTLY))
+    await wait_until(lambda: after == ["closed"], 3, what="the handler's close")
+    assert one.closed and two.closed
