@@ -87,7 +87,19 @@ class LagMonitor:
         rt = self._rt
         async with self._lock:
             chosen = sorted(set(rt.process_queues) if queues is None else set(queues))
-            results = await asyncio.gather(*(self._max_offset(mq) for mq in chosen))
+            # (return_exceptions: a failure nobody expected fails its queue only; it must not
+            # leave the other requests running with nothing waiting for them.)
+            answers = await asyncio.gather(*(self._max_offset(mq) for mq in chosen),
+                                           return_exceptions=True)
+            results: list[int | None] = []
+            for mq, answer in zip(chosen, answers, strict=True):
+                if isinstance(answer, BaseException):
+                    if isinstance(answer, asyncio.CancelledError):
+                        raise answer
+                    log.error("lag.refresh_failed", group=rt.group, queue=str(mq),
+                              error=f"{type(answer).__name__}: {answer}", exc_info=answer)
+                    answer = None
+                results.append(answer)
             now = time.time()
             for mq, max_offset in zip(chosen, results, strict=True):
                 pq = rt.process_queues.get(mq)

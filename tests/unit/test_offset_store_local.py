@@ -156,3 +156,45 @@ async def test_a_cancelled_persist_still_writing_cannot_put_older_offsets_over_n
     again = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
     await again.load()
     assert again.read_memory(Q0) == 20
+
+
+async def test_an_older_snapshot_whose_thread_runs_after_a_newer_ones_is_not_written(
+        tmp_path: Path) -> None:
+    """The other order of the race above: the cancelled persist's thread starts only after
+    the final persist wrote; it must not replace the file with its older offsets."""
+    import asyncio
+    import contextlib
+    import threading
+
+    store = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
+    await store.load()
+    hold, entered, ended = threading.Event(), threading.Event(), threading.Event()
+    merge = store._merge_and_write
+    calls = 0
+
+    def late_first(own: dict[MessageQueue, int], snapshot: int) -> dict[MessageQueue, int]:
+        nonlocal calls
+        calls += 1
+        if calls != 1:
+            return merge(own, snapshot)
+        entered.set()
+        try:
+            assert hold.wait(10)  # before it takes the write lock
+            return merge(own, snapshot)
+        finally:
+            ended.set()
+
+    store._merge_and_write = late_first  # type: ignore[method-assign]
+    store.update(Q0, 10, increase_only=True)
+    first = asyncio.create_task(store.persist_all({Q0}, oneway=False))
+    assert await asyncio.to_thread(entered.wait, 10)
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    store.update(Q0, 20, increase_only=True)
+    await store.persist_all({Q0}, oneway=False)  # written: 20
+    hold.set()  # the older snapshot's thread runs now, and must skip its write
+    assert await asyncio.to_thread(ended.wait, 10)
+    again = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
+    await again.load()
+    assert again.read_memory(Q0) == 20
