@@ -343,6 +343,10 @@ class SourceOptions:
             raise SourceError(f"apiTimeout: expected seconds above 0 and at most "
                               f"{MAX_API_TIMEOUT:g}, got {opts['apitimeout']!r}")
         tags = opts.get("tags")
+        if tags is not None:
+            # (" * " is every tag, as "*" is: the filter the pulls ask for and the one the
+            # reads expect must be the same; the broker took a padded "*" for a tag.)
+            tags = tags.strip()
         sql = opts.get("sql")
         try:
             for topic in topics or ("*",):
@@ -641,9 +645,11 @@ def limit_offsets(start: Mapping[MessageQueue, int], latest: Mapping[MessageQueu
 
     Each queue gets a share proportional to its backlog (the rounding remainder goes to the
     queues with the largest fractions, then the lowest queue), and the sum is exactly
-    ``max_messages`` when the backlog is larger. No queue starves: when ``max_messages`` is at
-    least the number of queues with a backlog, each of them gets at least one offset, taken
-    from the largest grants (as the Kafka source rounds a share below one up).
+    ``max_messages`` when the backlog is larger. No queue starves: each queue with a backlog
+    gets at least one offset (as the Kafka source rounds a share below one up), taken from the
+    largest grants while ``max_messages`` is at least the number of such queues, and beyond
+    ``max_messages`` when it is smaller (the largest queue would otherwise take the whole
+    limit every trigger, for as long as it grows).
     """
     backlog = {mq: max(0, latest[mq] - start.get(mq, latest[mq])) for mq in latest}
     total = sum(backlog.values())
@@ -668,6 +674,9 @@ def limit_offsets(start: Mapping[MessageQueue, int], latest: Mapping[MessageQueu
         for mq in starving:
             richest = max(grant, key=lambda q: (grant[q], q.java_sort_key()))
             grant[richest] -= 1
+            grant[mq] = 1
+    else:
+        for mq in starving:
             grant[mq] = 1
     return {mq: (start[mq] + grant[mq] if mq in start else latest[mq]) for mq in latest}
 
@@ -870,6 +879,15 @@ async def read_range(client: ClientInstance, opts: SourceOptions, mq: MessageQue
             elif status is PullStatus.NO_NEW_MSG and nxt > offset:
                 report_data_loss(opts, mq, offset, min(nxt, end), "no message at this offset")
                 offset = nxt
+            elif result.min_offset <= offset < result.max_offset:
+                # The broker holds this offset and kept refusing it (the retries above): not
+                # data loss, and not to be skipped (failOnDataLoss=false would drop what the
+                # queue still has): the read fails, for Spark to try the task again.
+                raise MQClientError(
+                    f"{mq}: the broker answered {status.value} for offset {offset} "
+                    f"{MOVED_RETRIES + 1} times, though the queue holds "
+                    f"{result.min_offset}..{result.max_offset - 1}; the read is given up "
+                    "rather than skip messages the broker has")
             else:
                 # The queue ends before the planned range does (max offset went down).
                 report_data_loss(opts, mq, offset, end,

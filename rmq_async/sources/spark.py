@@ -105,8 +105,10 @@ Options (names are case-insensitive)
     latest.
 ``maxMessagesPerTrigger`` (streams only)
     At most this many offsets per micro-batch, shared between queues in proportion to their
-    backlog (with a ``tags``/``sql`` filter fewer rows may come out). ``maxOffsetsPerTrigger``,
-    the Kafka source's name, is taken for it too.
+    backlog (with a ``tags``/``sql`` filter fewer rows may come out); as in the Kafka source,
+    every queue with a backlog gets one offset at least, so a bound smaller than the number
+    of such queues is passed (each of them moves by one). ``maxOffsetsPerTrigger``, the Kafka source's
+    name, is taken for it too.
 ``failOnDataLoss`` (default ``true``)
     Offsets planned for but gone from the broker (expired files, an offset below the queue's
     min, entries whose messages left the commit log, a queue whose max went down below what
@@ -160,7 +162,7 @@ from pyspark.sql.streaming.datasource import (
     ReadMaxRows,
     SupportsTriggerAvailableNow,
 )
-from pyspark.sql.types import StructType
+from pyspark.sql.types import ArrayType, DataType, MapType, StructType
 
 from rmq_async.client.instance import ClientInstance
 from rmq_async.consumer.offset_store import write_topic_by_topic
@@ -313,10 +315,27 @@ async def _with_client(opts: SourceOptions, role: str,
 
 
 def _check_schema(schema: StructType) -> None:
-    if schema != SPARK_SCHEMA and schema.simpleString() != SPARK_SCHEMA.simpleString():
+    # Nullability included (the reads return batches of exactly this schema, which Spark
+    # checks against the one given: a schema equal in its simple string but nullable where
+    # the source's fields are not passed here and then failed every read task).
+    if schema != SPARK_SCHEMA and _shape(schema) != _shape(SPARK_SCHEMA):
         raise SourceError(
-            f"format rocketmq has a fixed schema ({SPARK_SCHEMA.simpleString()}); "
-            f"got {schema.simpleString()}")
+            f"format rocketmq has a fixed schema ({SPARK_SCHEMA.simpleString()}, nullability "
+            f"as rmq_async.sinks.spark.SPARK_SCHEMA has it): give none, or that one; got "
+            f"{schema.simpleString()}"
+            + (" (its nullability differs)"
+               if schema.simpleString() == SPARK_SCHEMA.simpleString() else ""))
+
+
+def _shape(t: DataType) -> object:
+    """``t`` down to names, types and nullability (no metadata)."""
+    if isinstance(t, StructType):
+        return tuple((f.name, _shape(f.dataType), f.nullable) for f in t.fields)
+    if isinstance(t, ArrayType):
+        return ("array", _shape(t.elementType), t.containsNull)
+    if isinstance(t, MapType):
+        return ("map", _shape(t.keyType), _shape(t.valueType), t.valueContainsNull)
+    return t.simpleString()
 
 
 class RocketMQDataSource(DataSource):

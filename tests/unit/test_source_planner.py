@@ -334,3 +334,22 @@ def test_a_start_is_resolved_once_even_when_a_queue_leaves_the_route_between_the
     plan = r.partitions(r.initialOffset(), end0)
     assert sorted((p.broker_name, p.start, p.end) for p in plan) == [
         ("broker-a", 400, 1000), ("broker-b", 500, 600)]
+
+
+def test_a_given_schema_must_match_the_sources_nullability_too() -> None:
+    """A schema equal to the source's in its simple string (a DDL string gives every field
+    nullable) passed the check, and then every read task failed on the batches' schema."""
+    from pyspark.sql.types import StructField, StructType
+
+    from rmq_async.sinks.spark import SPARK_SCHEMA
+    from rmq_async.sources.ranges import SourceError
+
+    source = spark_source.RocketMQDataSource({"namesrv": "127.0.0.1:9876", "topics": "t"})
+    source.reader(SPARK_SCHEMA)  # the source's own: taken
+    source.reader(StructType.fromJson(json.loads(SPARK_SCHEMA.json())))  # a round trip too
+    loose = StructType([StructField(f.name, f.dataType, True) for f in SPARK_SCHEMA.fields])
+    assert loose.simpleString() == SPARK_SCHEMA.simpleString() and loose != SPARK_SCHEMA
+    with pytest.raises(SourceError, match="nullability differs"):
+        source.reader(loose)
+    with pytest.raises(SourceError, match="fixed schema"):
+        source.reader(StructType([StructField("body", SPARK_SCHEMA["body"].dataType)]))

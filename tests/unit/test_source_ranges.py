@@ -110,12 +110,12 @@ def test_limit_offsets_shares_by_backlog() -> None:
     assert sum(end[q] - (start | {mq(3): 0})[q] for q in latest) == 111
     assert end[mq(1)] == 100
     assert end[mq(0)] == 100 and end[mq(2)] == 60 and end[mq(3)] == 1
-    # One message at a time still moves forward, never past the latest offset.
+    # One message at a time: each queue with a backlog still moves forward (by one, as the
+    # Kafka source rounds a share below one up, past the limit), never past the latest offset.
     fill = dict(start) | {mq(3): 0}
     for _ in range(50):
         nxt = limit_offsets(fill, latest, 1)
-        assert sum(nxt.values()) == sum(fill.values()) + 1
-        assert all(fill[q] <= nxt[q] <= latest[q] for q in latest)
+        assert all(nxt[q] == min(fill[q] + 1, latest[q]) for q in latest)
         fill = nxt
     assert LATEST == -1
 
@@ -129,7 +129,27 @@ def test_limit_offsets_lets_a_small_queue_move_beside_a_huge_backlog() -> None:
         end = limit_offsets(start, latest, 100)
         assert end[b] - start[b] == 1 and end[a] - start[a] == 99
         start = end
-    # Fewer offsets than queues with a backlog: the shares as before, the sum kept.
+    # Fewer offsets than queues with a backlog: one each, past the limit (the sum was kept,
+    # and a queue growing by more than the limit per trigger took all of it, every trigger).
     many = {mq(i): 0 for i in range(5)}
     end = limit_offsets(many, {q: 10 for q in many}, 3)
-    assert sum(end.values()) == 3
+    assert end == {q: 1 for q in many}
+    big, small = mq(0), mq(1)
+    start2, high = {big: 0, small: 0}, {big: 100, small: 1}
+    for _ in range(5):
+        end = limit_offsets(start2, high, 1)
+        start2, high = end, {big: high[big] + 2, small: high[small]}
+    assert start2[small] == 1  # read, though the big queue grew by more than the limit
+
+
+def test_a_padded_star_is_every_tag_for_the_pulls_and_the_reads_alike() -> None:
+    """" * " counted as no filter for the reads but went to the broker as a literal tag "*":
+    every entry was skipped, and the reads took that for data loss."""
+    for tags in (" * ", "*", "  "):
+        opts = SourceOptions.parse({"namesrv": "127.0.0.1:9876", "topics": "t", "tags": tags},
+                                   streaming=False)
+        sub = opts.subscription("t")
+        assert not opts.filtered and sub.sub_string == "*" and not sub.tags_set, tags
+    opts = SourceOptions.parse({"namesrv": "127.0.0.1:9876", "topics": "t", "tags": " a || b "},
+                               streaming=False)
+    assert opts.filtered and set(opts.subscription("t").tags_set) == {"a", "b"}
