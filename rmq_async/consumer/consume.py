@@ -517,16 +517,23 @@ def _apply_outcome(outcome: Outcome, batch: list[MessageExt], ctx: ConsumeContex
     if outcome.acked:
         skipped = {id(m) for m in outcome.acked}
         rest = [m for m in rest if id(m) not in skipped]
+    counted = rest  # the list ack_index counts over: the handler's own
+    gone: set[int] = set()
     if ctx.dead_letters:
         poison = once_each(ctx.dead_letters, batch)
         dead.extend(poison)
         gone = {id(m) for m, _ in poison}
+        # A dead letter the handler was given keeps its place in what ack_index counts (one
+        # its decoder left out never was in the handler's list); then it is not retried.
+        # (By queue offset: a middleware may have handed the handler copies.)
+        seen = {m.queue_offset for m in ctx.messages}
+        counted = [m for m in rest if id(m) not in gone or m.queue_offset in seen]
         rest = [m for m in rest if id(m) not in gone]
     if outcome.dead_reason is not None:
         dead.extend((m, outcome.dead_reason) for m in rest)
         return
-    k = len(rest)
+    k = len(counted)
     ok = ctx.acked_count(k, outcome.result)
     if ok < k:
         level = ctx.delay_level_when_next_consume
-        failed.extend((m, level) for m in rest[ok:])
+        failed.extend((m, level) for m in counted[ok:] if id(m) not in gone)
