@@ -224,7 +224,14 @@ class OrderlyConsumeService:
         else:
             plan = [(sub, adapter, part) for adapter, part in _plan_calls(sub, msgs)]
         counted = topic  # the topic the counts below are of (one per run of a retry batch)
+        lost = False  # the queue was given up, its lock lost or the consumer is stopping
         for call_sub, adapter, part in plan:
+            if calls and self._may_not_go_on(pq):
+                # Between the per-message calls of a batch, as between batches: another
+                # client may own the queue now (Java checks before each listener call, and
+                # its calls are whole batches). The rest goes back, untouched.
+                lost = True
+                break
             if part[0].topic != counted:
                 if calls or ok or failed:
                     rt.stats.record_consume(counted, ok, failed, elapsed, calls=calls)
@@ -327,7 +334,9 @@ class OrderlyConsumeService:
             # unlocked) only after this batch ends, so the next owner starts after it.
             self._commit(mq, pq, through)
         if stop is None:
-            return not pq.dropped
+            if lost and not pq.dropped and msgs[handed:]:
+                pq.make_message_to_consume_again(msgs[handed:])
+            return not (pq.dropped or lost)
         if pq.dropped:
             return False
         # The messages after the failing call were never handed over: put back, untouched.
@@ -361,6 +370,12 @@ class OrderlyConsumeService:
                  reconsume_times=failing[0].reconsume_times)
         self.submit_later(pq, mq, self._suspend_time(ctx))
         return False
+
+    def _may_not_go_on(self, pq: ProcessQueue) -> bool:
+        """The queue is given up, no longer (validly) locked here, or the consumer stops."""
+        return (pq.dropped or self._rt.stopping
+                or (self.clustering and (not pq.locked or pq.is_lock_expired(
+                    time.monotonic(), self._opts.rebalance_lock_max_live_time))))
 
     async def _send_back_all(self, msgs: list[MessageExt], level: int) -> list[MessageExt]:
         """Send ``msgs`` back at delay ``level`` (-1: the dead-letter queue); those that could

@@ -572,3 +572,32 @@ async def test_a_busy_queue_given_up_is_unlocked_once_its_batch_ends(
     finally:
         gate.set()
         await h.service.aclose()
+
+
+@pytest.mark.parametrize("how", ["lock_lost", "lock_expired", "dropped", "stopping"])
+async def test_a_batch_of_per_message_calls_stops_when_the_queue_may_not_go_on(
+        how: str) -> None:
+    """Between the per-message calls of one taken batch nothing was checked: with the lock
+    lost to another client (or expired, the queue given up, the consumer stopping) the rest
+    of the batch was still handled here, beside its new owner. The rest now goes back."""
+    calls: list[int] = []
+    h: _Harness
+
+    async def handler(msg: MessageExt) -> None:
+        calls.append(msg.queue_offset)
+        if msg.queue_offset == 0:
+            if how == "lock_lost":
+                h.pq.locked = False  # lock_all: another client holds it now
+            elif how == "lock_expired":
+                h.pq.last_lock_timestamp = time.monotonic() - 3600
+            elif how == "dropped":
+                h.pq.dropped = True
+            else:
+                h.rt.stopping = True
+
+    h = _Harness(handler, batch_size=8)
+    await h.run(range(0, 8), lambda: len(calls) >= 1)
+    assert calls == [0]
+    assert h.offsets.updates == [1]  # the call made is settled
+    if how != "dropped":
+        assert h.pq.msg_count == 7  # the rest is back, to be consumed in order later
