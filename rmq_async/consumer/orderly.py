@@ -336,7 +336,8 @@ class OrderlyConsumeService:
         if stop is None:
             if lost and not pq.dropped and msgs[handed:]:
                 pq.make_message_to_consume_again(msgs[handed:])
-            return not (pq.dropped or lost)
+            # (The turn looks again: a lost lock is taken again later, a stop ends it.)
+            return not pq.dropped
         if pq.dropped:
             return False
         # The messages after the failing call were never handed over: put back, untouched.

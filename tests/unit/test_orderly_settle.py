@@ -596,8 +596,27 @@ async def test_a_batch_of_per_message_calls_stops_when_the_queue_may_not_go_on(
                 h.rt.stopping = True
 
     h = _Harness(handler, batch_size=8)
-    await h.run(range(0, 8), lambda: len(calls) >= 1)
-    assert calls == [0]
-    assert h.offsets.updates == [1]  # the call made is settled
-    if how != "dropped":
-        assert h.pq.msg_count == 7  # the rest is back, to be consumed in order later
+    relock = asyncio.Event()
+
+    async def lock(mq: MessageQueue) -> bool:  # LOCK_BATCH_MQ, granted once let through
+        await relock.wait()
+        h.pq.locked = True
+        h.pq.last_lock_timestamp = time.monotonic()
+        return True
+
+    h.service.lock = lock  # type: ignore[method-assign]
+    h.service.start()
+    try:
+        h.put(range(0, 8))
+        await h.until(lambda: len(calls) >= 1)
+        assert calls == [0]
+        assert h.offsets.updates == [1]  # the call made is settled
+        if how in ("dropped", "stopping"):
+            return
+        assert h.pq.msg_count == 7  # the rest is back, to be consumed in order
+        relock.set()  # the lock is taken again: the queue goes on where it stopped
+        await h.until(lambda: len(calls) == 8)
+        assert calls == list(range(8)) and h.offsets.updates[-1] == 8
+    finally:
+        relock.set()
+        await h.service.aclose()
