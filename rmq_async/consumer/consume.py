@@ -517,17 +517,21 @@ def _apply_outcome(outcome: Outcome, batch: list[MessageExt], ctx: ConsumeContex
     if outcome.acked:
         skipped = {id(m) for m in outcome.acked}
         rest = [m for m in rest if id(m) not in skipped]
-    counted = rest  # the list ack_index counts over: the handler's own
     gone: set[int] = set()
     if ctx.dead_letters:
         poison = once_each(ctx.dead_letters, batch)
         dead.extend(poison)
         gone = {id(m) for m, _ in poison}
-        # A dead letter the handler was given keeps its place in what ack_index counts (one
-        # its decoder left out never was in the handler's list); then it is not retried.
-        # (By queue offset: a middleware may have handed the handler copies.)
-        seen = {m.queue_offset for m in ctx.messages}
-        counted = [m for m in rest if id(m) not in gone or m.queue_offset in seen]
+    # What ack_index counts over: the handler's own list, in its order, its dead letters in
+    # place (a body its decoder left out never was in it); matched by queue offset, as a
+    # middleware may have handed it copies. Not reached (a middleware answered): the call's.
+    if ctx.messages:
+        own = {m.queue_offset: m for m in rest}
+        counted = [own.pop(m.queue_offset) for m in ctx.messages if m.queue_offset in own]
+        counted += [m for m in own.values() if id(m) not in gone]
+    else:
+        counted = [m for m in rest if id(m) not in gone]
+    if gone:
         rest = [m for m in rest if id(m) not in gone]
     if outcome.dead_reason is not None:
         dead.extend((m, outcome.dead_reason) for m in rest)

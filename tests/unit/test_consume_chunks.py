@@ -834,3 +834,24 @@ async def test_an_ack_index_counts_over_the_handlers_list_with_its_dead_letters_
     await h.run_chunk(4)
     assert dead == [0]
     assert sorted(off for off, _ in h.sent_back) == [2, 3]
+
+
+async def test_an_ack_index_follows_the_order_the_handler_got_its_messages_in() -> None:
+    """A middleware hands the handler m3..m0 (newest first); ``ack_index = 0`` acknowledges
+    the handler's first, m3: m0..m2 are retried (the batch's order was counted)."""
+    import dataclasses
+
+    from rmq_async.consumer.middleware import ConsumeCall
+
+    async def listener(msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeResult:
+        assert [m.queue_offset for m in msgs] == [3, 2, 1, 0]
+        ctx.ack_index = 0
+        return ConsumeResult.SUCCESS
+
+    async def newest_first(call: ConsumeCall, call_next: Any) -> None:
+        await call_next(dataclasses.replace(call, messages=call.messages[::-1]))
+
+    h = Harness(listener, consume_message_batch_max_size=4)
+    h.subscriptions.middlewares.append(newest_first)
+    await h.run_chunk(4)
+    assert sorted(off for off, _ in h.sent_back) == [0, 1, 2]
