@@ -641,7 +641,8 @@ async def resolve_offsets(client: ClientInstance, position: Position,
 
 def limit_offsets(start: Mapping[MessageQueue, int], latest: Mapping[MessageQueue, int],
                   max_messages: int) -> dict[MessageQueue, int]:
-    """End offsets at most ``max_messages`` past ``start`` in total.
+    """End offsets about ``max_messages`` past ``start`` in total (exactly, while that is at
+    least the number of queues with a backlog; see below).
 
     Each queue gets a share proportional to its backlog (the rounding remainder goes to the
     queues with the largest fractions, then the lowest queue), and the sum is exactly

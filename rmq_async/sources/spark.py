@@ -107,14 +107,17 @@ Options (names are case-insensitive)
     At most this many offsets per micro-batch, shared between queues in proportion to their
     backlog (with a ``tags``/``sql`` filter fewer rows may come out); as in the Kafka source,
     every queue with a backlog gets one offset at least, so a bound smaller than the number
-    of such queues is passed (each of them moves by one). ``maxOffsetsPerTrigger``, the Kafka source's
-    name, is taken for it too.
+    of such queues is passed (each of them moves by one at least). ``maxOffsetsPerTrigger``,
+    the Kafka source's name, is taken for it too.
 ``failOnDataLoss`` (default ``true``)
     Offsets planned for but gone from the broker (expired files, an offset below the queue's
     min, entries whose messages left the commit log, a queue whose max went down below what
     the query read): fail the query with :class:`DataLossError`, or with ``false`` log
     ``spark_source.data_loss`` and skip them. An admin offset reset of the pull group is not
-    a loss: the range planned is read as planned.
+    a loss: the range planned is read as planned. Nor is an offset the queue still holds
+    that the broker keeps refusing (four answers in a row): whatever this option says, that
+    read fails with :class:`~rmq_async.client.errors.MQClientError`, and Spark tries the
+    task again up to ``spark.task.maxFailures`` (1 in ``local`` mode: the query fails).
 ``commitToGroup``
     A consumer group to write the committed offsets to after each micro-batch (streams only;
     a batch read refuses it).
