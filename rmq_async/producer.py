@@ -493,12 +493,7 @@ class Producer:
         body = encode_batch(prepared)
         if len(body) > self.options.max_message_size:
             raise InvalidArgumentError(f"batch of {len(body)} bytes exceeds max_message_size")
-        # The batch has a UNIQ_KEY of its own, as Java's (setUniqID(msgBatch)): a broker
-        # stores a batch sent to a BatchCQ topic as one inner batch under it, and answers it
-        # as the result's msg_id; other topics store the messages one by one, each with its
-        # own.
-        header_props = encode_properties({PROPERTY_WAIT: "true" if waits.pop() else "false",
-                                          PROPERTY_UNIQ_KEY: self._uniq.next_id()})
+        header_props = encode_properties({PROPERTY_WAIT: "true" if waits.pop() else "false"})
         return await self._send_with_retry(
             topic, queue, None, None, body, header_props, 0, 0, batch=True,
             msg_id=",".join(uniq_ids),

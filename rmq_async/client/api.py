@@ -451,8 +451,6 @@ class MQClientAPI:
             name="SEND_BATCH_MESSAGE" if batch else "SEND_MESSAGE_V2",
         )
         rh = h.SendMessageResponseHeader.from_ext_fields(resp.ext_fields or {})
-        if batch and rh.batch_uniq_id is not None:
-            msg_id = rh.batch_uniq_id  # stored as one inner batch (a BatchCQ topic), as Java
         return SendResult(
             msg_id=rh.msg_id if msg_id is None else msg_id,
             queue_id=rh.queue_id,
