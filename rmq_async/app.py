@@ -23,6 +23,7 @@ from types import TracebackType
 import structlog
 
 from rmq_async.consumer.push import PushConsumer, lifecycle_under_way, running_call_of
+from rmq_async.consumer.tasks import acquire_by
 from rmq_async.errors import IllegalStateError, InvalidTypeError
 
 __all__ = ["App"]
@@ -130,10 +131,7 @@ class App:
         if self._stopping and from_member:
             return  # the stop under way waits for the calling code
         lock = self._start_lock
-        try:
-            async with asyncio.timeout(timeout):
-                await lock.acquire()
-        except TimeoutError:
+        if not await acquire_by(lock, asyncio.get_running_loop().time() + timeout):
             # A start under way for all of timeout (a member's on_startup hook waiting for
             # something that does not answer): the member starting gives its start up, and
             # the app's start then stops those it started and fails.

@@ -52,7 +52,7 @@ from rmq_async.consumer.subscriptions import (
     Subscription,
     Subscriptions,
 )
-from rmq_async.consumer.tasks import TaskOwner, UserCall, running_user_call
+from rmq_async.consumer.tasks import TaskOwner, UserCall, acquire_by, running_user_call
 from rmq_async.errors import IllegalStateError, InvalidArgumentError, InvalidTypeError
 from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP, ConsumerData, HeartbeatData, ProducerData
 from rmq_async.protocol.codes import LanguageCode
@@ -95,8 +95,8 @@ def lifecycle_under_way() -> tuple[PushConsumer, str] | None:
 def running_call_of(consumer: PushConsumer) -> UserCall | None:
     """The user call of ``consumer`` (a handler's, a listener's) that the running code is
     part of, while it runs; None elsewhere."""
-    owner = consumer._owner
-    return running_user_call(owner.family) if owner is not None else None
+    family = consumer.task_family()
+    return running_user_call(family) if family is not None else None
 
 
 P = ParamSpec("P")
@@ -689,12 +689,12 @@ class PushConsumer:
         try:
             lock = self._start_lock
             loop = asyncio.get_running_loop()
-            if not await _acquire_by(lock, loop.time() + timeout):
+            if not await acquire_by(lock, loop.time() + timeout):
                 # A start under way for all of timeout (an on_startup hook waiting for a
                 # service that does not answer, say) is given up: it undoes what it began.
                 if not self._give_up_start(timeout):
                     await lock.acquire()  # another stop() (bounded), a failing start's undo
-                elif not await _acquire_by(lock, loop.time() + max(timeout, STAGE_MIN_SECONDS)):
+                elif not await acquire_by(lock, loop.time() + max(timeout, STAGE_MIN_SECONDS)):
                     # A hook that swallowed its cancellation and waits on: the start undoes
                     # itself whenever it ends (start() below).
                     log.error("consumer.start_not_given_up", group=self.group)
@@ -777,9 +777,9 @@ class PushConsumer:
         try:  # (both released whatever happens: a stop() cancelled here may be called again)
             rebalancing = (self.rebalancer is not None
                            and (caller is None or self.rebalancer.round_task is not caller)
-                           and await _acquire_by(self.rebalancer.table_lock,
+                           and await acquire_by(self.rebalancer.table_lock,
                                                  _stage_deadline(stop_by, timeout)))
-            locked = await _acquire_by(self._persist_lock,
+            locked = await acquire_by(self._persist_lock,
                                        _stage_deadline(stop_by, timeout))
             # The sinks' tasks and the sink send-backs among them. A sink's writer waits
             # for a write running in its thread (a Spark call cannot be interrupted): it
@@ -1057,16 +1057,6 @@ __all__ = ["RETRY_GROUP_TOPIC_PREFIX", "PushConsumer", "Subscription", "MQBroker
 STAGE_MIN_SECONDS = 1.0
 _GIVEN_UP = ("the start was given up: stop() was called and the start did not finish within "
              "its timeout")
-
-
-async def _acquire_by(lock: asyncio.Lock, deadline: float) -> bool:
-    """Acquire ``lock`` unless ``deadline`` (event loop time) passes first."""
-    try:
-        async with asyncio.timeout_at(deadline):
-            await lock.acquire()
-    except TimeoutError:
-        return False
-    return True
 
 
 def _stage_deadline(stop_by: float, timeout: float) -> float:

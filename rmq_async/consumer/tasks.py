@@ -92,6 +92,16 @@ def running_user_call(family: object | None = None) -> UserCall | None:
     return call
 
 
+async def acquire_by(lock: asyncio.Lock, deadline: float) -> bool:
+    """Acquire ``lock`` unless ``deadline`` (event loop time) passes first."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            await lock.acquire()
+    except TimeoutError:
+        return False
+    return True
+
+
 def being_cancelled() -> bool:
     """Is the running task being cancelled, rather than user code raising ``CancelledError``
     of its own (awaiting a task it cancelled, a library cancelling its futures)?
