@@ -56,6 +56,8 @@ from rmq_async.protocol.codes import (
     COMPRESSION_LZ4,
     COMPRESSION_ZLIB,
     COMPRESSION_ZSTD,
+    INT32_MAX,
+    INT32_MIN,
     MessageSysFlag,
 )
 from rmq_async.protocol.errors import ProtocolError
@@ -423,7 +425,7 @@ class Producer:
             # which a send would retry and then blame on the credentials).
             raise InvalidArgumentError(f"sending a message to topic {msg.topic!r} is forbidden")
         if not isinstance(msg.flag, int) or isinstance(msg.flag, bool) \
-                or not -(1 << 31) <= msg.flag < 1 << 31:
+                or not INT32_MIN <= msg.flag <= INT32_MAX:
             raise InvalidArgumentError(f"a message flag is a 32-bit int (Java's int), "
                                        f"not {msg.flag!r}")
         if not isinstance(msg.body, bytes | bytearray | memoryview):
@@ -609,7 +611,7 @@ def _retry_counts(topic: str, props: dict[str, str]) -> tuple[int | None, int | 
             value = int(text)
         except ValueError:
             raise InvalidArgumentError(f"property {name} is not a number: {text!r}") from None
-        if not -(1 << 31) <= value < 1 << 31:
+        if not INT32_MIN <= value <= INT32_MAX:
             raise InvalidArgumentError(f"property {name} is not a 32-bit int: {text!r}")
         counts.append(value)
     return counts[0], counts[1]

@@ -18,6 +18,7 @@ from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND
 from rmq_async.consumer.options import ConsumeFromWhere
 from rmq_async.consumer.subscriptions import RETRY_GROUP_TOPIC_PREFIX
 from rmq_async.protocol.bodies import INNER_PRODUCER_GROUP
+from rmq_async.protocol.codes import INT32_MAX
 from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.message import encode_properties
 from rmq_async.protocol.types import (
@@ -58,14 +59,11 @@ _NOT_COPIED = (PROPERTY_CONSUME_START_TIME, PROPERTY_MIN_OFFSET, PROPERTY_MAX_OF
                PROPERTY_TRANSACTION_PREPARED)
 
 
-_INT32_MAX = (1 << 31) - 1
-
-
 def dead_letter_counts(max_times: int) -> tuple[int, int]:
     """The (reconsume times, max reconsume times) of a %RETRY% send that the broker moves into
     ``%DLQ%<group>`` at once (its count over the limit), both within Java's int: a limit of
     2**31-1 (orderly's unlimited) is sent as 2**31-2."""
-    limit = min(max_times, _INT32_MAX - 1)
+    limit = min(max_times, INT32_MAX - 1)
     return limit + 1, limit
 
 

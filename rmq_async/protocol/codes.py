@@ -162,6 +162,11 @@ class ResponseCode(IntEnum):
     RPC_TIME_OUT = -1006
 
 
+#: The range of Java's ``int``: the header fields, flags and counts Java reads as one.
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+
+
 class LanguageCode(IntEnum):
     """Client language, sent as its name in JSON headers and as one byte in binary headers."""
 

@@ -49,6 +49,8 @@ from rmq_async.errors import InvalidArgumentError
 
 from .codes import (
     CURRENT_VERSION,
+    INT32_MAX,
+    INT32_MIN,
     RPC_ONEWAY,
     RPC_TYPE_RESPONSE,
     LanguageCode,
@@ -68,8 +70,6 @@ __all__ = [
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
 """Largest accepted frame, counting the 4-byte length field (Java's default)."""
 
-_INT32_MIN = -(2**31)
-_INT32_MAX = 2**31 - 1
 
 _U32 = struct.Struct(">I")
 _I32 = struct.Struct(">i")
@@ -393,7 +393,7 @@ def _json_int(obj: Mapping[str, Any], key: str, default: int) -> int:
                 raise ProtocolError(f"header field {key!r} is not an integer") from None
         else:
             raise ProtocolError(f"header field {key!r} is not an integer")
-    if not _INT32_MIN <= value <= _INT32_MAX:
+    if not INT32_MIN <= value <= INT32_MAX:
         raise ProtocolError(f"header field {key!r} out of int32 range")
     return value
 
