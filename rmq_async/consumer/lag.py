@@ -121,7 +121,7 @@ class LagMonitor:
             addr = await rt.instance.find_broker_master(mq.broker_name, mq.topic)
             return await rt.instance.api.get_max_offset(addr, mq)
         except (MQClientError, RemotingError, ProtocolError) as exc:
-            # (ProtocolError: an answer that does not decode. Caught here, not by the gather
-            # below, which would leave the other queues' requests running unowned.)
+            # (ProtocolError: an answer that does not decode, an expected failure too; the
+            # gather in refresh() takes any other, logged as an error.)
             log.warning("lag.refresh_failed", group=rt.group, queue=str(mq), error=str(exc))
             return None

@@ -770,11 +770,12 @@ _JAVA_HINTS = {
 }
 
 
-def _python_options(kwargs: Mapping[str, Any], concurrency: int | None = None) -> dict[str, Any]:
+def _python_options(kwargs: Mapping[str, Any],
+                    concurrency: int = _DEFAULT_CONCURRENCY) -> dict[str, Any]:
     """``kwargs`` with Java (and legacy) names converted to options; unknown names rejected.
 
     ``concurrency`` is the ``consume_concurrency`` in force when ``kwargs`` leave it as it is
-    (``consumeThreadMax`` may not be below it); the default's when not given."""
+    (``consumeThreadMax`` may not be below it)."""
     names = set(_option_names())
     out: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -802,7 +803,7 @@ def _python_options(kwargs: Mapping[str, Any], concurrency: int | None = None) -
     if ceiling is not None:
         # Java's checkConfig: each within [1, 1000], and the core size not above the maximum.
         _int_in("consumeThreadMax", ceiling, 1, 1000)
-        threads = out.get("consume_concurrency", concurrency or _DEFAULT_CONCURRENCY)
+        threads = out.get("consume_concurrency", concurrency)
         if _is_number(threads) and threads > ceiling:
             raise InvalidOptionError(
                 "consumeThreadMax",
