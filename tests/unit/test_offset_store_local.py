@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import threading
 from pathlib import Path
 
 from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND, LocalFileOffsetStore
@@ -116,16 +119,31 @@ async def test_two_processes_sharing_the_file_keep_each_others_entries(tmp_path:
     assert fresh.stored() == {Q0: 42, Q2: 500}
 
 
+async def _persist_cancelled_in_its_thread(store: LocalFileOffsetStore,
+                                           entered: threading.Event) -> None:
+    """Persist Q0 at 10 and cancel that persist once its thread has ``entered`` the point the
+    test holds it at (stop()'s stage running out), then move Q0 on to 20."""
+    store.update(Q0, 10, increase_only=True)
+    first = asyncio.create_task(store.persist_all({Q0}, oneway=False))
+    assert await asyncio.to_thread(entered.wait, 10)
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    store.update(Q0, 20, increase_only=True)
+
+
+async def _stored_q0(tmp_path: Path) -> int | None:
+    again = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
+    await again.load()
+    return again.read_memory(Q0)
+
+
 async def test_a_cancelled_persist_still_writing_cannot_put_older_offsets_over_newer(
         tmp_path: Path) -> None:
     """A persist cancelled while its thread writes (stop()'s stage ran out) released the
     store's lock with that thread still running; the final persist then wrote the newer
     offsets beside it, and the older snapshot could replace the file last (a broadcasting
     queue consumed again from an older offset at the next start)."""
-    import asyncio
-    import contextlib
-    import threading
-
     store = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
     await store.load()
     hold, entered = threading.Event(), threading.Event()
@@ -141,31 +159,19 @@ async def test_a_cancelled_persist_still_writing_cannot_put_older_offsets_over_n
         write_file(payload)
 
     store._write_file = slow_first_write  # type: ignore[method-assign]
-    store.update(Q0, 10, increase_only=True)
-    first = asyncio.create_task(store.persist_all({Q0}, oneway=False))
-    assert await asyncio.to_thread(entered.wait, 10)
-    first.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await first
-    store.update(Q0, 20, increase_only=True)
+    await _persist_cancelled_in_its_thread(store, entered)
     final = asyncio.create_task(store.persist_all({Q0}, oneway=False))
     await asyncio.sleep(0.1)
     hold.set()  # the older write goes on now
     await final
     await asyncio.sleep(0.2)  # (the cancelled persist's thread has ended by now)
-    again = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
-    await again.load()
-    assert again.read_memory(Q0) == 20
+    assert await _stored_q0(tmp_path) == 20
 
 
 async def test_an_older_snapshot_whose_thread_runs_after_a_newer_ones_is_not_written(
         tmp_path: Path) -> None:
     """The other order of the race above: the cancelled persist's thread starts only after
     the final persist wrote; it must not replace the file with its older offsets."""
-    import asyncio
-    import contextlib
-    import threading
-
     store = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
     await store.load()
     hold, entered, ended = threading.Event(), threading.Event(), threading.Event()
@@ -185,16 +191,8 @@ async def test_an_older_snapshot_whose_thread_runs_after_a_newer_ones_is_not_wri
             ended.set()
 
     store._merge_and_write = late_first  # type: ignore[method-assign]
-    store.update(Q0, 10, increase_only=True)
-    first = asyncio.create_task(store.persist_all({Q0}, oneway=False))
-    assert await asyncio.to_thread(entered.wait, 10)
-    first.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await first
-    store.update(Q0, 20, increase_only=True)
+    await _persist_cancelled_in_its_thread(store, entered)
     await store.persist_all({Q0}, oneway=False)  # written: 20
     hold.set()  # the older snapshot's thread runs now, and must skip its write
     assert await asyncio.to_thread(ended.wait, 10)
-    again = LocalFileOffsetStore(tmp_path, "10.0.0.1@node", "G")
-    await again.load()
-    assert again.read_memory(Q0) == 20
+    assert await _stored_q0(tmp_path) == 20
