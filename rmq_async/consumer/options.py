@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from rmq_async.consumer.allocate import AllocateAveragely, AllocateStrategy
 from rmq_async.errors import InvalidArgumentError
-from rmq_async.protocol.codes import LanguageCode
+from rmq_async.protocol.codes import INT32_MAX, LanguageCode
 from rmq_async.remoting.tls import client_ssl_context
 
 __all__ = [
@@ -68,7 +68,6 @@ uses the same 120)."""
 
 _NAME_RE = re.compile(r"^[%|a-zA-Z0-9_-]+$")
 _TIMESTAMP_FORMAT = "%Y%m%d%H%M%S"
-_MAX_INT = 2**31 - 1
 
 
 class InvalidOptionError(InvalidArgumentError):
@@ -574,10 +573,10 @@ class ConsumerOptions:
         _int_in("consume_concurrently_max_span", self.consume_concurrently_max_span, 1, 65535)
         _int_in("consume_message_batch_max_size", self.consume_message_batch_max_size, 1, 1024)
         _int_in("consume_concurrency", self.consume_concurrency, 1, 1000)
-        _int_in("max_reconsume_times", self.max_reconsume_times, -1, _MAX_INT)
+        _int_in("max_reconsume_times", self.max_reconsume_times, -1, INT32_MAX)
         _seconds("consume_timeout", self.consume_timeout)
         _seconds("suspend_current_queue_time", self.suspend_current_queue_time, allow_zero=True,
-                 hi=_MAX_INT / 1000.0)
+                 hi=INT32_MAX / 1000.0)
         for name in (
             "persist_offset_interval",
             "heartbeat_interval",
@@ -663,7 +662,7 @@ class ConsumerOptions:
     def effective_max_reconsume_times(self, orderly: bool) -> int:
         """``max_reconsume_times`` with -1 resolved: 16 (concurrent), 2**31-1 (orderly)."""
         if self.max_reconsume_times == -1:
-            return _MAX_INT if orderly else 16
+            return INT32_MAX if orderly else 16
         return self.max_reconsume_times
 
     @property
