@@ -230,7 +230,12 @@ async def test_suspend_retries_in_place_then_dlq(rocketmq: LocalRocketMQ) -> Non
     async with consumer:
         await wait_until(lambda: any(n == 9 for n, _, _ in calls), 30, what="message 9")
         # Running info as the admin tools see it: an orderly consumer, every queue locked
-        # (its retry queue included).
+        # (its retry queue included). The broker creates the retry topic on the first
+        # heartbeat; when its route reached the name server only after the first rebalance
+        # round, the next round takes it, and messages 0..9 may all be through before that.
+        await wait_until(lambda: any(mq.topic == consumer.retry_topic
+                                     for mq in consumer.process_queues), 30,
+                         what="the retry queue taken")
         info = build_running_info(consumer)
         assert info.properties["PROP_CONSUMEORDERLY"] == "true"
         assert {mq.topic for mq in info.mq_table} == {topic, consumer.retry_topic}
