@@ -90,6 +90,7 @@ reading (``dropDuplicates``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import itertools
 import math
@@ -154,6 +155,17 @@ _MAX_BATCH_BYTES = 1024 * _MiB
 _CORRUPT_FIELD = "__rmq_corrupt_record"
 # Largest Arrow slice (rows); also Spark's default Arrow batch size.
 _MAX_CHUNK_ROWS = 10_000
+# PySpark's JVM proxies (py4j) sit in reference cycles once a method of theirs has been called,
+# so a written batch's DataFrame, and the copy of its rows that ``createDataFrame`` put in the
+# driver JVM, live on until Python's cyclic collector runs. The sink's own hot path allocates so
+# few Python objects that a full collection may not come for hundreds of batches: the driver's
+# heap filled with written batches (a 2 GiB driver failed with OutOfMemoryError after some forty
+# batches of 50 MB). So the sink collects after a write once this much has been handed to Spark
+# since its last collection (a full collection took 18 ms in a process holding PySpark)...
+_SPARK_GARBAGE_BYTES = 64 * _MiB
+# ... counting each DataFrame at least this much (the JVM's plan, RDD and py4j objects of a
+# batch), so that many small batches are collected too.
+_SPARK_FRAME_OVERHEAD_BYTES = 256 * 1024
 
 #: The DataFrame schema of every batch (the ``value`` column is appended when decoding bodies).
 SPARK_SCHEMA = StructType(
@@ -290,6 +302,12 @@ class SparkSink:
     running, the open batch keeps filling up to the size limits instead of being cut into many
     small batches.
 
+    Spark's driver keeps the rows ``createDataFrame`` copied into it for as long as the
+    batch's DataFrame lives in Python, and PySpark's JVM proxies are freed by Python's cyclic
+    collector only. So after a write, once the batches written since the last time add up to
+    64 MiB, the sink runs a full collection (``gc.collect()``, some milliseconds holding the
+    GIL); a ``write`` that keeps a reference to its DataFrame keeps those rows in the driver.
+
     Args:
         spark: the SparkSession; may be None only when ``create_dataframe`` is given.
         write: stores one batch; called in a worker thread, one batch at a time, and the
@@ -364,6 +382,9 @@ class SparkSink:
         self._create_dataframe: CreateDataFrame = create_dataframe
         self._spark = spark
         self._chunk_rows: int | None = None
+        # Bytes of the DataFrames written (or tried) since the last collection; see
+        # _SPARK_GARBAGE_BYTES. Counted by the write attempts (one at a time, in a worker thread).
+        self._handed_bytes = 0
         self._write = write
         self._batch_rows = batch_rows
         self._batch_bytes = batch_bytes
@@ -831,7 +852,10 @@ class SparkSink:
         frame, job.frame = job.frame, None  # a retry hands the table to Spark anew
         if frame is None:
             frame = self._frame(job.table)
+        # The frame is garbage after this attempt, however it ends.
+        self._handed_bytes += job.table.nbytes + _SPARK_FRAME_OVERHEAD_BYTES
         returned: object = self._write(frame, job.info)
+        del frame  # dead before the collection below
         if inspect.isawaitable(returned):
             # (A wrapper the check in __init__ did not see through.) Its work would run
             # nowhere, or later: the batch is not taken for written.
@@ -841,6 +865,7 @@ class SparkSink:
             raise TypeError(f"write returned {type(returned).__name__}, an awaitable: it must "
                             "write the batch before it returns (a plain function)")
         job.written = True
+        self._release_spark_garbage(job.batch.batch_id)
 
     def _convert_and_create(self, job: _Job) -> None:
         """The conversion ahead of the write, in a worker thread: the Arrow table, then the
@@ -859,6 +884,19 @@ class SparkSink:
         if self._value_format == "json":
             frame = self._with_json_value(frame)
         return frame
+
+    def _release_spark_garbage(self, batch_id: int) -> None:
+        """After a write, in its worker thread: run Python's full collection once the
+        DataFrames written since the last one add up to enough (see :data:`_SPARK_GARBAGE_BYTES`), so that the
+        DataFrames of written batches, and their rows in Spark's driver, are freed."""
+        handed = self._handed_bytes
+        if handed < _SPARK_GARBAGE_BYTES:
+            return
+        self._handed_bytes = 0
+        started = time.monotonic()
+        found = gc.collect()
+        log.debug("spark_sink.garbage_collected", batch_id=batch_id, handed_bytes=handed,
+                  objects=found, seconds=round(time.monotonic() - started, 4))
 
     def _convert(self, job: _Job) -> None:
         """Fill in the batch's Arrow table and :class:`BatchInfo`, in a worker thread."""

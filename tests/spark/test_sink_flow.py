@@ -26,6 +26,7 @@ from rmq_async.protocol.message import encode_stored_message
 from rmq_async.protocol.stored import StoredChunk
 from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, MessageExt, MessageQueue
 from rmq_async.sinks import SinkClosedError
+from rmq_async.sinks import spark as spark_module
 from rmq_async.sinks.spark import BatchInfo, SparkSink
 from tests.helpers import wait_until
 
@@ -308,6 +309,35 @@ async def test_the_next_dataframe_is_created_during_a_write_and_a_retry_makes_it
     # Batch 1 by its own write, 2 ahead and again for its retry, 3 once (ahead or by its write).
     assert sorted(created) == [0, 100, 100, 200]
     assert acks == [True] * 6
+
+
+async def test_the_sink_collects_once_enough_has_been_handed_to_spark(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full collection after a write only once the DataFrames made since the last one add
+    up to the threshold (here every DataFrame counts a little over half of it), not after
+    every batch: a collection holds the GIL for milliseconds."""
+    half = 1 << 30
+    monkeypatch.setattr(spark_module, "_SPARK_FRAME_OVERHEAD_BYTES", half)
+    monkeypatch.setattr(spark_module, "_SPARK_GARBAGE_BYTES", 2 * half)
+    written: list[int] = []
+    collected_after: list[list[int]] = []
+
+    class CountingGc:
+        @staticmethod
+        def collect() -> int:
+            collected_after.append(list(written))
+            return 0
+
+    monkeypatch.setattr(spark_module, "gc", CountingGc)
+
+    def write(df: Any, info: BatchInfo) -> None:
+        written.append(info.batch_id)
+
+    sink = SparkSink(None, write, create_dataframe=lambda table: table, batch_rows=50,
+                     max_batch_latency=30.0, convert_ahead=False)
+    acks = await offer_300_in_chunks_of_50(sink)
+    assert acks == [True] * 6
+    assert collected_after == [[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]]
 
 
 async def test_without_convert_ahead_each_batch_is_converted_by_its_own_write(

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import gc
 import json
 import random
 import time
+import weakref
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -18,6 +20,7 @@ import pyarrow as pa
 import pytest
 
 from rmq_async.protocol.types import MessageExt
+from rmq_async.sinks import spark as spark_module
 from rmq_async.sinks.spark import (
     SPARK_SCHEMA,
     BatchInfo,
@@ -189,6 +192,37 @@ async def test_write_failing_on_its_second_call_is_retried(spark: SparkSession, 
     assert all(a == [True] for a in acks)
     got = rows_by_key(read_rows(spark, out))  # raises on a duplicate key
     assert got.keys() == {tuple(r[k] for k in KEY) for r in map(row_of, msgs)}
+
+
+async def test_written_batches_are_freed_in_spark_without_waiting_for_the_collector(
+        spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A written batch's DataFrame proxy sits in a py4j reference cycle, and with it the copy
+    of its rows in Spark's driver: the sink collects it itself (here after every batch), not
+    when Python's collector gets round to it (switched off here: with little allocation it ran
+    so seldom that a driver filled with written batches)."""
+    monkeypatch.setattr(spark_module, "_SPARK_GARBAGE_BYTES", 1)
+    proxies: list[weakref.ref[Any]] = []
+
+    def write(df: DataFrame, info: BatchInfo) -> None:
+        df.write.mode("append").format("noop").save()
+        proxies.append(weakref.ref(df._jdf))
+
+    msgs = synthetic_messages(1500, seed=17)
+    sink = SparkSink(spark, write, batch_rows=500, retry_backoff=0.01)
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            await sink.start(tg)
+            acks = await pump(sink, msgs, chunk=100)
+            await sink.aclose()
+        assert acks == [[True]] * 15
+        assert len(proxies) == 3
+        assert [ref() for ref in proxies] == [None, None, None]
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 async def test_retries_exhausted_fail_exactly_that_batch(spark: SparkSession, tmp_path: Path) -> None:
