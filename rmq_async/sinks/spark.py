@@ -304,8 +304,8 @@ class SparkSink:
 
     Spark's driver keeps the rows ``createDataFrame`` copied into it for as long as the
     batch's DataFrame lives in Python, and PySpark's JVM proxies are freed by Python's cyclic
-    collector only. So after a write, once the batches written since the last time add up to
-    64 MiB, the sink runs a full collection (``gc.collect()``, some milliseconds holding the
+    collector only. So around its writes, once the batches written (or tried) since the last
+    time add up to 64 MiB, the sink runs a full collection (``gc.collect()``, some milliseconds holding the
     GIL); a ``write`` that keeps a reference to its DataFrame keeps those rows in the driver.
 
     Args:
@@ -849,6 +849,9 @@ class SparkSink:
         if job.table is None or job.info is None:
             self._convert(job)
         assert job.table is not None and job.info is not None
+        # The DataFrames of attempts that failed, kept by their exceptions until those were
+        # handled: collected here, or writes failing for good would never free them.
+        self._release_spark_garbage(job.batch.batch_id)
         frame, job.frame = job.frame, None  # a retry hands the table to Spark anew
         if frame is None:
             frame = self._frame(job.table)
@@ -886,9 +889,10 @@ class SparkSink:
         return frame
 
     def _release_spark_garbage(self, batch_id: int) -> None:
-        """After a write, in its worker thread: run Python's full collection once the
-        DataFrames written since the last one add up to enough (see :data:`_SPARK_GARBAGE_BYTES`), so that the
-        DataFrames of written batches, and their rows in Spark's driver, are freed."""
+        """Around a write, in its worker thread: run Python's full collection once the
+        DataFrames written (or tried) since the last one add up to enough (see
+        :data:`_SPARK_GARBAGE_BYTES`), so that they, and their rows in Spark's driver, are
+        freed."""
         handed = self._handed_bytes
         if handed < _SPARK_GARBAGE_BYTES:
             return

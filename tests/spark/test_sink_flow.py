@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -338,6 +340,47 @@ async def test_the_sink_collects_once_enough_has_been_handed_to_spark(
     acks = await offer_300_in_chunks_of_50(sink)
     assert acks == [True] * 6
     assert collected_after == [[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]]
+
+
+async def test_the_dataframes_of_failed_attempts_are_collected_while_writes_keep_failing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed attempt's DataFrame outlives it in its exception's traceback, and in py4j's
+    reference cycles after that: with the store down for good (every attempt of every batch
+    failing) they are collected all the same, not only after a write that succeeds."""
+    monkeypatch.setattr(spark_module, "_SPARK_GARBAGE_BYTES", 1)
+
+    class Frame:  # stands in for PySpark's DataFrame, in a reference cycle as its proxies are
+        def __init__(self) -> None:
+            self.me = self
+
+    frames: list[weakref.ref[Frame]] = []
+
+    def create(table: Any) -> Frame:
+        frame = Frame()
+        frames.append(weakref.ref(frame))
+        return frame
+
+    def write(df: Any, info: BatchInfo) -> None:
+        raise OSError("the store is down")
+
+    sink = SparkSink(None, write, create_dataframe=create, batch_rows=50, max_batch_latency=30.0,
+                     write_retries=2, retry_backoff=0.0, convert_ahead=False)
+    acks: list[bool] = []
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        async with running(sink):
+            sink.offer(msgs(0, 50), acks.append)
+            sink.offer(msgs(50, 50), acks.append)
+        assert acks == [False, False]
+        assert len(frames) == 6  # three attempts per batch
+        # Every attempt's but the last one's (collected before the next attempt).
+        assert [ref() is None for ref in frames] == [True] * 5 + [False]
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()
 
 
 async def test_without_convert_ahead_each_batch_is_converted_by_its_own_write(
