@@ -62,6 +62,18 @@ async def send_batch_unchecked(producer: Producer, msgs: Sequence[Message], *,
         msg_id=",".join(m.properties["UNIQ_KEY"] for m in prepared))
 
 
+def no_broker(monkeypatch: Any) -> None:
+    """Starts reach no name server or broker: routes and heartbeats answer nothing."""
+    async def route(self: ClientInstance, topic: str) -> None:
+        return None
+
+    async def heartbeats(self: ClientInstance) -> dict[str, bool]:
+        return {}
+
+    monkeypatch.setattr(ClientInstance, "update_route", route)
+    monkeypatch.setattr(ClientInstance, "send_heartbeats", heartbeats)
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:10]}"
 

@@ -7,7 +7,7 @@ import contextlib
 import random
 import ssl as _ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +75,11 @@ class ClientInstance:
     broker address found in them (forgetting an address once no held route lists it), and runs
     two periodic tasks when started: route refresh and heartbeat. What a heartbeat carries
     comes from ``heartbeat_source``, a callable the owner (a consumer or producer) provides;
-    the instance itself knows nothing about consumers.
+    the instance itself knows nothing about consumers. ``route_topics``, when given, names the
+    topics whose routes the owner still uses (a consumer's subscriptions): the refresh keeps
+    only theirs, and forgets a route nobody uses any more (Java refreshes the subscribed
+    topics only); without it every route fetched is kept and refreshed (a producer's, as
+    Java's publish table).
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class ClientInstance:
         client_id: str,
         *,
         heartbeat_source: Callable[[], HeartbeatData] | None = None,
+        route_topics: Callable[[], Collection[str]] | None = None,
         request_handler: RequestHandler | None = None,
         rpc_hook: RpcHook | None = None,
         ssl: _ssl.SSLContext | None = None,
@@ -94,6 +99,7 @@ class ClientInstance:
         self.namesrv_addrs = parse_namesrv(namesrv)
         self.client_id = client_id
         self.heartbeat_source = heartbeat_source
+        self.route_topics = route_topics
         self.remoting: RemotingClient = _AnnouncingRemoting(
             connect_timeout=connect_timeout, ssl=ssl, rpc_hook=rpc_hook,
             request_handler=request_handler, on_connect=self._connected,
@@ -299,7 +305,22 @@ class ClientInstance:
     # ------------------------------------------------------------------ periodic work
 
     async def refresh_routes(self) -> None:
-        for topic in list(self.routes):
+        topics = list(self.routes)
+        if self.route_topics is not None:
+            used = set(self.route_topics())
+            unused = [topic for topic in topics if topic not in used]
+            if unused:
+                # An unsubscribed topic, or one looked up for a single send (a dead letter's):
+                # not fetched every round for good, and its brokers are not kept for it.
+                for topic in unused:
+                    del self.routes[topic]
+                    lock = self._route_locks.get(topic)
+                    if lock is not None and not lock.locked():
+                        del self._route_locks[topic]
+                log.info("route.unused_forgotten", topics=unused)
+                self._forget_offline_brokers()
+                topics = [topic for topic in topics if topic in used]
+        for topic in topics:
             try:
                 await self.update_route(topic)
             except (MQClientError, RemotingError, ProtocolError) as exc:

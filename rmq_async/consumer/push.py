@@ -539,6 +539,7 @@ class PushConsumer:
             self.namesrv,
             self.client_id,
             heartbeat_source=self.heartbeat_data,
+            route_topics=self.subscribed_topics,
             request_handler=self._handle_broker_request,
             rpc_hook=self.options.rpc_hook(),
             ssl=ssl_context,

@@ -10,7 +10,9 @@ from structlog.testing import capture_logs
 
 from rmq_async.client.errors import MQClientError
 from rmq_async.client.instance import ClientInstance
+from rmq_async.consumer.push import PushConsumer
 from rmq_async.protocol.bodies import BrokerData, ConsumerData, HeartbeatData, QueueData, TopicRouteData
+from tests.helpers import no_broker
 
 A0, A1 = "10.0.0.1:10911", "10.0.0.2:10911"  # broker-a: master, slave
 B0, B1 = "10.0.1.1:10911", "10.0.1.2:10911"  # broker-b: master, slave
@@ -173,6 +175,74 @@ async def test_periodic_refresh_forgets_and_a_failed_fetch_keeps_its_route() -> 
         assert await inst.find_broker_master("broker-b") == B0
     finally:
         await inst.close()
+
+
+async def test_a_route_the_owner_no_longer_uses_is_forgotten_not_refreshed() -> None:
+    """With ``route_topics`` (a consumer's subscriptions), the refresh drops the route of a
+    topic no longer used (unsubscribed, or looked up for one send), stops asking the name
+    servers for it, and forgets the brokers only that route listed; without it (a producer)
+    every route is kept, as Java's publish table."""
+    inst, api = _instance()
+    used = {"T", "U"}
+    inst.route_topics = lambda: used
+    fetched: list[str] = []
+    get_route = api.get_route
+
+    async def counting(namesrv: str, topic: str) -> TopicRouteData:
+        fetched.append(topic)
+        return await get_route(namesrv, topic)
+
+    api.get_route = counting  # type: ignore[method-assign]
+    try:
+        api.routes["T"] = _route(broker_a={0: A0})
+        api.routes["U"] = _route(broker_c={0: C0})
+        await inst.update_route("T")
+        await inst.update_route("U")
+        await inst.refresh_routes()
+        assert sorted(fetched) == ["T", "T", "U", "U"]
+
+        used.discard("U")
+        fetched.clear()
+        with capture_logs() as logs:
+            await inst.refresh_routes()
+            await inst.refresh_routes()
+        assert fetched == ["T", "T"]
+        assert set(inst.routes) == {"T"}
+        assert inst.all_broker_addrs() == [A0]
+        assert [e["topics"] for e in logs if e["event"] == "route.unused_forgotten"] == [["U"]]
+        api.heartbeats.clear()
+        await inst.send_heartbeats()
+        assert api.heartbeats == [A0]
+
+        # Looked up again (subscribed again, or another send): held and refreshed again.
+        used.add("U")
+        await inst.route("U")
+        fetched.clear()
+        await inst.refresh_routes()
+        assert sorted(fetched) == ["T", "U"]
+
+        inst.route_topics = None
+        used.clear()
+        await inst.refresh_routes()
+        assert set(inst.routes) == {"T", "U"}
+    finally:
+        await inst.close()
+
+
+async def test_a_consumer_keeps_the_routes_of_its_subscriptions_and_retry_topic(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    no_broker(monkeypatch)
+    c = PushConsumer("G", "127.0.0.1:9876")
+    c.subscribe("T", listener=lambda m: None)
+    c.subscribe("U", listener=lambda m: None)
+    await c.start()
+    try:
+        assert c.instance.route_topics is not None
+        assert set(c.instance.route_topics()) == {"T", "U", "%RETRY%G"}
+        c.unsubscribe("U")
+        assert set(c.instance.route_topics()) == {"T", "%RETRY%G"}
+    finally:
+        await c.stop()
 
 
 async def test_lookup_fallback_still_finds_a_broker_new_to_the_route() -> None:

@@ -19,6 +19,7 @@ from rmq_async.consumer.runtime import ConsumerRuntime
 from rmq_async.consumer.tasks import TaskOwner
 from rmq_async.errors import IllegalStateError
 from rmq_async.protocol.types import MessageQueue
+from tests.helpers import no_broker
 
 
 class _HungApi:
@@ -400,25 +401,13 @@ async def test_an_unanswered_unregistration_holds_stop_up_a_stage_at_most() -> N
     assert c.stop_shortfalls == ()  # the broker forgets the client with its connection
 
 
-def _no_broker(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Starts reach no name server or broker: routes and heartbeats answer nothing."""
-    async def route(self: ClientInstance, topic: str) -> None:
-        return None
-
-    async def heartbeats(self: ClientInstance) -> dict[str, bool]:
-        return {}
-
-    monkeypatch.setattr(ClientInstance, "update_route", route)
-    monkeypatch.setattr(ClientInstance, "send_heartbeats", heartbeats)
-
-
 async def test_a_start_hung_in_its_startup_hook_is_given_up_by_stop(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """stop() waited for the start lock without a bound: a start whose on_startup hook waited
     for something that never answered (a cache warm-up on a dead database) held a stop(1.0)
     for good. It now waits for the start up to its timeout, then gives the start up: start()
     undoes what it began and raises IllegalStateError."""
-    _no_broker(monkeypatch)
+    no_broker(monkeypatch)
     c = PushConsumer("G", "127.0.0.1:9876")
     c.subscribe("T", listener=lambda m: None)
     undone: list[str] = []
@@ -446,7 +435,7 @@ async def test_a_start_hung_in_its_startup_hook_is_given_up_by_stop(
 async def test_a_start_that_ends_within_the_timeout_is_waited_for_then_stopped(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """(As before, and as App.stop() does: a start under way finishes, then is stopped.)"""
-    _no_broker(monkeypatch)
+    no_broker(monkeypatch)
     c = PushConsumer("G", "127.0.0.1:9876")
     c.subscribe("T", listener=lambda m: None)
 
@@ -465,7 +454,7 @@ async def test_a_start_that_ends_within_the_timeout_is_waited_for_then_stopped(
 async def test_an_app_whose_member_start_hangs_is_stopped_within_its_timeout(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from rmq_async import App
-    _no_broker(monkeypatch)
+    no_broker(monkeypatch)
     first, second = PushConsumer("G1", "127.0.0.1:9876"), PushConsumer("G2", "127.0.0.1:9876")
     for c in (first, second):
         c.subscribe("T", listener=lambda m: None)
@@ -491,7 +480,7 @@ async def test_a_stop_does_not_cut_short_the_undo_of_a_start_failing_already(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The give-up's cancellation must not land in a failing start's own clean-up: it cut
     the connections' close short and hid the start's error behind IllegalStateError."""
-    _no_broker(monkeypatch)
+    no_broker(monkeypatch)
     closing = ClientInstance.close
 
     async def slow_close(self: ClientInstance) -> None:
@@ -518,7 +507,7 @@ async def test_a_stop_does_not_cut_short_the_undo_of_a_start_failing_already(
 
 async def test_a_start_whose_hook_swallows_the_give_up_is_undone_when_it_ends(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    _no_broker(monkeypatch)
+    no_broker(monkeypatch)
     c = PushConsumer("G", "127.0.0.1:9876")
     c.subscribe("T", listener=lambda m: None)
 
