@@ -185,18 +185,25 @@ class BrokerOffsetStore(_MemoryTable):
             lock = self._writing.get(mq)
             if lock is None:
                 lock = self._writing[mq] = asyncio.Lock()
-            async with lock:
-                # Finding the address, or the queue's write before, may have waited: send
-                # what the queue has now.
-                latest = self._table.get(mq)
-                if latest is None:
-                    # Given up meanwhile; giving it up persisted its latest offset. An older
-                    # one sent now would move the broker back under the queue's next owner.
-                    return
-                if latest >= 0:
-                    offset = latest
-                await self._instance.api.update_consumer_offset(addr, self._group, mq, offset,
-                                                                oneway=oneway)
+            try:
+                async with lock:
+                    # Finding the address, or the queue's write before, may have waited: send
+                    # what the queue has now.
+                    latest = self._table.get(mq)
+                    if latest is None:
+                        # Given up meanwhile; giving it up persisted its latest offset. An
+                        # older one sent now would move the broker back under the queue's
+                        # next owner.
+                        return
+                    if latest >= 0:
+                        offset = latest
+                    await self._instance.api.update_consumer_offset(addr, self._group, mq,
+                                                                    offset, oneway=oneway)
+            finally:
+                # A queue given up while this write held its lock (remove() leaves a held
+                # lock alone): the lock goes now, as it would have then.
+                if mq not in self._table and not lock.locked() and self._writing.get(mq) is lock:
+                    del self._writing[mq]
         except (MQClientError, RemotingError, ProtocolError) as exc:
             log.warning("offset.persist_failed", queue=str(mq), offset=offset, error=str(exc))
             return

@@ -136,3 +136,23 @@ async def test_a_queue_given_up_while_its_broker_is_looked_up_is_not_sent_again(
     assert instance.api.sent == [(Q0, 30)]
     assert store.read_memory(Q0) < 0
     assert Q0 not in store._persisted
+
+
+async def test_a_queue_given_up_during_its_write_leaves_no_lock_behind() -> None:
+    """remove() keeps the lock of a write in flight (the write still needs it); the write
+    drops it once done, or every queue ever held kept one."""
+    instance = _Instance()
+    api = instance.api
+    store = BrokerOffsetStore(cast("ClientInstance", instance), "G")
+    store.update(Q0, 20, increase_only=False)
+    write = asyncio.ensure_future(store.persist(Q0))
+    await api.first_waiting.wait()
+    store.remove(Q0)
+    assert Q0 in store._writing  # still held by the write
+    api.release.set()
+    await write
+    assert api.sent == [(Q0, 20)]
+    assert Q0 not in store._writing
+    # A write of a queue given up before it took the lock leaves none either.
+    await store._send(Q1, 5, oneway=False)
+    assert api.sent == [(Q0, 20)] and Q1 not in store._writing

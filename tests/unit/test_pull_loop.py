@@ -234,3 +234,31 @@ async def test_a_found_answer_the_tag_filter_emptied_is_followed_at_once_despite
         assert len(sent_at) == 3  # the pull after the dispatched chunk waits pull_interval
     finally:
         await pull.aclose()
+
+
+async def test_a_queue_given_up_forgets_the_replica_it_was_told_to_pull_from() -> None:
+    """The broker's suggestion of a replica (a slave while the master is busy) is kept per
+    queue for its next pulls; a queue given up takes it along (it was kept for every queue
+    ever held, and a queue taken again started at a replica suggested long before)."""
+    class Pull(PullService):
+        async def _send(self, req: PullRequest, offset: int) -> Any:
+            if offset > 0:
+                return Pending()
+            answer = found(0, 4)
+            answer.suggest_which_broker_id = 1
+            return Pending(answer)
+
+    opts = ConsumerOptions.from_kwargs("G")
+    pq = ProcessQueue()
+    submitted: list[int] = []
+    pull = Pull(runtime(opts, pq), router(submitted), on_queue_forgotten=lambda: None)
+    pull.start_queue(PullRequest(MQ, pq, 0))
+    try:
+        async with asyncio.timeout(2):
+            while not submitted:
+                await asyncio.sleep(0.005)
+        assert pull.pull_from == {MQ: 1}
+        await pull.stop_queue(MQ)
+        assert pull.pull_from == {} and pull.pulled_at == {} and not pull.fallen_back
+    finally:
+        await pull.aclose()
