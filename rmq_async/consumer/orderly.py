@@ -416,14 +416,15 @@ class OrderlyConsumeService:
         """Commit what was taken from ``pq`` up to offset ``through``.
 
         A dropped queue still commits while it is not held anew (its release waits for this
-        batch, or defers to after it, and persists then); an offset frozen by a reset ignores
-        the update.
+        batch, or defers to after it, and persists then), not once its release has given up
+        (the entry would stay, persisted by nothing, until the queue is taken again); an
+        offset frozen by a reset ignores the update.
         """
         offset = pq.commit(through)
         if offset < 0:
             return
         current = self._rt.process_queues.get(mq)
-        if current is pq or (pq.dropped and current is None):
+        if current is pq or (pq.dropped and current is None and not pq.abandoned):
             self._rt.offset_store.update(mq, offset, increase_only=False)
 
     async def _retries_exhausted(self, msgs: list[MessageExt]) -> list[MessageExt] | None:
@@ -608,6 +609,7 @@ class OrderlyConsumeService:
                 # The broker's lock lapses: another client may own the queue by now, and
                 # what this client would persist could be behind its progress.
                 log.warning("orderly.unlock_given_up_busy", queue=str(mq))
+                pq.abandoned = True
                 if mq not in rt.process_queues:
                     rt.offset_store.remove(mq)
                 return

@@ -69,6 +69,7 @@ class ProcessQueue:
         "_consuming",
         "_msgs",
         "_offsets",
+        "abandoned",
         "consuming",
         "dropped",
         "expired_sent_back",
@@ -102,6 +103,9 @@ class ProcessQueue:
         self.msg_acc_count = 0
         """Messages still on the broker after the last pulled one (Java ``msgAccCnt``)."""
         self.dropped = False
+        self.abandoned = False
+        """Orderly: given up without waiting for its batch any longer (the broker's lock
+        lapsed first): what that batch commits is no longer this client's to keep."""
         self.offset_fixed = False
         """Dropped by its pull loop on OFFSET_ILLEGAL (an orderly queue locked at the broker),
         its offset fixed: for the rebalance to release and take again."""

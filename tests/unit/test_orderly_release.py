@@ -218,3 +218,44 @@ async def test_a_release_that_gives_up_has_persisted_what_was_committed_and_a_re
     assert store.persisted == {A: 10}
     lock.release()
     await service.aclose()
+
+
+async def test_a_batch_ending_after_its_release_gave_up_leaves_no_offset_entry(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The release gives up (the broker's lock lapses before the batch ends) and drops the
+    queue's offset entry; the batch's commit must not put it back (it stayed, persisted by
+    nothing and shown in the consumer's running info, until the queue was taken again)."""
+    from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND, _MemoryTable
+    from rmq_async.consumer.options import MessageModel
+
+    monkeypatch.setattr(orderly_module, "UNLOCK_WAIT", 0.2)
+    monkeypatch.setattr(orderly_module, "BROKER_LOCK_EXPIRY", 0.6)
+    monkeypatch.setattr(orderly_module, "LOCK_EXPIRY_MARGIN", 0.05)
+
+    class Store(_MemoryTable):
+        async def persist(self, mq: MessageQueue) -> None:
+            pass
+
+    store = Store()
+    store.update(A, 0, increase_only=False)
+    instance = SimpleNamespace(api=SimpleNamespace(unlock_batch_mq=_nothing),
+                               find_broker_master=_nothing)
+    rt = SimpleNamespace(options=SimpleNamespace(message_model=MessageModel.CLUSTERING),
+                         group="G", client_id="c", tasks=TaskOwner("c"), offset_store=store,
+                         process_queues={}, stopping=False, instance=instance)
+    service = OrderlyConsumeService(rt)  # type: ignore[arg-type]
+    pq = ProcessQueue()
+    pq.locked = True
+    pq.last_lock_timestamp = time.monotonic()
+    pq.put_messages([MessageExt("T", b"x", 0, i) for i in range(4)])
+    taken = pq.take_messages(4)
+    lock = service.consume_lock(A)
+    await lock.acquire()  # the batch is with the listener
+    pq.dropped = True
+    assert await service.release(A, pq) is False  # deferred
+    await asyncio.sleep(0.8)  # past the lapse: given up
+    assert not service.releasing(A) and store.read_memory(A) == OFFSET_NOT_FOUND
+    service._commit(A, pq, taken[-1].queue_offset)  # the batch ends
+    lock.release()
+    assert store.read_memory(A) == OFFSET_NOT_FOUND
+    await service.aclose()
