@@ -107,15 +107,17 @@ class PullService:
 
     async def stop_queue(self, mq: MessageQueue) -> None:
         self.requests.pop(mq, None)
-        self._forget_replicas(mq)
+        self._forget_queue(mq)
         await self._owner.cancel(mq)
 
-    def _forget_replicas(self, mq: MessageQueue) -> None:
-        """A queue given up: where it was pulled from, and where to pull it next, go with
-        it (taken again, it starts at its master, and the broker suggests anew)."""
+    def _forget_queue(self, mq: MessageQueue) -> None:
+        """A queue given up: where it was pulled from, where to pull it next and whether its
+        pulls were refused go with it (taken again, it starts at its master, the broker
+        suggests anew, and a refusal is reported again)."""
         self.pull_from.pop(mq, None)
         self.pulled_at.pop(mq, None)
         self.fallen_back.discard(mq)
+        self.refused.discard(mq)
 
     def interrupt(self, mq: MessageQueue) -> None:
         """Abandon what ``mq``'s pull task is waiting for and start its loop over.
@@ -471,7 +473,7 @@ class PullService:
                         error=f"{type(exc).__name__}: {exc}")
         pq = rt.process_queues.get(mq)
         self.requests.pop(mq, None)
-        self._forget_replicas(mq)
+        self._forget_queue(mq)
         if pq is not None and pq.dropped and pq.locked:
             # An orderly queue locked at the broker: left to the rebalancer's removal, which
             # waits for its batch, persists and gives the lock back (Java's

@@ -160,11 +160,13 @@ _MAX_CHUNK_ROWS = 10_000
 # driver JVM, live on until Python's cyclic collector runs. The sink's own hot path allocates so
 # few Python objects that a full collection may not come for hundreds of batches: the driver's
 # heap filled with written batches (a 2 GiB driver failed with OutOfMemoryError after some forty
-# batches of 50 MB). So the sink collects after a write once this much has been handed to Spark
-# since its last collection (a full collection took 18 ms in a process holding PySpark)...
+# batches of 50 MB). So the sink collects, after a write and before an attempt, once the write
+# attempts since its last collection have handed this much to Spark (a full collection took
+# 18 ms in a process holding PySpark and 59,000 objects; its cost grows with the objects the
+# process holds)...
 _SPARK_GARBAGE_BYTES = 64 * _MiB
-# ... counting each DataFrame at least this much (the JVM's plan, RDD and py4j objects of a
-# batch), so that many small batches are collected too.
+# ... each attempt counting its table's bytes plus this much (the JVM's plan, RDD and py4j
+# objects of a batch), so that many small batches are collected too.
 _SPARK_FRAME_OVERHEAD_BYTES = 256 * 1024
 
 #: The DataFrame schema of every batch (the ``value`` column is appended when decoding bodies).
@@ -305,8 +307,9 @@ class SparkSink:
     Spark's driver keeps the rows ``createDataFrame`` copied into it for as long as the
     batch's DataFrame lives in Python, and PySpark's JVM proxies are freed by Python's cyclic
     collector only. So around its writes, once the batches written (or tried) since the last
-    time add up to 64 MiB, the sink runs a full collection (``gc.collect()``, some milliseconds holding the
-    GIL); a ``write`` that keeps a reference to its DataFrame keeps those rows in the driver.
+    time add up to 64 MiB, the sink runs a full collection (``gc.collect()``, holding the GIL:
+    18 ms in a process of 59,000 Python objects, more in one that holds more); a ``write`` that
+    keeps a reference to its DataFrame keeps those rows in the driver.
 
     Args:
         spark: the SparkSession; may be None only when ``create_dataframe`` is given.
@@ -867,6 +870,7 @@ class SparkSink:
                 close()  # a coroutine never awaited, closed without a warning
             raise TypeError(f"write returned {type(returned).__name__}, an awaitable: it must "
                             "write the batch before it returns (a plain function)")
+        del returned  # (a write may return its DataFrame)
         job.written = True
         self._release_spark_garbage(job.batch.batch_id)
 

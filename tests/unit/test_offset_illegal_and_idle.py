@@ -186,6 +186,7 @@ async def test_a_failed_persist_of_an_offset_illegal_fix_still_forgets_the_queue
         finally:
             await pull.aclose()
     assert woken == [1]
+    assert MQ not in pull.pull_from  # (the answer's suggestion goes with the queue)
     assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
         "pull.offset_illegal", "pull.offset_fix_persist_failed"]
 

@@ -224,7 +224,8 @@ async def test_a_batch_ending_after_its_release_gave_up_leaves_no_offset_entry(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The release gives up (the broker's lock lapses before the batch ends) and drops the
     queue's offset entry; the batch's commit must not put it back (it stayed, persisted by
-    nothing and shown in the consumer's running info, until the queue was taken again)."""
+    nothing and reported in the consumer's status to admin tools, until the queue was taken
+    again)."""
     from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND, _MemoryTable
     from rmq_async.consumer.options import MessageModel
 

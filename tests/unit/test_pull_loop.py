@@ -238,8 +238,9 @@ async def test_a_found_answer_the_tag_filter_emptied_is_followed_at_once_despite
 
 async def test_a_queue_given_up_forgets_the_replica_it_was_told_to_pull_from() -> None:
     """The broker's suggestion of a replica (a slave while the master is busy) is kept per
-    queue for its next pulls; a queue given up takes it along (it was kept for every queue
-    ever held, and a queue taken again started at a replica suggested long before)."""
+    queue for its next pulls; a queue given up takes it along, and its refusal (it was kept for
+    every queue ever held, and a queue taken again started at a replica suggested long
+    before)."""
     class Pull(PullService):
         async def _send(self, req: PullRequest, offset: int) -> Any:
             if offset > 0:
@@ -258,7 +259,12 @@ async def test_a_queue_given_up_forgets_the_replica_it_was_told_to_pull_from() -
             while not submitted:
                 await asyncio.sleep(0.005)
         assert pull.pull_from == {MQ: 1}
+        # (What the real send records: where it pulled from, a fallback, a refusal.)
+        pull.pulled_at[MQ] = ("10.0.0.2:10911", 1)
+        pull.fallen_back.add(MQ)
+        pull.refused.add(MQ)
         await pull.stop_queue(MQ)
-        assert pull.pull_from == {} and pull.pulled_at == {} and not pull.fallen_back
+        assert pull.pull_from == {} and pull.pulled_at == {}
+        assert not pull.fallen_back and not pull.refused
     finally:
         await pull.aclose()
