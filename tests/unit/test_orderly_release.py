@@ -12,6 +12,7 @@ import pytest
 
 from rmq_async import PushConsumer
 from rmq_async.consumer import orderly as orderly_module
+from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND, _MemoryTable
 from rmq_async.consumer.orderly import OrderlyConsumeService
 from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.rebalance import Rebalancer
@@ -176,45 +177,54 @@ async def test_out_of_retries_only_the_poison_goes_to_the_dead_letter_queue(
     assert to_dead_letter_queue == [1]
 
 
-async def test_a_release_that_gives_up_has_persisted_what_was_committed_and_a_reset(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch still running when the queue is given up (an admin reset froze a new offset
-    meanwhile) defers the release, which gives up when the broker's lock lapses: what the
-    store held at the release (the reset's offset) must have reached the broker by then."""
-    from rmq_async.consumer.offset_store import _MemoryTable
+class _PersistingStore(_MemoryTable):
+    """An offset store whose persist records what it would send."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.persisted: dict[MessageQueue, int] = {}
+
+    async def persist(self, mq: MessageQueue) -> None:
+        if self.read_memory(mq) >= 0:
+            self.persisted[mq] = self.read_memory(mq)
+
+
+async def _busy_queue_given_up(monkeypatch: pytest.MonkeyPatch, store: _PersistingStore,
+                               pq: ProcessQueue) -> tuple[OrderlyConsumeService, asyncio.Lock]:
+    """Queue A, locked at the broker just now, with a batch at its listener that stays there:
+    A is given up, its release deferred, and (0.8 s on) given up when the broker's lock is
+    about to lapse. Returns the service and A's consume lock, held for the batch."""
     from rmq_async.consumer.options import MessageModel
 
     monkeypatch.setattr(orderly_module, "UNLOCK_WAIT", 0.2)
     monkeypatch.setattr(orderly_module, "BROKER_LOCK_EXPIRY", 0.6)
     monkeypatch.setattr(orderly_module, "LOCK_EXPIRY_MARGIN", 0.05)
-
-    class Store(_MemoryTable):
-        def __init__(self) -> None:
-            super().__init__()
-            self.persisted: dict[MessageQueue, int] = {}
-
-        async def persist(self, mq: MessageQueue) -> None:
-            if self.read_memory(mq) >= 0:
-                self.persisted[mq] = self.read_memory(mq)
-
-    store = Store()
-    store.update(A, 100, increase_only=False)
     instance = SimpleNamespace(api=SimpleNamespace(unlock_batch_mq=_nothing),
                                find_broker_master=_nothing)
     rt = SimpleNamespace(options=SimpleNamespace(message_model=MessageModel.CLUSTERING),
                          group="G", client_id="c", tasks=TaskOwner("c"), offset_store=store,
                          process_queues={}, stopping=False, instance=instance)
     service = OrderlyConsumeService(rt)  # type: ignore[arg-type]
-    pq = ProcessQueue()
     pq.locked = True
     pq.last_lock_timestamp = time.monotonic()
     lock = service.consume_lock(A)
     await lock.acquire()  # a batch is with the listener, and stays there
     pq.dropped = True
-    store.freeze(A, 10)  # the reset
     assert await service.release(A, pq) is False  # deferred
     await asyncio.sleep(0.8)  # past the lapse: given up
     assert not service.releasing(A)
+    return service, lock
+
+
+async def test_a_release_that_gives_up_has_persisted_what_was_committed_and_a_reset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch still running when the queue is given up (an admin reset froze a new offset
+    meanwhile) defers the release, which gives up when the broker's lock lapses: what the
+    store held at the release (the reset's offset) must have reached the broker by then."""
+    store = _PersistingStore()
+    store.update(A, 100, increase_only=False)
+    store.freeze(A, 10)  # the reset
+    service, lock = await _busy_queue_given_up(monkeypatch, store, ProcessQueue())
     assert store.persisted == {A: 10}
     lock.release()
     await service.aclose()
@@ -226,36 +236,13 @@ async def test_a_batch_ending_after_its_release_gave_up_leaves_no_offset_entry(
     queue's offset entry; the batch's commit must not put it back (it stayed, persisted by
     nothing and reported in the consumer's status to admin tools, until the queue was taken
     again)."""
-    from rmq_async.consumer.offset_store import OFFSET_NOT_FOUND, _MemoryTable
-    from rmq_async.consumer.options import MessageModel
-
-    monkeypatch.setattr(orderly_module, "UNLOCK_WAIT", 0.2)
-    monkeypatch.setattr(orderly_module, "BROKER_LOCK_EXPIRY", 0.6)
-    monkeypatch.setattr(orderly_module, "LOCK_EXPIRY_MARGIN", 0.05)
-
-    class Store(_MemoryTable):
-        async def persist(self, mq: MessageQueue) -> None:
-            pass
-
-    store = Store()
+    store = _PersistingStore()
     store.update(A, 0, increase_only=False)
-    instance = SimpleNamespace(api=SimpleNamespace(unlock_batch_mq=_nothing),
-                               find_broker_master=_nothing)
-    rt = SimpleNamespace(options=SimpleNamespace(message_model=MessageModel.CLUSTERING),
-                         group="G", client_id="c", tasks=TaskOwner("c"), offset_store=store,
-                         process_queues={}, stopping=False, instance=instance)
-    service = OrderlyConsumeService(rt)  # type: ignore[arg-type]
     pq = ProcessQueue()
-    pq.locked = True
-    pq.last_lock_timestamp = time.monotonic()
     pq.put_messages([MessageExt("T", b"x", 0, i) for i in range(4)])
     taken = pq.take_messages(4)
-    lock = service.consume_lock(A)
-    await lock.acquire()  # the batch is with the listener
-    pq.dropped = True
-    assert await service.release(A, pq) is False  # deferred
-    await asyncio.sleep(0.8)  # past the lapse: given up
-    assert not service.releasing(A) and store.read_memory(A) == OFFSET_NOT_FOUND
+    service, lock = await _busy_queue_given_up(monkeypatch, store, pq)
+    assert store.read_memory(A) == OFFSET_NOT_FOUND
     service._commit(A, pq, taken[-1].queue_offset)  # the batch ends
     lock.release()
     assert store.read_memory(A) == OFFSET_NOT_FOUND
