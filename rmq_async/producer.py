@@ -107,7 +107,7 @@ def select_by_key(queues: list[MessageQueue], msg: Message) -> MessageQueue:
 _COMPRESSION_TYPES = {"ZLIB": COMPRESSION_ZLIB, "LZ4": COMPRESSION_LZ4, "ZSTD": COMPRESSION_ZSTD}
 #: The levels each compression takes (zlib's -1..9; zstd's negative fast levels and 1..22;
 #: LZ4 ignores the level, as lz4-java does).
-_COMPRESS_LEVELS = {"ZLIB": (-1, 9), "ZSTD": (-(2**17), 22), "LZ4": (-(2**31), 2**31 - 1)}
+_COMPRESS_LEVELS = {"ZLIB": (-1, 9), "ZSTD": (-(2**17), 22), "LZ4": (INT32_MIN, INT32_MAX)}
 #: Java ``MixAll.DEFAULT_PRODUCER_GROUP``: no producer may take it.
 DEFAULT_PRODUCER_GROUP = "DEFAULT_PRODUCER"
 

@@ -37,7 +37,7 @@ from rmq_async.consumer.process_queue import ProcessQueue
 from rmq_async.consumer.results import ConsumeContext, ConsumeResult
 from rmq_async.consumer.service import BusyWorkers
 from rmq_async.consumer.subscriptions import Subscription, reset_retry_topic
-from rmq_async.consumer.tasks import ABANDON_AFTER, TaskOwner, ends_the_caller
+from rmq_async.consumer.tasks import ABANDON_AFTER, TaskOwner, acquire_by, ends_the_caller
 from rmq_async.protocol.errors import ProtocolError
 from rmq_async.protocol.message import put_each
 from rmq_async.protocol.types import PROPERTY_CONSUME_START_TIME, MessageExt, MessageQueue
@@ -544,10 +544,7 @@ class OrderlyConsumeService:
         """
         rt = self._rt
         lock = self.consume_lock(mq)
-        try:
-            async with asyncio.timeout(UNLOCK_WAIT):
-                await lock.acquire()
-        except TimeoutError:
+        if not await acquire_by(lock, asyncio.get_running_loop().time() + UNLOCK_WAIT):
             pq.locked = False
             if rt.stopping:
                 # stop() has closed this service's tasks: nothing can wait for the batch any
@@ -602,10 +599,8 @@ class OrderlyConsumeService:
         rt = self._rt
         try:
             lapse = pq.last_lock_timestamp + BROKER_LOCK_EXPIRY - LOCK_EXPIRY_MARGIN
-            try:
-                async with asyncio.timeout(lapse - time.monotonic()):
-                    await lock.acquire()
-            except TimeoutError:
+            deadline = asyncio.get_running_loop().time() + lapse - time.monotonic()
+            if not await acquire_by(lock, deadline):
                 # The broker's lock lapses: another client may own the queue by now, and
                 # what this client would persist could be behind its progress.
                 log.warning("orderly.unlock_given_up_busy", queue=str(mq))

@@ -24,6 +24,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Self
 
+from .codes import INT32_MAX, INT32_MIN
 from .command import ExtFields
 from .errors import ProtocolError
 
@@ -74,7 +75,7 @@ class FieldKind(Enum):
 
 
 _INT_RANGE = {
-    FieldKind.INT32: (-(2**31), 2**31 - 1),
+    FieldKind.INT32: (INT32_MIN, INT32_MAX),
     FieldKind.INT64: (-(2**63), 2**63 - 1),
 }
 _JAVA_INT = re.compile(r"[+-]?[0-9]+\Z")
