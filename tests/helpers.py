@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import socket
 import time
 import uuid
@@ -60,6 +61,22 @@ async def send_batch_unchecked(producer: Producer, msgs: Sequence[Message], *,
         msgs[0].topic, queue, None, None, encode_batch(prepared),
         encode_properties({"WAIT": "true"}), 0, 0, batch=True,
         msg_id=",".join(m.properties["UNIQ_KEY"] for m in prepared))
+
+
+@contextlib.contextmanager
+def collector_off() -> Iterator[None]:
+    """Python's cyclic garbage collector switched off inside (after a collection, so that
+    nothing of earlier tests is left for it), as it was on the way out, then run once: what
+    is freed inside is what the code under test freed itself."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()
 
 
 def no_broker(monkeypatch: Any) -> None:

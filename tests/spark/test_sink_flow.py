@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import threading
 import time
 import warnings
@@ -30,7 +29,7 @@ from rmq_async.protocol.types import PROPERTY_RETRY_TOPIC, MessageExt, MessageQu
 from rmq_async.sinks import SinkClosedError
 from rmq_async.sinks import spark as spark_module
 from rmq_async.sinks.spark import BatchInfo, SparkSink
-from tests.helpers import wait_until
+from tests.helpers import collector_off, wait_until
 
 pytestmark = pytest.mark.spark
 
@@ -366,10 +365,7 @@ async def test_the_dataframes_of_failed_attempts_are_collected_while_writes_keep
     sink = SparkSink(None, write, create_dataframe=create, batch_rows=50, max_batch_latency=30.0,
                      write_retries=2, retry_backoff=0.0, convert_ahead=False)
     acks: list[bool] = []
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         async with running(sink):
             sink.offer(msgs(0, 50), acks.append)
             sink.offer(msgs(50, 50), acks.append)
@@ -377,10 +373,6 @@ async def test_the_dataframes_of_failed_attempts_are_collected_while_writes_keep
         assert len(frames) == 6  # three attempts per batch
         # Every attempt's but the last one's (collected before the next attempt).
         assert [ref() is None for ref in frames] == [True] * 5 + [False]
-    finally:
-        if was_enabled:
-            gc.enable()
-        gc.collect()
 
 
 async def test_without_convert_ahead_each_batch_is_converted_by_its_own_write(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import gc
 import json
 import random
 import time
@@ -28,6 +27,7 @@ from rmq_async.sinks.spark import (
     messages_to_arrow,
     parquet_writer,
 )
+from tests.helpers import collector_off
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -209,10 +209,7 @@ async def test_written_batches_are_freed_in_spark_without_waiting_for_the_collec
 
     msgs = synthetic_messages(1500, seed=17)
     sink = SparkSink(spark, write, batch_rows=500, retry_backoff=0.01)
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         async with asyncio.TaskGroup() as tg:
             await sink.start(tg)
             acks = await pump(sink, msgs, chunk=100)
@@ -220,9 +217,6 @@ async def test_written_batches_are_freed_in_spark_without_waiting_for_the_collec
         assert acks == [[True]] * 15
         assert len(proxies) == 3
         assert [ref() for ref in proxies] == [None, None, None]
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 async def test_retries_exhausted_fail_exactly_that_batch(spark: SparkSession, tmp_path: Path) -> None:
